@@ -1,0 +1,64 @@
+"""A static, preallocated KV cache for one model and a batch of sequences.
+
+Layout per layer: k, v of shape [B, n_kv_heads, max_len, head_dim]. `length` is the number of
+valid positions (shared by the batch: single-request decoding and lock-step batches). Writing
+never reallocates; speculation undoes rejected tokens with `rollback(n)` and keeps an accepted
+tree path with `keep(slots)`, which gathers those slots into contiguous positions.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int,
+                 max_len: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        shape = (num_layers, batch_size, num_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+        self.length = 0
+
+    @classmethod
+    def for_model(cls, config, max_len: int, dtype: torch.dtype, batch_size: int = 1, device="cpu") -> "KVCache":
+        return cls(config.num_hidden_layers, batch_size, config.num_key_value_heads,
+                   config.head_dim, max_len, dtype, device)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [B, n_kv, T, D] at [length, length+T) and return the valid prefix views.
+
+        The caller (the model) advances `length` once per forward, after the last layer.
+        """
+        start, end = self.length, self.length + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KV cache overflow: {end} > {self.max_len} positions")
+        self.k[layer, :, :, start:end] = k
+        self.v[layer, :, :, start:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def advance(self, n: int) -> None:
+        self.length += n
+
+    def rollback(self, length: int) -> None:
+        """Forget every position at or after `length` (rejected draft tokens)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll back to {length} (cache holds {self.length})")
+        self.length = length
+
+    def keep(self, slots: list[int] | torch.Tensor, start: int) -> None:
+        """Keep only `slots` (absolute, ascending, all >= start) after `start`, packed from `start` on.
+
+        E.g. a tree verified at slots [10..17] whose accepted path is nodes 0, 2, 5 calls
+        keep([10, 12, 15], start=10): positions 10, 11, 12 then hold those entries, length = 13.
+        """
+        idx = torch.as_tensor(slots, dtype=torch.long, device=self.k.device)
+        n = idx.numel()
+        if n and (int(idx.min()) < start or int(idx.max()) >= self.length):
+            raise ValueError("keep(): slot outside the written range")
+        if n:
+            self.k[:, :, :, start:start + n] = self.k[:, :, :, idx]
+            self.v[:, :, :, start:start + n] = self.v[:, :, :, idx]
+        self.length = start + n
+
+    def reset(self) -> None:
+        self.length = 0

@@ -1,0 +1,153 @@
+"""Configuration: the model's architecture (from a HF config.json) and the speculative-decoding config.
+
+Both are frozen dataclasses validated at construction; unknown keys in a user-supplied
+speculative config are an error (as in vLLM), so a typo never silently turns speculation off.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHS = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+class ConfigError(ValueError):
+    """A configuration the user gave cannot be used (one clear line, no traceback in the CLI)."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder, in HF config.json vocabulary."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # qwen2 has q/k/v biases
+    qk_norm: bool = False  # qwen3 normalises q and k per head
+    model_type: str = "llama"
+    bos_token_id: int | None = None
+    eos_token_id: tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else None
+        if arch not in SUPPORTED_ARCHS:
+            raise ConfigError(
+                f"unsupported architecture {arch!r}; supported: {', '.join(sorted(SUPPORTED_ARCHS))}"
+            )
+        model_type = SUPPORTED_ARCHS[arch]
+        heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+            rope_scaling=cfg.get("rope_scaling"),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=cfg.get("attention_bias", model_type == "qwen2"),
+            qk_norm=model_type == "qwen3",
+            model_type=model_type,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=eos,
+        )
+
+    @property
+    def num_parameters(self) -> int:
+        h, i, v, L = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_hidden_layers
+        q = self.num_attention_heads * self.head_dim
+        kv = self.num_key_value_heads * self.head_dim
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        return L * per_layer + v * h * (1 if self.tie_word_embeddings else 2) + h
+
+
+SPEC_METHODS = ("draft_model", "ngram", "suffix", "layerskip", "lookahead")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """What to speculate with. Keys follow vLLM's `--speculative-config`.
+
+    num_speculative_tokens: k, drafted tokens per target pass. None means adaptive (per request,
+    from observed acceptance and the measured cost model); a number fixes k.
+    """
+
+    method: str
+    model: str | None = None
+    num_speculative_tokens: int | None = None
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    adaptive: bool = True
+    max_speculative_tokens: int = 8
+    draft_confidence_threshold: float = 0.0
+    # layerskip
+    skip_layers: tuple[int, ...] | None = None
+    # lookahead (Fu et al. 2024): window W, n-gram size N, guess-set size G
+    lookahead_window: int = 5
+    lookahead_ngram: int = 3
+    lookahead_guess_set: int = 5
+    # suffix decoding (names as vLLM's suffix_decoding_*)
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 1000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.method not in SPEC_METHODS:
+            raise ConfigError(f"unknown speculative method {self.method!r}; choose one of {', '.join(SPEC_METHODS)}")
+        k = self.num_speculative_tokens
+        if k is not None and not (1 <= k <= 64):
+            raise ConfigError(f"num_speculative_tokens must be in [1, 64], got {k}")
+        if not (1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 64):
+            raise ConfigError("need 1 <= prompt_lookup_min <= prompt_lookup_max <= 64")
+        if self.method == "draft_model" and not self.model:
+            raise ConfigError("method 'draft_model' needs 'model' (the draft model's path or alias)")
+        if not (0.0 <= self.draft_confidence_threshold < 1.0):
+            raise ConfigError("draft_confidence_threshold must be in [0, 1)")
+
+    @property
+    def fixed_k(self) -> bool:
+        return self.num_speculative_tokens is not None
+
+    @property
+    def k_max(self) -> int:
+        return self.num_speculative_tokens or self.max_speculative_tokens
+
+    @classmethod
+    def from_dict(cls, d: "dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        if d is None or isinstance(d, SpeculativeConfig):
+            return d
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ConfigError(f"unknown speculative_config key(s): {', '.join(unknown)}")
+        d = dict(d)
+        if d.get("skip_layers") is not None:
+            d["skip_layers"] = tuple(int(x) for x in d["skip_layers"])
+        if "method" not in d:
+            raise ConfigError("speculative_config needs 'method'")
+        return cls(**d)

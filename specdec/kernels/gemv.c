@@ -1,0 +1,128 @@
+/* Small-batch matrix multiply for decoding on CPUs: y[T, N] = x[T, K] @ W[N, K]^T (+ bias).
+ *
+ * Decoding reads every weight once per forward pass, so speed is memory bandwidth. This kernel
+ * streams W once for all T (<= 32) rows of x, splitting the N output rows across OpenMP threads,
+ * and computes each y[t, n] with the same summation order whatever T is (batch invariance: a
+ * verify pass over k+1 tokens gives bitwise the same logits as k+1 single-token passes).
+ * Built by `make` with -O3 -march=native; specdec falls back to torch when it is absent.
+ */
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#ifdef __AVX2__
+static inline float hsum256(__m256 s) {
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    lo = _mm_hadd_ps(lo, lo);
+    lo = _mm_hadd_ps(lo, lo);
+    return _mm_cvtss_f32(lo);
+}
+#endif
+
+/* Every y[t, n] is: ACC 8-lane FMA accumulators striding over k in steps of 8*ACC, summed in a
+ * fixed order, a horizontal sum, then the scalar tail. Every tile shape below keeps exactly that
+ * order per (n, t), so results do not depend on T or on the tiling. */
+#ifndef ACC
+#define ACC 2
+#endif
+#ifndef TILE_R
+#define TILE_R 4 /* weight rows per tile when T > 1 */
+#endif
+#ifndef TILE_T
+#define TILE_T 2 /* input rows per tile */
+#endif
+
+static inline __attribute__((always_inline)) void tile(const float *W, const float *x, float *y,
+                                                       int nr, int nt, int64_t K, int64_t N) {
+    int64_t k = 0;
+    float out[TILE_R][TILE_T];
+#ifdef __AVX2__
+    __m256 acc[TILE_R][TILE_T][ACC];
+    for (int r = 0; r < nr; r++)
+        for (int t = 0; t < nt; t++)
+            for (int a = 0; a < ACC; a++) acc[r][t][a] = _mm256_setzero_ps();
+    for (; k + 8 * ACC <= K; k += 8 * ACC)
+        for (int a = 0; a < ACC; a++) {
+            __m256 xv[TILE_T];
+            for (int t = 0; t < nt; t++) xv[t] = _mm256_loadu_ps(x + t * K + k + 8 * a);
+            for (int r = 0; r < nr; r++) {
+                __m256 wv = _mm256_loadu_ps(W + r * K + k + 8 * a);
+                for (int t = 0; t < nt; t++) acc[r][t][a] = _mm256_fmadd_ps(wv, xv[t], acc[r][t][a]);
+            }
+        }
+    for (int r = 0; r < nr; r++)
+        for (int t = 0; t < nt; t++) {
+            __m256 s = acc[r][t][0];
+            for (int a = 1; a < ACC; a++) s = _mm256_add_ps(s, acc[r][t][a]);
+            out[r][t] = hsum256(s);
+        }
+#else
+    for (int r = 0; r < nr; r++)
+        for (int t = 0; t < nt; t++) out[r][t] = 0.f;
+#endif
+    for (int r = 0; r < nr; r++)
+        for (int t = 0; t < nt; t++) {
+            float v = out[r][t];
+            for (int64_t j = k; j < K; j++) v += W[r * K + j] * x[t * K + j];
+            y[t * N + r] = v;
+        }
+}
+
+static void add_bias(float *y, const float *bias, int64_t T, int64_t N, int64_t n0, int64_t nr) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t r = 0; r < nr; r++) y[t * N + n0 + r] += bias[n0 + r];
+}
+
+/* x: [T, K], W: [N, K] row-major, bias: [N] or NULL, y: [T, N]. */
+void specdec_linear_f32(const float *x, const float *W, const float *bias, float *y,
+                        int64_t T, int64_t K, int64_t N) {
+    if (T == 1) { /* one weight stream per thread: the fastest pattern when bandwidth-bound */
+        #pragma omp parallel for schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            tile(W + n * K, x, y + n, 1, 1, K, N);
+            if (bias) y[n] += bias[n];
+        }
+        return;
+    }
+    #pragma omp parallel for schedule(static)
+    for (int64_t n0 = 0; n0 < N; n0 += TILE_R) {
+        int64_t nr = N - n0 < TILE_R ? N - n0 : TILE_R;
+        for (int64_t t0 = 0; t0 < T; t0 += TILE_T) {
+            int64_t nt = T - t0 < TILE_T ? T - t0 : TILE_T;
+            const float *w = W + n0 * K, *xs = x + t0 * K;
+            float *ys = y + t0 * N + n0;
+            /* literal tile sizes let the compiler keep the accumulators in registers */
+            if (nr == TILE_R && nt == TILE_T) tile(w, xs, ys, TILE_R, TILE_T, K, N);
+            else if (nr == TILE_R) tile(w, xs, ys, TILE_R, 1, K, N);
+            else if (nt == TILE_T) for (int64_t r = 0; r < nr; r++) tile(w + r * K, xs, ys + r, 1, TILE_T, K, N);
+            else for (int64_t r = 0; r < nr; r++) tile(w + r * K, xs, ys + r, 1, 1, K, N);
+        }
+        if (bias) add_bias(y, bias, T, N, n0, nr);
+    }
+}
+
+int specdec_kernel_abi(void) { return 2; }
+
+/* RMSNorm over the last dim: y[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w. x, y: [T, H]. */
+void specdec_rmsnorm_f32(const float *x, const float *w, float *y, int64_t T, int64_t H, float eps) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *xt = x + t * H;
+        float *yt = y + t * H;
+        float ss = 0.f;
+        for (int64_t i = 0; i < H; i++) ss += xt[i] * xt[i];
+        float inv = 1.0f / sqrtf(ss / (float)H + eps);
+        for (int64_t i = 0; i < H; i++) yt[i] = xt[i] * inv * w[i];
+    }
+}
+
+/* SwiGLU: gu [T, 2I] holds gate then up; y [T, I] = silu(gate) * up. */
+void specdec_silu_mul_f32(const float *gu, float *y, int64_t T, int64_t I) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gu + t * 2 * I, *u = g + I;
+        float *yt = y + t * I;
+        for (int64_t i = 0; i < I; i++) yt[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}

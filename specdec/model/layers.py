@@ -1,0 +1,77 @@
+"""Building blocks of a Llama-family decoder: RMSNorm, rotary embeddings (incl. llama3 scaling), masks."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from specdec.kernels import rms_norm
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+    if kind in (None, "default"):
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope_scaling type {kind!r}")
+
+
+class Rotary(torch.nn.Module):
+    """cos/sin tables for every position up to max_len, gathered by explicit positions."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_len: int):
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        t = torch.arange(max_len, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # [max_len, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_len, D]
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        # rotate_half(x) * sin == cat(x2, x1) * sin_signed, with the first half of sin negated
+        sin = emb.sin()
+        sin[:, : head_dim // 2] *= -1
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [B, T] -> cos, sin: [B, 1, T, D]
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [B, H, T, D]; rotate_half layout (HF), the GGUF loader un-permutes llama.cpp's layout.
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((x2, x1), dim=-1) * sin
+
+
+def build_attention_mask(past_len: int, block_mask: torch.Tensor | None, num_new: int,
+                         device) -> torch.Tensor | None:
+    """Boolean mask [T, past_len + T]: every new token sees the whole prefix, plus `block_mask`
+    among the new tokens (causal when None; a tree mask for token trees). None when T == 1."""
+    if block_mask is None:
+        if num_new == 1:
+            return None
+        block_mask = torch.ones(num_new, num_new, dtype=torch.bool, device=device).tril()
+    prefix = torch.ones(num_new, past_len, dtype=torch.bool, device=device)
+    return torch.cat((prefix, block_mask.to(device=device, dtype=torch.bool)), dim=1)

