@@ -1,0 +1,116 @@
+"""LLM: the offline API, named as vLLM's (`LLM(model, speculative_config=...)`, `generate`, `chat`).
+
+    llm = LLM("smollm2-135m", speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    [out] = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=32))
+    print(out.outputs[0].text, out.metrics)
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from specdec.config import SpeculativeConfig
+from specdec.model.loader import DEFAULT_MODEL, load_model, resolve_dtype, resolve_model
+from specdec.model.tokenizer import Tokenizer
+from specdec.sampling_params import SamplingParams
+from specdec.spec.decoder import GenerationResult, SpeculativeDecoder
+from specdec.spec.proposer import ProposerContext, make_proposer
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    logprobs: list[dict] | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    metrics: dict = field(default_factory=dict)
+
+
+def load_target(model: str, dtype, max_model_len: int | None, progress: bool = True):
+    source = resolve_model(model, progress=progress)
+    target = load_model(source.directory, resolve_dtype(dtype), max_model_len)
+    return source, target, Tokenizer(source.directory)
+
+
+class LLM:
+    def __init__(self, model: str = DEFAULT_MODEL, speculative_config: dict | SpeculativeConfig | None = None,
+                 dtype: str | torch.dtype = "auto", max_model_len: int | None = None,
+                 num_threads: int | None = None, progress: bool = True):
+        torch.set_num_threads(num_threads or os.cpu_count() or 1)
+        self.source, self.model, self.tokenizer = load_target(model, dtype, max_model_len, progress)
+        self.dtype = self.model.dtype
+        self.speculative_config = SpeculativeConfig.from_dict(speculative_config)
+        self.proposer = None
+        if self.speculative_config is not None:
+            ctx = ProposerContext(self.model, self.tokenizer, self.speculative_config, self.source.directory,
+                                  self.dtype, self.model.max_len, self._load_aux)
+            self.proposer = make_proposer(ctx)
+        self.decoder = SpeculativeDecoder(self.model, self.tokenizer, self.proposer, self.speculative_config)
+        self._counter = 0
+
+    def _load_aux(self, name: str):
+        """Load another model (a drafter) at the target's dtype and context length."""
+        source = resolve_model(name)
+        return load_model(source.directory, self.dtype, self.model.max_len), Tokenizer(source.directory), source
+
+    def _encode(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return None, list(prompt["prompt_token_ids"])
+        return None, list(prompt)
+
+    def generate_one(self, prompt_ids: list[int], params: SamplingParams, on_delta=None) -> GenerationResult:
+        return self.decoder.generate(prompt_ids, params, on_delta)
+
+    def generate(self, prompts, sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+        """prompts: a string, a list of strings, or lists of token ids ({"prompt_token_ids": [...]})."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        results = []
+        for prompt in prompts:
+            text, ids = self._encode(prompt)
+            outs, metrics = [], {}
+            for i in range(params.n):
+                p = params if params.n == 1 or params.seed is None else _with_seed(params, params.seed + i)
+                r = self.decoder.generate(ids, p)
+                outs.append(CompletionOutput(i, r.text, r.token_ids, r.finish_reason, r.logprobs, r.stop_reason))
+                metrics = r.metrics_dict()
+            self._counter += 1
+            results.append(RequestOutput(str(self._counter), text, ids, outs, metrics))
+        return results
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+        """messages: one conversation (list of {"role", "content"}) or a list of conversations."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in convs]
+        return self.generate(prompts, sampling_params)
+
+    def info(self) -> dict:
+        from specdec.kernels import kernel_status
+        cfg = self.model.config
+        return {"model": self.source.origin, "loaded_from": str(self.source.directory), "source_kind": self.source.kind,
+                "architecture": cfg.model_type, "parameters": cfg.num_parameters, "layers": cfg.num_hidden_layers,
+                "hidden_size": cfg.hidden_size, "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
+                "vocab_size": cfg.vocab_size, "dtype": str(self.dtype).replace("torch.", ""),
+                "max_model_len": self.model.max_len, "threads": torch.get_num_threads(), "kernels": kernel_status(),
+                "speculative_config": None if self.speculative_config is None else self.speculative_config.method}
+
+
+def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    from dataclasses import replace
+    return replace(params, seed=seed)

@@ -1,0 +1,92 @@
+"""Tokenizer: a `tokenizers` fast tokenizer plus the chat template and special tokens of a model dir,
+and an incremental detokenizer that streams clean text (no split UTF-8 characters)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer as FastTokenizer
+
+from specdec.config import ConfigError
+from specdec.model.chat_template import render_chat
+
+
+class Tokenizer:
+    def __init__(self, directory: Path):
+        path = directory / "tokenizer.json"
+        if not path.exists():
+            raise ConfigError(f"{directory}: no tokenizer.json")
+        try:
+            self._tok = FastTokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises its own Exception type on bad files
+            raise ConfigError(f"cannot read {path}: {e}") from None
+        cfg_path = directory / "tokenizer_config.json"
+        self.config = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        model_cfg = json.loads((directory / "config.json").read_text())
+        self.chat_template: str | None = self.config.get("chat_template")
+        self.bos_token = _token_str(self.config.get("bos_token"))
+        self.eos_token = _token_str(self.config.get("eos_token"))
+        eos_ids = model_cfg.get("eos_token_id")
+        eos_ids = eos_ids if isinstance(eos_ids, list) else [eos_ids] if eos_ids is not None else []
+        if self.eos_token is not None and self._tok.token_to_id(self.eos_token) is not None:
+            eos_ids.append(self._tok.token_to_id(self.eos_token))
+        self.eos_token_ids: frozenset[int] = frozenset(eos_ids)
+        self.add_bos = bool(self.config.get("add_bos_token", False))
+        self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self._tok.id_to_token(i)
+
+    def get_vocab(self) -> dict[str, int]:
+        return self._tok.get_vocab(with_added_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            chat_template: str | None = None) -> str:
+        template = chat_template or self.chat_template
+        if not template:
+            raise ConfigError("this model has no chat template; use generate() with a plain prompt")
+        return render_chat(template, messages, add_generation_prompt=add_generation_prompt,
+                           bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+
+def _token_str(tok) -> str | None:
+    if isinstance(tok, dict):  # {"content": "<s>", ...} in some tokenizer_config.json files
+        return tok.get("content")
+    return tok
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8 characters."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special = skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix_offset = 0  # tokens before this index are already final text
+        self.read_offset = 0
+        self.text = ""
+
+    def add(self, new_ids: list[int]) -> str:
+        """Append token ids; return the newly completed text."""
+        self.ids.extend(new_ids)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special)
+        full = self.tokenizer.decode(self.ids[self.prefix_offset:], self.skip_special)
+        if full.endswith("\ufffd") or len(full) <= len(prefix):
+            return ""  # an incomplete multi-byte character: wait for more tokens
+        delta = full[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.text += delta
+        return delta

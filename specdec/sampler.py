@@ -1,0 +1,57 @@
+"""Logits processing and sampling: temperature, top-k, top-p, min-p, per-request generators.
+
+The same `warp` is applied to the target's logits and to a drafter's logits, which is what makes
+speculative sampling exact (p and q must be processed identically).
+"""
+from __future__ import annotations
+
+import torch
+
+from specdec.sampling_params import SamplingParams
+
+
+def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [N, V] -> probabilities [N, V] (float32) after temperature, top-k, top-p, min-p.
+    Greedy (temperature 0) gives a one-hot of the argmax."""
+    logits = logits.float()
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / params.temperature
+    if params.top_k > 0 and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        # drop a token when the mass strictly before it already reaches top_p (keeps at least one)
+        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+    if params.min_p > 0.0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(-1, keepdim=True).values, 0.0)
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from probs [V]."""
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    g = torch.Generator()
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(seed)
+    return g
+
+
+def logprobs_of(logits: torch.Tensor, tokens: list[int], top_n: int) -> list[dict]:
+    """For each row of logits [N, V] (raw, as OpenAI reports): the chosen token's logprob and the top n."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    out = []
+    for row, tok in zip(lp, tokens):
+        top = torch.topk(row, top_n) if top_n > 0 else None
+        out.append({"token_id": tok, "logprob": float(row[tok]),
+                    "top": [(int(i), float(v)) for v, i in zip(top.values, top.indices)] if top is not None else []})
+    return out

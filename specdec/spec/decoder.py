@@ -1,0 +1,212 @@
+"""Generation of one request on the target model, plain or speculative.
+
+One step, in the notation of algorithms.md:
+    x_1..x_k  = proposer.propose(state, k)                      (k = 0: plain decoding)
+    p_1..p_k+1 = target([last, x_1..x_k])                        (ONE forward pass)
+    verdict   = verify(x, p, q)                                  (accepted drafts + recovered/bonus)
+    KV cache rolled back to last + accepted drafts; emitted tokens checked for EOS/stop/max_tokens.
+Plain decoding is the same loop with k = 0, so both share every line of stopping logic.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from specdec.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from specdec.sampler import logprobs_of, make_generator, sample, warp
+from specdec.sampling_params import SamplingParams
+from specdec.spec.adaptive import AdaptiveK, CostModel
+from specdec.spec.metrics import SpecMetrics
+from specdec.spec.proposer import EMPTY, Proposal, Proposer, RequestState
+from specdec.spec.rejection import Verdict, verify_greedy, verify_sampling
+
+
+class RequestError(ValueError):
+    """The request cannot be served as given (empty prompt, too long, ...)."""
+
+
+@dataclass
+class GenerationResult:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" | "length"
+    metrics: SpecMetrics
+    prefill_time: float
+    decode_time: float
+    logprobs: list[dict] | None = None
+    stop_reason: str | int | None = None
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        n = max(len(self.token_ids) - 1, 0)  # the first token comes from the prefill
+        return n / self.decode_time if self.decode_time > 0 else 0.0
+
+    def metrics_dict(self) -> dict:
+        return {"prefill_time_s": round(self.prefill_time, 4), "decode_time_s": round(self.decode_time, 4),
+                "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
+                "target_forward_passes": self.metrics.target_passes + 1,
+                "speculative": self.metrics.to_dict()}
+
+
+@dataclass
+class _Output:
+    """Emission state of a request: tokens, text, stop checks."""
+
+    params: SamplingParams
+    eos_ids: frozenset[int]
+    detok: IncrementalDetokenizer
+    on_delta: Callable[[str, list[int]], None] | None
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[dict] = field(default_factory=list)
+
+    def emit(self, state: RequestState, tokens: list[int], logits: torch.Tensor | None) -> None:
+        """Append tokens one at a time, stopping at the first finish condition inside the block."""
+        p = self.params
+        for j, tok in enumerate(tokens):
+            state.output_ids.append(tok)
+            if p.logprobs is not None and logits is not None:
+                self.logprobs.extend(logprobs_of(logits[j:j + 1], [tok], p.logprobs))
+            if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+                self.finish_reason, self.stop_reason = "stop", (None if tok in self.eos_ids else tok)
+                self._flush([tok], special=True)
+                return
+            delta = self.detok.add([tok])
+            if p.stop and self._check_stop_strings(delta, [tok]):
+                return
+            if delta and self.on_delta:
+                self.on_delta(delta, [tok])
+            self.text += delta
+            if len(state.output_ids) >= p.max_tokens:
+                self.finish_reason = "length"
+                return
+
+    def _check_stop_strings(self, delta: str, toks: list[int]) -> bool:
+        text = self.text + delta
+        window = max(len(s) for s in self.params.stop) + len(delta)
+        start = max(0, len(self.text) - window)
+        for s in self.params.stop:
+            idx = text.find(s, start)
+            if idx != -1:
+                cut = text[:idx]
+                if self.on_delta and len(cut) > len(self.text):
+                    self.on_delta(cut[len(self.text):], toks)
+                self.text, self.finish_reason, self.stop_reason = cut, "stop", s
+                return True
+        return False
+
+    def _flush(self, toks: list[int], special: bool) -> None:
+        if self.on_delta:
+            self.on_delta("", toks)
+
+
+class SpeculativeDecoder:
+    def __init__(self, target, tokenizer: Tokenizer, proposer: Proposer | None = None,
+                 spec_config=None, cost_model: CostModel | None = None, max_len: int | None = None):
+        self.target = target
+        self.tokenizer = tokenizer
+        self.proposer = proposer
+        self.config = spec_config
+        self.max_len = max_len or target.max_len
+        self.k_max = spec_config.k_max if spec_config else 0
+        self.cost = cost_model or CostModel(self.k_max + 1)
+
+    def _check_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise RequestError("the prompt is empty")
+        if len(prompt_ids) >= self.max_len:
+            raise RequestError(f"the prompt has {len(prompt_ids)} tokens; the context holds {self.max_len}")
+        vocab = self.target.config.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise RequestError(f"prompt token ids must be in [0, {vocab})")
+
+    def _pick(self, logits: torch.Tensor, params: SamplingParams, gen) -> int:
+        if params.greedy:
+            return int(logits.argmax(-1))
+        return sample(warp(logits[None], params)[0], gen)
+
+    def _choose_k(self, state: RequestState, adaptive: AdaptiveK | None, cache_len: int) -> int:
+        remaining = state.params.max_tokens - len(state.output_ids)
+        room = self.max_len - cache_len - 1
+        if self.proposer is None or remaining <= 1 or room <= 0:
+            return 0
+        if adaptive is None:
+            k = self.k_max
+        else:
+            rel = self.proposer.draft_cost_per_token / self.cost.seconds[1] if self.cost.seconds[1] else 0.0
+            k = adaptive.choose(rel)
+        return max(0, min(k, remaining - 1, room))
+
+    def _verify(self, proposal: Proposal, logits: torch.Tensor, params: SamplingParams, gen) -> Verdict:
+        if params.greedy:
+            return verify_greedy(proposal.tokens, logits.argmax(-1).tolist())
+        p = warp(logits, params)  # [k+1, V]
+        q = None if proposal.probs is None else proposal.probs
+        return verify_sampling(proposal.tokens, p, q, gen)
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], params: SamplingParams,
+                 on_delta: Callable[[str, list[int]], None] | None = None) -> GenerationResult:
+        self._check_prompt(prompt_ids)
+        gen = None if params.greedy else make_generator(params.seed)
+        state = RequestState(list(prompt_ids), params, gen)
+        out = _Output(params, self.tokenizer.eos_token_ids, IncrementalDetokenizer(
+            self.tokenizer, params.skip_special_tokens), on_delta)
+        metrics = SpecMetrics()
+        cache = self.target.new_cache(min(self.max_len, len(prompt_ids) + params.max_tokens + self.k_max + 1))
+        adaptive = None
+        if self.proposer is not None and not self.config.fixed_k and self.config.adaptive:
+            if not self.cost.profiled:
+                self.cost.profile(self.target)
+            adaptive = AdaptiveK(self.k_max, self.cost)
+
+        t0 = time.perf_counter()
+        n = len(prompt_ids)
+        res = self.target(torch.tensor([prompt_ids]), torch.arange(n)[None], cache, num_logits=1)
+        logits = res.logits[0]  # [1, V]
+        out.emit(state, [self._pick(logits[-1], params, gen)], logits)
+        prefill_time = time.perf_counter() - t0
+        if self.proposer is not None:
+            self.proposer.begin(state)
+        try:
+            while out.finish_reason is None:
+                if cache.length + 1 > cache.max_len:
+                    out.finish_reason = "length"
+                    break
+                self._step(state, cache, out, metrics, adaptive)
+        finally:
+            if self.proposer is not None:
+                self.proposer.end(state)
+        decode_time = time.perf_counter() - t0 - prefill_time
+        return GenerationResult(list(prompt_ids), state.output_ids, out.text, out.finish_reason, metrics,
+                                prefill_time, decode_time, out.logprobs if params.logprobs is not None else None,
+                                out.stop_reason)
+
+    def _step(self, state: RequestState, cache, out: _Output, metrics: SpecMetrics, adaptive) -> None:
+        t0 = time.perf_counter()
+        k = self._choose_k(state, adaptive, cache.length)
+        proposal = self.proposer.propose(state, k) if k > 0 else EMPTY
+        proposal = Proposal(proposal.tokens[:k], None if proposal.probs is None else proposal.probs[:k])
+        t1 = time.perf_counter()
+        start = cache.length
+        tokens = [state.token_ids[-1]] + proposal.tokens
+        T = len(tokens)
+        logits = self.target(torch.tensor([tokens]), torch.arange(start, start + T)[None], cache).logits[0]
+        t2 = time.perf_counter()
+        verdict = self._verify(proposal, logits, state.params, state.generator)
+        cache.rollback(start + 1 + verdict.num_accepted)
+        out.emit(state, verdict.tokens, logits)
+        if self.proposer is not None and len(proposal):
+            self.proposer.on_verified(state, proposal, verdict.num_accepted)
+        t3 = time.perf_counter()
+        self.cost.observe(T, t2 - t1)
+        if adaptive is not None:
+            adaptive.update(len(proposal), verdict.num_accepted)
+        metrics.record(len(proposal), verdict.num_accepted, len(verdict.tokens))
+        metrics.draft_time += t1 - t0
+        metrics.verify_time += t3 - t1

@@ -1,0 +1,75 @@
+"""Speculative-decoding metrics, per request and summed (names as vLLM's spec-decode metrics).
+
+tau (mean acceptance length) = tokens emitted per target forward pass over speculative steps
+= 1 + accepted / drafts; acceptance rate = accepted draft tokens / drafted tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecMetrics:
+    num_drafts: int = 0  # target passes that verified >= 1 drafted token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [pos] accepted at draft position pos
+    drafted_per_pos: list[int] = field(default_factory=list)
+    target_passes: int = 0  # every target forward after prefill (plain steps included)
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    emitted_tokens: int = 0
+
+    def record(self, num_drafted: int, num_accepted: int, num_emitted: int) -> None:
+        self.target_passes += 1
+        self.emitted_tokens += num_emitted
+        if num_drafted == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        while len(self.drafted_per_pos) < num_drafted:
+            self.drafted_per_pos.append(0)
+            self.accepted_per_pos.append(0)
+        for pos in range(num_drafted):
+            self.drafted_per_pos[pos] += 1
+            self.accepted_per_pos[pos] += pos < num_accepted
+
+    def merge(self, other: "SpecMetrics") -> None:
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "target_passes",
+                     "draft_time", "verify_time", "emitted_tokens"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for mine, theirs in ((self.accepted_per_pos, other.accepted_per_pos),
+                             (self.drafted_per_pos, other.drafted_per_pos)):
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for i, v in enumerate(theirs):
+                mine[i] += v
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """tau over speculative steps (accepted + 1 per draft)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    @property
+    def tokens_per_pass(self) -> float:
+        """Emitted tokens per target pass over all decode steps, speculative or not."""
+        return self.emitted_tokens / self.target_passes if self.target_passes else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_pos, self.drafted_per_pos)]
+
+    def to_dict(self) -> dict:
+        return {
+            "num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens, "target_passes": self.target_passes,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_acceptance_length": round(self.mean_acceptance_length, 4),
+            "tokens_per_target_pass": round(self.tokens_per_pass, 4),
+            "acceptance_by_position": [round(x, 4) for x in self.acceptance_by_position],
+            "draft_time_s": round(self.draft_time, 4), "verify_time_s": round(self.verify_time, 4),
+        }

@@ -1,0 +1,113 @@
+"""The proposer interface: every drafter (draft model, n-gram, suffix, layer skip, lookahead, ...)
+proposes up to k tokens after a request's last token, and hears back what the target accepted.
+
+Proposers register themselves by method name; `make_proposer` looks the name up, so adding a
+method is one new file with `@register_proposer("name")`, not a new branch in the engine.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, ClassVar
+
+import torch
+
+from specdec.config import ConfigError, SpeculativeConfig
+from specdec.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestState:
+    """One request as the proposer and verifier see it.
+
+    token_ids = prompt + output; the last token has been emitted but is not yet in the target's
+    KV cache (the next target pass starts with it)."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    output_ids: list[int] = field(default_factory=list)
+    request_id: str = ""
+    draft: dict[str, Any] = field(default_factory=dict)  # the proposer's per-request state
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+
+@dataclass
+class Proposal:
+    tokens: list[int]  # [k] drafted tokens
+    probs: torch.Tensor | None = None  # [k, V] warped draft distributions; None: deterministic (one-hot q)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+EMPTY = Proposal([])
+
+
+@dataclass
+class ProposerContext:
+    """What a proposer may use: the target model and tokenizer, the config, how to load models."""
+
+    target: Any  # LlamaModel
+    tokenizer: Any  # specdec.model.tokenizer.Tokenizer
+    config: SpeculativeConfig
+    target_dir: Path | None = None
+    dtype: torch.dtype = torch.float32
+    max_len: int = 4096
+    load_model: Callable[[str], tuple[Any, Any]] | None = None  # name -> (model, tokenizer)
+
+
+class Proposer(ABC):
+    name: ClassVar[str] = ""
+    deterministic: ClassVar[bool] = True  # gives no q: verified as one-hot proposals
+    draft_cost_per_token: float = 0.0  # seconds per drafted token, measured; 0 for lookup drafters
+
+    def __init__(self, ctx: ProposerContext):
+        self.ctx = ctx
+
+    def begin(self, state: RequestState) -> None:
+        """A request starts (its prompt is in state.prompt_ids)."""
+
+    @abstractmethod
+    def propose(self, state: RequestState, k: int) -> Proposal:
+        """Up to k tokens continuing state.token_ids. May return fewer (or none)."""
+
+    def on_verified(self, state: RequestState, proposal: Proposal, num_accepted: int) -> None:
+        """The target accepted proposal.tokens[:num_accepted]; state.output_ids already holds them
+        plus the recovered/bonus token. Roll back any draft-side cache here."""
+
+    def end(self, state: RequestState) -> None:
+        """The request finished; free its per-request state."""
+        state.draft.clear()
+
+
+_REGISTRY: dict[str, type[Proposer]] = {}
+
+
+def register_proposer(name: str):
+    def deco(cls: type[Proposer]) -> type[Proposer]:
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+    return deco
+
+
+def available_methods() -> list[str]:
+    import specdec.proposers  # noqa: F401  (registers the built-in proposers)
+    return sorted(_REGISTRY)
+
+
+def make_proposer(ctx: ProposerContext) -> Proposer:
+    methods = available_methods()
+    if ctx.config.method not in _REGISTRY:
+        raise ConfigError(f"speculative method {ctx.config.method!r} is not available; "
+                          f"available: {', '.join(methods)}")
+    return _REGISTRY[ctx.config.method](ctx)
