@@ -36,6 +36,11 @@ class KVCache:
         self.v[layer, :, :, start:end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
+    def attention_mask(self, block_mask: torch.Tensor | None, num_new: int) -> torch.Tensor | None:
+        """Mask [T, length + T] for T new tokens: the whole prefix, plus block_mask (causal if None)."""
+        from specdec.model.layers import build_attention_mask
+        return build_attention_mask(self.length, block_mask, num_new, self.k.device)
+
     def advance(self, n: int) -> None:
         self.length += n
 

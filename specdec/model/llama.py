@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from specdec.cache.kv_cache import KVCache
 from specdec.config import ModelConfig
 from specdec.kernels import linear, silu_mul
-from specdec.model.layers import RMSNorm, Rotary, apply_rotary, build_attention_mask
+from specdec.model.layers import RMSNorm, Rotary, apply_rotary
 
 
 @dataclass
@@ -43,6 +43,7 @@ class DecoderLayer(torch.nn.Module):
         self.split = (q, kv, kv)
 
     def forward(self, x, cos, sin, cache: KVCache, layer_idx: int, mask):
+        # x: [B, T, H]; cache.write stores this block's k/v and returns the visible keys/values
         B, T, _ = x.shape
         q, k, v = linear(self.input_norm(x), self.qkv.weight, self.qkv.bias).split(self.split, dim=-1)
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
@@ -92,7 +93,7 @@ class LlamaModel(torch.nn.Module):
         x = self.embed(input_ids) if input_embeds is None else input_embeds  # [B, T, H]
         T = x.shape[1]
         cos, sin = self.rotary(positions, x.dtype)
-        mask = build_attention_mask(cache.length, block_mask, T, x.device)
+        mask = cache.attention_mask(block_mask, T)  # caches of other layouts (paged) make their own
         layer_ids = range(len(self.layers)) if layers is None else layers
         kept = {} if output_layers else None
         for i in layer_ids:

@@ -20,7 +20,7 @@ from specdec.sampler import logprobs_of, make_generator, sample, warp
 from specdec.sampling_params import SamplingParams
 from specdec.spec.adaptive import AdaptiveK, CostModel
 from specdec.spec.metrics import SpecMetrics
-from specdec.spec.proposer import EMPTY, Proposal, Proposer, RequestState
+from specdec.spec.proposer import EMPTY, Proposal, Proposer, RequestState, TargetOutput
 from specdec.spec.rejection import Verdict, verify_greedy, verify_sampling
 
 
@@ -167,12 +167,13 @@ class SpeculativeDecoder:
 
         t0 = time.perf_counter()
         n = len(prompt_ids)
-        res = self.target(torch.tensor([prompt_ids]), torch.arange(n)[None], cache, num_logits=1)
+        res = self.target(torch.tensor([prompt_ids]), torch.arange(n)[None], cache, num_logits=1,
+                          output_layers=self._feature_layers())
         logits = res.logits[0]  # [1, V]
         out.emit(state, [self._pick(logits[-1], params, gen)], logits)
         prefill_time = time.perf_counter() - t0
         if self.proposer is not None:
-            self.proposer.begin(state)
+            self.proposer.begin(state, TargetOutput(res, list(range(n))))
         try:
             while out.finish_reason is None:
                 if cache.length + 1 > cache.max_len:
@@ -187,22 +188,39 @@ class SpeculativeDecoder:
                                 prefill_time, decode_time, out.logprobs if params.logprobs is not None else None,
                                 out.stop_reason)
 
+    def _feature_layers(self) -> tuple[int, ...]:
+        return self.proposer.feature_layers if self.proposer is not None else ()
+
     def _step(self, state: RequestState, cache, out: _Output, metrics: SpecMetrics, adaptive) -> None:
         t0 = time.perf_counter()
         k = self._choose_k(state, adaptive, cache.length)
         proposal = self.proposer.propose(state, k) if k > 0 else EMPTY
-        proposal = Proposal(proposal.tokens[:k], None if proposal.probs is None else proposal.probs[:k])
+        if not proposal.is_tree:  # a chain is cut to k; a tree's size is the proposer's own budget
+            proposal = Proposal(proposal.tokens[:k], None if proposal.probs is None else proposal.probs[:k])
         t1 = time.perf_counter()
         start = cache.length
         tokens = [state.token_ids[-1]] + proposal.tokens
         T = len(tokens)
-        logits = self.target(torch.tensor([tokens]), torch.arange(start, start + T)[None], cache).logits[0]
+        if proposal.is_tree:
+            from specdec.spec.tree import tree_positions, tree_mask
+            positions, block_mask = start + tree_positions(proposal.parents), tree_mask(proposal.parents)
+        else:
+            positions, block_mask = torch.arange(start, start + T), None
+        fwd = self.target(torch.tensor([tokens]), positions[None], cache, block_mask=block_mask,
+                          output_layers=self._feature_layers())
+        logits = fwd.logits[0]  # [T, V]: row 0 predicts after the last token, row i after node i-1
         t2 = time.perf_counter()
-        verdict = self._verify(proposal, logits, state.params, state.generator)
-        cache.rollback(start + 1 + verdict.num_accepted)
-        out.emit(state, verdict.tokens, logits)
-        if self.proposer is not None and len(proposal):
-            self.proposer.on_verified(state, proposal, verdict.num_accepted)
+        if proposal.is_tree:
+            from specdec.spec.tree import verify_tree
+            verdict, rows = verify_tree(proposal, logits, state.params, state.generator)
+            cache.keep([start + r for r in rows], start)  # the accepted path, packed after the prefix
+        else:
+            verdict = self._verify(proposal, logits, state.params, state.generator)
+            rows = list(range(1 + verdict.num_accepted))
+            cache.rollback(start + 1 + verdict.num_accepted)
+        out.emit(state, verdict.tokens, logits[rows])
+        if self.proposer is not None:
+            self.proposer.on_verified(state, proposal, verdict.num_accepted, TargetOutput(fwd, rows))
         t3 = time.perf_counter()
         self.cost.observe(T, t2 - t1)
         if adaptive is not None:

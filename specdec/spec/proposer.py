@@ -42,11 +42,34 @@ class RequestState:
 
 @dataclass
 class Proposal:
-    tokens: list[int]  # [k] drafted tokens
-    probs: torch.Tensor | None = None  # [k, V] warped draft distributions; None: deterministic (one-hot q)
+    """A chain (parents None) or a token tree of drafted nodes.
+
+    Tree example: parents = [-1, -1, 0, 0, 2] is two children of the last token (nodes 0, 1), two
+    children of node 0 (nodes 2, 3) and one child of node 2 (node 4); -1 means "the last token".
+    Nodes are in topological order (a parent before its children)."""
+
+    tokens: list[int]  # [k] drafted tokens (tree: one per node)
+    probs: torch.Tensor | None = None  # [k, V] warped draft distribution each token was drawn from; None: one-hot q
+    parents: list[int] | None = None  # [k] parent node index per node, -1 = root; None: a chain
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None
+
+
+@dataclass
+class TargetOutput:
+    """What the target computed in a pass, for proposers that read its features (EAGLE, Medusa).
+
+    forward.hidden[0, r] / forward.layer_hidden[l][0, r] belong to input row r of the pass; in a verify
+    pass row 0 is the last token and row i >= 1 is drafted node i-1. accepted_rows lists, in order, the
+    rows whose tokens are now part of the sequence (chain: [0, 1, ..., num_accepted])."""
+
+    forward: Any  # specdec.model.llama.ForwardOutput
+    accepted_rows: list[int]
 
 
 EMPTY = Proposal([])
@@ -68,21 +91,25 @@ class ProposerContext:
 class Proposer(ABC):
     name: ClassVar[str] = ""
     deterministic: ClassVar[bool] = True  # gives no q: verified as one-hot proposals
+    feature_layers: ClassVar[tuple[int, ...]] = ()  # target layers whose hidden states this proposer reads
     draft_cost_per_token: float = 0.0  # seconds per drafted token, measured; 0 for lookup drafters
 
     def __init__(self, ctx: ProposerContext):
         self.ctx = ctx
 
-    def begin(self, state: RequestState) -> None:
-        """A request starts (its prompt is in state.prompt_ids)."""
+    def begin(self, state: RequestState, prefill: TargetOutput | None = None) -> None:
+        """A request starts: its prompt is in state.prompt_ids, the first sampled token in output_ids,
+        and `prefill` holds the target's prefill pass over the prompt (rows = prompt positions)."""
 
     @abstractmethod
     def propose(self, state: RequestState, k: int) -> Proposal:
         """Up to k tokens continuing state.token_ids. May return fewer (or none)."""
 
-    def on_verified(self, state: RequestState, proposal: Proposal, num_accepted: int) -> None:
-        """The target accepted proposal.tokens[:num_accepted]; state.output_ids already holds them
-        plus the recovered/bonus token. Roll back any draft-side cache here."""
+    def on_verified(self, state: RequestState, proposal: Proposal, num_accepted: int,
+                    target: TargetOutput | None = None) -> None:
+        """Called after every target pass (also plain ones, with an empty proposal). The target
+        accepted num_accepted drafted tokens (tree: along one path); state.output_ids already holds
+        them plus the recovered/bonus token. Roll back any draft-side cache here."""
 
     def end(self, state: RequestState) -> None:
         """The request finished; free its per-request state."""

