@@ -1,0 +1,92 @@
+"""A paged KV pool and the per-forward view a batch of ragged sequences reads it through.
+
+Pool layout per layer: k, v of shape [num_slots, n_kv_heads, head_dim], num_slots = num_blocks *
+block_size; slot = block * block_size + offset (the block manager's tables say which).
+
+`BatchKV` implements what the model asks of a cache (`attention_mask`, `write`, `advance`) for B
+rows that are LEFT-padded to a common T, so every row's last new token sits at column T - 1 and
+`num_logits=1` gives each row's next-token logits. Row b has past_b cached tokens and n_b new ones.
+E.g. past = [5, 2], n = [1, 3], T = 3: row 0 is [pad pad x], row 1 is [y0 y1 y2].
+`write` stores the valid new k/v at their slots, then gathers each row's past_b + n_b slots into a
+padded [B, n_kv, Lmax, D] view; the [B, 1, T, Lmax] mask hides padding (a pad query sees key 0 only,
+so softmax never meets an all-masked row).
+"""
+from __future__ import annotations
+
+import torch
+
+
+class PagedKVPool:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+
+    @classmethod
+    def for_model(cls, config, num_blocks: int, block_size: int, dtype: torch.dtype, device="cpu") -> "PagedKVPool":
+        return cls(config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads,
+                   config.head_dim, dtype, device)
+
+    @staticmethod
+    def bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * elem
+
+    def slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
+        """Slot indices of positions [start, end) of a sequence. [end - start]"""
+        pos = torch.arange(start, end)
+        table = torch.as_tensor(block_table, dtype=torch.long)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+
+class BatchKV:
+    """The cache one batched forward sees. past[b], num_new[b]: cached and new tokens of row b."""
+
+    def __init__(self, pool: PagedKVPool, block_tables: list[list[int]], past: list[int], num_new: list[int],
+                 row_masks: list[torch.Tensor | None] | None = None):
+        B, T = len(past), max(num_new)
+        self.pool = pool
+        lengths = [p + n for p, n in zip(past, num_new)]
+        self.Lmax = max(lengths)
+        # slots of the new tokens (valid entries only) and where they sit in the padded [B, T] input
+        new_slots, rows, cols = [], [], []
+        gather = torch.zeros(B, self.Lmax, dtype=torch.long)  # padding reads slot 0, masked out
+        for b, (table, p, n, L) in enumerate(zip(block_tables, past, num_new, lengths)):
+            all_slots = pool.slots(table, 0, L)
+            gather[b, :L] = all_slots
+            new_slots.append(all_slots[p:])
+            rows.extend([b] * n)
+            cols.extend(range(T - n, T))
+        self.gather = gather
+        self.new_slots = torch.cat(new_slots)  # [N] N = sum(num_new)
+        self.rows, self.cols = torch.tensor(rows), torch.tensor(cols)
+        self.mask = self._mask(past, num_new, T, row_masks)
+
+    def _mask(self, past, num_new, T, row_masks) -> torch.Tensor:
+        # query column t of row b is new token j = t - (T - n_b); a chain sees keys < past_b + j + 1
+        t = torch.arange(T)[None, :]  # [1, T]
+        past_t, n_t = torch.tensor(past)[:, None], torch.tensor(num_new)[:, None]  # [B, 1]
+        j = t - (T - n_t)  # [B, T]
+        limit = torch.where(j >= 0, past_t + j + 1, torch.ones_like(j))  # pad rows: key 0 only
+        mask = torch.arange(self.Lmax)[None, None, :] < limit[:, :, None]  # [B, T, Lmax]
+        for b, tree in enumerate(row_masks or ()):
+            if tree is not None:  # a token tree: its own ancestor mask among the new tokens
+                p, n = past[b], num_new[b]
+                mask[b, T - n:, p:p + n] = tree
+        return mask[:, None]  # [B, 1, T, Lmax]
+
+    def attention_mask(self, block_mask, num_new: int) -> torch.Tensor:
+        return self.mask
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # k, v: [B, n_kv, T, D] -> store valid entries, return [B, n_kv, Lmax, D] views
+        k_pool, v_pool = self.pool.k[layer], self.pool.v[layer]
+        k_pool.index_copy_(0, self.new_slots, k[self.rows, :, self.cols])  # [N, n_kv, D]
+        v_pool.index_copy_(0, self.new_slots, v[self.rows, :, self.cols])
+        return k_pool[self.gather].transpose(1, 2), v_pool[self.gather].transpose(1, 2)
+
+    def advance(self, n: int) -> None:
+        """Lengths live in the sequences, which the engine advances after verification."""

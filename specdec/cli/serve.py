@@ -1,0 +1,82 @@
+"""`specdec serve`: the OpenAI-compatible server with continuous batching and batched speculation.
+
+    specdec serve smollm2-135m --port 8000
+    specdec serve smollm2-135m --speculative-method ngram --max-num-seqs 16 --api-key "$KEY"
+    open http://127.0.0.1:8000/  (a chat page that colours the tokens the drafter got accepted)
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+from specdec.cli._common import add_model_args, add_spec_args, spec_config_from_args
+from specdec.config import ConfigError
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching, speculation)")
+    add_model_args(p)
+    add_spec_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $SPECDEC_API_KEY, else none)")
+    g.add_argument("--served-model-name", default=None, help="the model id clients use (default: MODEL)")
+    g.add_argument("--max-queued-requests", type=int, default=64, help="waiting sequences before 429")
+    g.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    g.add_argument("--max-header-bytes", type=int, default=16 << 10)
+    g.add_argument("--shutdown-timeout", type=int, default=30, help="seconds SIGTERM waits for in-flight requests")
+    g.add_argument("--log-level", default="warning")
+    e = p.add_argument_group("engine")
+    e.add_argument("--max-num-seqs", type=int, default=16, help="sequences in the running batch")
+    e.add_argument("--max-num-batched-tokens", type=int, default=256, help="prefill tokens per step (padded)")
+    e.add_argument("--block-size", type=int, default=16)
+    e.add_argument("--num-kv-blocks", type=int, default=None)
+    e.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+    e.add_argument("--no-prefix-caching", action="store_true")
+    p.set_defaults(func=run)
+
+
+def build_server(args):
+    """The uvicorn server and the app state (the engine thread starts with the app)."""
+    import uvicorn
+
+    from specdec.engine.async_engine import AsyncEngine
+    from specdec.engine.engine import Engine, EngineConfig
+    from specdec.llm import LLM
+    from specdec.serve.api_server import ServerState, build_app
+    from specdec.serve.metrics import ServerMetrics
+
+    for name in ("max_num_seqs", "max_queued_requests", "max_num_batched_tokens", "block_size", "max_body_bytes"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+    llm = LLM(args.model, speculative_config=spec_config_from_args(args), dtype=args.dtype,
+              max_model_len=args.max_model_len, num_threads=args.threads)
+    engine = Engine(llm, EngineConfig(args.max_num_seqs, args.max_num_batched_tokens, args.block_size,
+                                      args.num_kv_blocks, args.kv_cache_memory_gb, not args.no_prefix_caching))
+    name = args.served_model_name or args.model
+    metrics = ServerMetrics(name)
+    state = ServerState(AsyncEngine(engine, on_stats=metrics.on_stats), name, args.api_key or None,
+                        args.max_queued_requests, args.max_body_bytes, metrics=metrics)
+    config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=args.log_level, http="h11",
+                            h11_max_incomplete_event_size=args.max_header_bytes,
+                            timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on")
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # SIGTERM/SIGINT: refuse new work (503), finish what runs
+            state.draining = True
+            super().handle_exit(sig, frame)
+
+    return Server(config), state
+
+
+def run(args) -> int:
+    server, _ = build_server(args)
+    logging.basicConfig(level=args.log_level.upper())
+    print(f"specdec: serving {args.served_model_name or args.model} on http://{args.host}:{args.port}", flush=True)
+    # uvicorn re-raises the signal it caught after a graceful shutdown: make that a clean exit
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    server.run()
+    return 0

@@ -1,0 +1,138 @@
+"""The engine in one background thread; asyncio code talks to it through thread-safe queues.
+
+    engine = AsyncEngine(Engine(llm, cfg)); engine.start()
+    async for out in engine.generate(EngineRequest(...)): ...   # SeqOutput per step per choice
+    engine.abort(request_id)                                     # also done when the iterator is closed
+
+Requests and aborts go in through one queue.SimpleQueue; the thread steps the engine while it has
+work and hands each SeqOutput to the request's asyncio.Queue with loop.call_soon_threadsafe. Nothing
+crosses a process boundary, so nothing is serialised. If a step raises, every request in flight
+ends with that error and the engine is emptied (blocks freed), then goes on serving.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from specdec.engine.engine import Engine, EngineRequest, EngineStats, SeqOutput
+
+log = logging.getLogger("specdec.engine")
+
+
+@dataclass
+class EngineFailure:
+    message: str
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, on_stats: Callable[[EngineStats], None] | None = None):
+        self.engine = engine
+        self.on_stats = on_stats
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.num_inflight_seqs = 0  # submitted and not finished (counted on the asyncio side)
+
+    # --- asyncio side -------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="specdec-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._inbox.put(("stop", None))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def queued(self) -> int:
+        """Sequences submitted but not yet running (the waiting queue plus the inbox)."""
+        return max(0, self.num_inflight_seqs - len(self.engine.scheduler.running))
+
+    async def generate(self, req: EngineRequest) -> AsyncIterator[SeqOutput]:
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        n = req.params.n
+        with self._lock:
+            self._queues[req.request_id] = (loop, q)
+        self.num_inflight_seqs += n
+        self._inbox.put(("add", req))
+        done = 0
+        try:
+            while done < n:
+                item = await q.get()
+                if isinstance(item, EngineFailure):
+                    raise RuntimeError(item.message)
+                done += item.finished
+                yield item
+        finally:
+            self.num_inflight_seqs -= n
+            with self._lock:
+                self._queues.pop(req.request_id, None)
+            if done < n:  # the consumer went away (client disconnect, timeout): free everything now
+                self._inbox.put(("abort", req.request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    # --- engine thread ------------------------------------------------------------------------
+    def _deliver(self, request_id: str, item) -> None:
+        with self._lock:
+            target = self._queues.get(request_id)
+        if target is not None:
+            loop, q = target
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:  # the loop is closed
+                pass
+
+    def _handle(self, kind: str, payload) -> None:
+        if kind == "add":
+            try:
+                self.engine.add_request(payload)
+            except ValueError as e:
+                self._deliver(payload.request_id, EngineFailure(str(e)))
+        elif kind == "abort":
+            self.engine.abort(payload)
+            if self.on_stats is not None:
+                self.on_stats(self.engine.stats())
+
+    def _loop(self) -> None:
+        eng = self.engine
+        while not self._stop.is_set():
+            try:
+                block = not eng.has_unfinished()
+                kind, payload = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+                if kind == "stop":
+                    break
+                self._handle(kind, payload)
+                continue  # drain the inbox before stepping
+            except queue.Empty:
+                pass
+            if not eng.has_unfinished():
+                continue
+            try:
+                outs = eng.step()
+            except Exception as e:  # noqa: BLE001 - one bad step must not kill the server
+                log.exception("engine step failed; aborting the requests in flight")
+                self._fail_all(f"engine error: {type(e).__name__}: {e}")
+                continue
+            for out in outs:
+                self._deliver(out.request_id, out)
+            if self.on_stats is not None:
+                self.on_stats(eng.stats())
+        self._fail_all("the server is shutting down")
+
+    def _fail_all(self, message: str) -> None:
+        for request_id in list(self.engine.seqs):
+            self.engine.abort(request_id)
+            self._deliver(request_id, EngineFailure(message))

@@ -1,0 +1,295 @@
+"""The serving engine: requests in, per-step outputs out; one step is schedule -> forward -> verify -> emit.
+
+    llm = LLM("smollm2-135m", speculative_config={"method": "ngram"})
+    engine = Engine(llm, EngineConfig(max_num_seqs=8))
+    engine.add_request(EngineRequest("r1", llm.tokenizer.encode("Hello"), SamplingParams(max_tokens=32)))
+    while engine.has_unfinished():
+        for out in engine.step(): print(out.text, end="")
+
+Greedy outputs equal single-request plain decoding (`LLM.generate`) token for token; sampled outputs
+follow the target's distribution (the verification is specdec.spec.rejection's, per row).
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from specdec.cache.paged_cache import PagedKVPool
+from specdec.config import ConfigError
+from specdec.engine.block_manager import BlockManager
+from specdec.engine.grammar import GrammarState
+from specdec.engine.model_runner import ModelRunner, Row
+from specdec.engine.scheduler import Scheduler, SchedulerConfig
+from specdec.engine.sequence import Sequence, SpecChoice
+from specdec.engine.speculation import Speculation, verify_rows
+from specdec.model.llama import ForwardOutput
+from specdec.sampler import make_generator, sample, warp
+from specdec.sampling_params import SamplingParams
+from specdec.spec.metrics import SpecMetrics
+from specdec.spec.proposer import TargetOutput
+from specdec.spec.rejection import Verdict
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 256
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: from kv_cache_memory_gb, capped at what max_num_seqs can use
+    kv_cache_memory_gb: float = 1.0
+    enable_prefix_caching: bool = True
+    profile_cost: bool = True  # measure c(N) at start (else learnt online only)
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    speculative: dict | None = None  # {"method": name | None, "num_speculative_tokens": k}; None: server default
+    cache_salt: str | None = None
+    grammar: object = None  # specdec.engine.grammar.Grammar
+
+
+@dataclass
+class SeqOutput:
+    """What one step added to one choice (text held back while it could still end in a stop string)."""
+
+    request_id: str
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict] | None
+    pieces: list[tuple[str, bool]]  # the text cut at token starts, with "came from the drafter" flags
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    metrics: SpecMetrics | None = None
+    method: str | None = None
+    ttft: float | None = None
+    e2e: float | None = None
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    num_used_blocks: int = 0
+    num_preemptions: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    spec: SpecMetrics = field(default_factory=SpecMetrics)
+    last_k: int = 0
+
+
+class Engine:
+    def __init__(self, llm, config: EngineConfig = EngineConfig()):
+        self.llm, self.config = llm, config
+        self.model, self.tokenizer = llm.model, llm.tokenizer
+        self.max_model_len = self.model.max_len
+        self.spec = Speculation(llm, llm.speculative_config)
+        default = llm.speculative_config
+        self.default_spec = SpecChoice(llm.proposer, default.k_max, default.fixed_k) if llm.proposer else SpecChoice()
+        num_blocks = self._num_blocks(config)
+        if num_blocks * config.block_size < self.max_model_len + 1:
+            raise ConfigError(f"{num_blocks} KV blocks of {config.block_size} cannot hold one sequence of "
+                              f"max_model_len {self.max_model_len}; raise the KV memory or lower --max-model-len")
+        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.pool = PagedKVPool.for_model(self.model.config, num_blocks, config.block_size, self.model.dtype)
+        self.runner = ModelRunner(self.model, self.pool)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                                   self.max_model_len), self.blocks, self.spec)
+        self.seqs: dict[str, list[Sequence]] = {}
+        self.totals = SpecMetrics()
+        self._ids = itertools.count()
+        if config.profile_cost and llm.proposer is not None:
+            self.spec.cost.profile(self.model)
+
+    def _num_blocks(self, config: EngineConfig) -> int:
+        if config.num_kv_blocks is not None:
+            return config.num_kv_blocks
+        per_block = PagedKVPool.bytes_per_block(self.model.config, config.block_size, self.model.dtype)
+        by_memory = int(config.kv_cache_memory_gb * 2**30 // per_block)
+        by_use = config.max_num_seqs * -(-(self.max_model_len + 64) // config.block_size)
+        return max(1, min(by_memory, by_use))
+
+    # --- requests -------------------------------------------------------------------------------
+    def resolve_spec(self, speculative: dict | None) -> SpecChoice:
+        """A request's speculation: the server default, off, or another registered method."""
+        if speculative is None:
+            return self.default_spec
+        method = speculative.get("method")
+        if method is None:
+            return SpecChoice()
+        proposer = self.spec.proposer(method)
+        k = speculative.get("num_speculative_tokens")
+        base = self.llm.speculative_config
+        k_max = k or (base.k_max if base else 8)
+        return SpecChoice(proposer, k_max, fixed_k=k is not None or (base is not None and base.fixed_k and
+                                                                      proposer is self.llm.proposer))
+
+    def add_request(self, req: EngineRequest) -> None:
+        p = req.params
+        if req.request_id in self.seqs:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        if not req.prompt_ids or len(req.prompt_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt must have 1 to {self.max_model_len - 1} tokens")
+        spec = self.resolve_spec(req.speculative)
+        seqs = []
+        for i in range(p.n):
+            params = p if p.n == 1 or p.seed is None else replace(p, seed=p.seed + i)
+            gen = None if params.greedy else make_generator(params.seed)
+            grammar = GrammarState(req.grammar, req.grammar.initial()) if req.grammar is not None else None
+            seqs.append(Sequence.create(next(self._ids), req.request_id, i, req.prompt_ids, params, self.tokenizer,
+                                        gen, spec=spec, cache_salt=req.cache_salt, grammar=grammar))
+        self.seqs[req.request_id] = seqs
+        for s in seqs:
+            self.scheduler.add(s)
+
+    def abort(self, request_id: str) -> list[SeqOutput]:
+        outs = []
+        for seq in self.seqs.pop(request_id, []):
+            if not seq.finished:
+                seq.aborted = True
+                self._finish(seq)
+                outs.append(self._collect(seq))
+        return outs
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --- the step -------------------------------------------------------------------------------
+    def step(self) -> list[SeqOutput]:
+        batch = self.scheduler.schedule()
+        touched: list[Sequence] = []
+        for rows, decode in ((batch.prefill, False), (batch.decode, True)):
+            if rows:
+                t0 = time.perf_counter()
+                fwd = self.runner.run(rows, all_logits=decode, output_layers=self._feature_layers(rows))
+                if decode:
+                    self.spec.cost.observe(len(rows) * max(len(r) for r in rows), time.perf_counter() - t0)
+                    self.last_k = max(len(r.proposal) for r in rows)
+                for b, r in enumerate(rows):
+                    if self._process(r, self.runner.row_output(fwd, b, len(r))):
+                        touched.append(r.seq)
+        outs = [self._collect(s) for s in touched]
+        for s in touched:
+            if s.finished:
+                reqs = self.seqs.get(s.request_id, [])
+                if all(x.finished for x in reqs):
+                    self.seqs.pop(s.request_id, None)
+        return outs
+
+    @staticmethod
+    def _feature_layers(rows: list[Row]) -> tuple[int, ...]:
+        layers = set()
+        for r in rows:
+            if r.seq.spec.proposer is not None:
+                layers.update(r.seq.spec.proposer.feature_layers)
+        return tuple(sorted(layers))
+
+    def _process(self, row: Row, out: ForwardOutput) -> bool:
+        """Apply one row's forward output; True when the sequence emitted tokens."""
+        seq, n, proposal = row.seq, row.num_new, row.proposal
+        if not row.samples:
+            seq.num_computed += n
+            if seq.spec.proposer is not None and not seq.begun:
+                seq.prefill_parts.append(out)
+            self.blocks.commit(seq)
+            return False
+        k = len(proposal)
+        logits = out.logits[0, -(k + 1):]  # [k+1, V]: row i predicts the token after input i
+        if seq.grammar is not None:
+            logits = logits.masked_fill(~seq.grammar.row_masks(proposal.tokens), float("-inf"))
+        if k:
+            verdict = verify_rows(proposal, logits, seq.params, seq.state.generator)
+        else:
+            verdict = Verdict(0, [self._pick(logits[-1], seq)])
+        first = not seq.output_ids
+        seq.num_computed += n + verdict.num_accepted
+        seq.token_from_draft.extend(j < verdict.num_accepted for j in range(len(verdict.tokens)))
+        seq.out.emit(seq.state, verdict.tokens, logits[:len(verdict.tokens)])
+        del seq.token_from_draft[len(seq.output_ids):]
+        if seq.grammar is not None:
+            seq.grammar.advance(verdict.tokens)
+        if first:
+            seq.first_token_time = time.monotonic()
+        elif seq.begun:
+            seq.metrics.record(k, verdict.num_accepted, len(verdict.tokens))
+            self.totals.record(k, verdict.num_accepted, len(verdict.tokens))
+            seq.observe_acceptance(k, verdict.num_accepted)
+        if seq.out.finish_reason is None and seq.num_tokens > self.max_model_len:
+            seq.out.finish_reason = "length"
+        if seq.out.finish_reason is not None:
+            self._finish(seq)
+            return True
+        self._proposer_hooks(seq, out, proposal, verdict, first, n)
+        self.blocks.trim(seq, seq.num_computed)
+        self.blocks.commit(seq)
+        return True
+
+    def _pick(self, logits: torch.Tensor, seq: Sequence) -> int:
+        if seq.params.greedy:
+            return int(logits.argmax(-1))
+        return sample(warp(logits[None], seq.params)[0], seq.state.generator)
+
+    def _proposer_hooks(self, seq: Sequence, out: ForwardOutput, proposal, verdict: Verdict, first: bool,
+                        n: int) -> None:
+        proposer = seq.spec.proposer
+        if proposer is None:
+            return
+        if not seq.begun:
+            parts = seq.prefill_parts + [out]
+            layers = None if out.layer_hidden is None else {
+                l: torch.cat([p.layer_hidden[l] for p in parts], dim=1) for l in out.layer_hidden}
+            prefill = ForwardOutput(out.logits, torch.cat([p.hidden for p in parts], dim=1), layers)
+            seq.prefill_parts.clear()
+            proposer.begin(seq.state, TargetOutput(prefill, list(range(prefill.hidden.shape[1]))))
+            seq.begun = True
+            return
+        # row 0 of what the proposer sees is the newest token fed this step (as in a single-request pass)
+        tail = ForwardOutput(out.logits, out.hidden[:, n - 1:],
+                             None if out.layer_hidden is None else {l: h[:, n - 1:] for l, h in out.layer_hidden.items()})
+        proposer.on_verified(seq.state, proposal, verdict.num_accepted,
+                             TargetOutput(tail, list(range(1 + verdict.num_accepted))))
+
+    def _finish(self, seq: Sequence) -> None:
+        seq.finish_time = time.monotonic()
+        if seq.begun and seq.spec.proposer is not None:
+            seq.spec.proposer.end(seq.state)
+        seq.prefill_parts.clear()
+        self.scheduler.remove(seq)
+
+    # --- outputs --------------------------------------------------------------------------------
+    def _collect(self, seq: Sequence) -> SeqOutput:
+        text = seq.out.text
+        end = len(text)
+        if not seq.finished and seq.params.stop:  # a stop string may still start in the tail
+            end = max(seq.sent_text, end - (max(len(s) for s in seq.params.stop) - 1))
+        start, seq.sent_text = seq.sent_text, end
+        toks = seq.output_ids[seq.sent_tokens:]
+        lps = seq.out.logprobs[seq.sent_tokens:] if seq.params.logprobs is not None else None
+        seq.sent_tokens = len(seq.output_ids)
+        out = SeqOutput(seq.request_id, seq.index, text[start:end], toks, lps, seq.text_pieces(start, end),
+                        method=seq.spec.method)
+        if seq.finished:
+            out.finished, out.finish_reason, out.stop_reason = True, seq.finish_reason, seq.out.stop_reason
+            out.num_prompt_tokens, out.num_output_tokens = len(seq.prompt_ids), len(seq.output_ids)
+            out.num_cached_tokens, out.metrics = seq.num_cached_prompt, seq.metrics
+            if seq.first_token_time is not None:
+                out.ttft = seq.first_token_time - seq.arrival_time
+            out.e2e = seq.finish_time - seq.arrival_time
+        return out
+
+    def stats(self) -> EngineStats:
+        pc = self.blocks.prefix
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.blocks.usage,
+                           self.blocks.num_used, self.scheduler.num_preemptions, pc.queries, pc.hits, self.totals,
+                           getattr(self, "last_k", 0))

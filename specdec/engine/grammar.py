@@ -1,0 +1,193 @@
+"""Structured output (JSON schema, regex) through outlines-core, made to work with speculation.
+
+outlines-core compiles a regex against the tokenizer's vocabulary into an index whose states are
+plain integers, so speculation needs no rollback: a sequence keeps its state, drafts are walked
+from it on the side. Per verified row i the target's logits are masked to the tokens allowed after
+the drafts before it, drafted tokens the grammar forbids are cut before the verify pass, and every
+emitted token advances the state. Greedy or sampled, output is what the masked target alone gives.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from specdec.config import ConfigError
+
+try:
+    import outlines_core
+    from outlines_core.json_schema import build_regex_from_schema
+except ImportError:  # optional: `pip install outlines-core` (the serve extra)
+    outlines_core = None
+
+MASK_CACHE = 4096  # allowed-token masks kept per grammar (states are revisited constantly)
+
+
+def available() -> bool:
+    return outlines_core is not None
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2 byte-level BPE: the printable character standing for each byte, inverted."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+def token_bytes(tokenizer) -> dict[bytes, list[int]]:
+    """The bytes each non-special token stands for (byte-level BPE or SentencePiece-style vocabularies)."""
+    spec = json.loads(tokenizer._tok.to_str())
+    special = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+    byte_level = "ByteLevel" in json.dumps(spec.get("decoder"))
+    dec = _byte_decoder()
+    out: dict[bytes, list[int]] = {}
+    for tok, i in tokenizer.get_vocab().items():
+        if i in special:
+            continue
+        if byte_level:
+            if any(c not in dec for c in tok):
+                continue
+            b = bytes(dec[c] for c in tok)
+        elif len(tok) == 6 and tok.startswith("<0x") and tok.endswith(">"):
+            b = bytes([int(tok[3:5], 16)])
+        else:
+            b = tok.replace("\u2581", " ").encode()
+        out.setdefault(b, []).append(i)
+    return out
+
+
+class Grammar:
+    """A compiled regex: states, allowed-token masks over the model's vocabulary."""
+
+    def __init__(self, index, eos_id: int, vocab_size: int):
+        self.index, self.eos_id, self.vocab_size = index, eos_id, vocab_size
+        self._masks: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def initial(self) -> int:
+        return self.index.get_initial_state()
+
+    def mask(self, state: int) -> torch.Tensor:
+        """[V] bool: the tokens allowed in `state`."""
+        with self._lock:
+            m = self._masks.get(state)
+            if m is not None:
+                self._masks.move_to_end(state)
+                return m
+        m = torch.zeros(self.vocab_size, dtype=torch.bool)
+        allowed = [t for t in (self.index.get_allowed_tokens(state) or []) if t < self.vocab_size]
+        if allowed:
+            m[torch.tensor(allowed)] = True
+        with self._lock:
+            self._masks[state] = m
+            if len(self._masks) > MASK_CACHE:
+                self._masks.popitem(last=False)
+        return m
+
+    def next(self, state: int, token: int) -> int | None:
+        """The state after `token`, None when the grammar forbids it (EOS ends the grammar)."""
+        if token == self.eos_id:
+            return state if self.index.is_final_state(state) else None
+        return self.index.get_next_state(state, token)
+
+
+@dataclass
+class GrammarState:
+    grammar: Grammar
+    state: int
+
+    def cut(self, drafts: list[int]) -> int:
+        """How many leading drafts the grammar allows."""
+        s = self.state
+        for i, tok in enumerate(drafts):
+            s = self.grammar.next(s, tok) if s is not None else None
+            if s is None or tok == self.grammar.eos_id:
+                return i + (s is not None)
+        return len(drafts)
+
+    def row_masks(self, drafts: list[int]) -> torch.Tensor:
+        """[k + 1, V] masks for the rows of a verify pass over [last, drafts] (drafts already cut)."""
+        states, s = [self.state], self.state
+        for tok in drafts:
+            s = self.grammar.next(s, tok)
+            states.append(s)
+        return torch.stack([self.grammar.mask(x) for x in states])
+
+    def advance(self, tokens: list[int]) -> None:
+        for tok in tokens:
+            nxt = self.grammar.next(self.state, tok)
+            if nxt is None:
+                return  # EOS or a token past the end: the sequence is finishing
+            self.state = nxt
+
+
+class GrammarCompiler:
+    """Compiles response formats for one tokenizer; compiled grammars are cached by regex."""
+
+    def __init__(self, tokenizer, vocab_size: int, cache_size: int = 32):
+        self.tokenizer, self.vocab_size, self.cache_size = tokenizer, vocab_size, cache_size
+        self._vocab = None
+        self._cache: OrderedDict[str, Grammar] = OrderedDict()
+        self._lock = threading.Lock()
+        eos = tokenizer.eos_token
+        eos_id = tokenizer._tok.token_to_id(eos) if eos else None
+        self.eos_id = eos_id if eos_id is not None else min(tokenizer.eos_token_ids or {0})
+
+    def _vocabulary(self):
+        if self._vocab is None:
+            self._vocab = outlines_core.Vocabulary(self.eos_id, token_bytes(self.tokenizer))
+        return self._vocab
+
+    def regex_for(self, response_format: dict) -> str | None:
+        """The regex of an OpenAI-style response_format (None for plain text)."""
+        kind = response_format.get("type", "text")
+        if kind == "text":
+            return None
+        if kind == "regex":
+            regex = response_format.get("regex")
+            if not isinstance(regex, str) or not regex:
+                raise ConfigError("response_format.regex must be a non-empty string")
+            return regex
+        if kind == "json_object":
+            schema = {"type": "object"}
+        elif kind == "json_schema":
+            js = response_format.get("json_schema") or {}
+            schema = js.get("schema", js.get("json_schema"))
+            if not isinstance(schema, dict):
+                raise ConfigError("response_format.json_schema.schema must be a JSON schema object")
+        else:
+            raise ConfigError(f"response_format.type {kind!r} is not supported (text, json_object, json_schema, regex)")
+        try:
+            return build_regex_from_schema(json.dumps(schema), r"[ ]?")
+        except (ValueError, TypeError, RuntimeError) as e:
+            raise ConfigError(f"cannot use this JSON schema: {e}") from None
+
+    def compile(self, response_format: dict) -> Grammar | None:
+        if not available():
+            raise ConfigError("structured output needs outlines-core (pip install outlines-core)")
+        regex = self.regex_for(response_format)
+        if regex is None:
+            return None
+        with self._lock:
+            g = self._cache.get(regex)
+            if g is not None:
+                self._cache.move_to_end(regex)
+                return g
+        try:
+            index = outlines_core.Index(regex, self._vocabulary())
+        except (ValueError, TypeError, RuntimeError) as e:
+            raise ConfigError(f"cannot compile this response_format: {str(e).splitlines()[0][:200]}") from None
+        g = Grammar(index, self.eos_id, self.vocab_size)
+        with self._lock:
+            self._cache[regex] = g
+            if len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return g

@@ -1,0 +1,65 @@
+"""Runs one batched target forward over rows of ragged length on the paged KV pool.
+
+A row feeds a sequence's uncomputed tokens token_ids[num_computed:num_computed + num_new] plus its
+drafted tokens; rows are left-padded to the longest (see specdec.cache.paged_cache), positions are
+explicit per row, and the forward's outputs are sliced back per row so that row index 0 of a
+`row_output` is the row's first real token (what proposers expect of a single-request pass).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.cache.paged_cache import BatchKV, PagedKVPool
+from specdec.model.llama import ForwardOutput
+from specdec.spec.proposer import EMPTY, Proposal
+
+
+@dataclass
+class Row:
+    seq: "object"  # specdec.engine.sequence.Sequence
+    num_new: int  # uncomputed tokens fed: a prefill chunk, or 1 (the newest token) in decode
+    proposal: Proposal = field(default_factory=lambda: EMPTY)
+
+    @property
+    def samples(self) -> bool:
+        """The row reaches the end of the sequence: its last logits give the next token(s)."""
+        return self.seq.num_computed + self.num_new == self.seq.num_tokens
+
+    @property
+    def tokens(self) -> list[int]:
+        s = self.seq
+        return s.token_ids[s.num_computed:s.num_computed + self.num_new] + self.proposal.tokens
+
+    def __len__(self) -> int:
+        return self.num_new + len(self.proposal)
+
+
+class ModelRunner:
+    def __init__(self, model, pool: PagedKVPool):
+        self.model = model
+        self.pool = pool
+
+    @torch.inference_mode()
+    def run(self, rows: list[Row], all_logits: bool, output_layers: tuple[int, ...] = ()) -> ForwardOutput:
+        """Logits for every column (decode/verify) or only the last one (prefill)."""
+        B, T = len(rows), max(len(r) for r in rows)
+        input_ids = torch.zeros(B, T, dtype=torch.long)  # [B, T] left-padded
+        positions = torch.zeros(B, T, dtype=torch.long)
+        for b, r in enumerate(rows):
+            n, start = len(r), r.seq.num_computed
+            input_ids[b, T - n:] = torch.tensor(r.tokens)
+            positions[b, T - n:] = torch.arange(start, start + n)
+        kv = BatchKV(self.pool, [r.seq.block_table for r in rows], [r.seq.num_computed for r in rows],
+                     [len(r) for r in rows])
+        return self.model(input_ids, positions, kv, num_logits=None if all_logits else 1,
+                          output_layers=output_layers)
+
+    @staticmethod
+    def row_output(fwd: ForwardOutput, b: int, n: int) -> ForwardOutput:
+        """Row b's last n columns as a batch-of-one output ([1, n, ...])."""
+        T = fwd.hidden.shape[1]
+        logits = fwd.logits[b:b + 1, -min(n, fwd.logits.shape[1]):]
+        layers = None if fwd.layer_hidden is None else {l: h[b:b + 1, T - n:] for l, h in fwd.layer_hidden.items()}
+        return ForwardOutput(logits, fwd.hidden[b:b + 1, T - n:], layers)

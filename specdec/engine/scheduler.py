@@ -1,0 +1,138 @@
+"""Continuous batching: which sequences run this step, with how many tokens, and who is preempted.
+
+A step has up to two forwards (on a CPU a prefill chunk and a decode batch share nothing but the
+weights, and padding a 1-token decode row to a 256-token chunk would waste 255 rows):
+  decode  every running sequence whose only uncomputed token is its newest, with its drafts;
+  prefill chunks of prompts (or of preempted sequences being recomputed), padded rows * longest
+          chunk <= max_num_batched_tokens; waiting sequences are admitted first-come first-served
+          while there are free sequence slots, tokens in the budget and KV blocks.
+When a decode row cannot get its blocks, its draft is dropped first, then the most recently
+admitted other sequence is preempted (blocks freed, recomputed later), then the row itself.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from specdec.engine.block_manager import BlockManager
+from specdec.engine.model_runner import Row
+from specdec.engine.sequence import Sequence, Status
+from specdec.spec.proposer import EMPTY
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 256
+    max_model_len: int = 2048
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+
+
+@dataclass
+class ScheduledBatch:
+    prefill: list[Row] = field(default_factory=list)
+    decode: list[Row] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.prefill or self.decode)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, speculation):
+        self.config = config
+        self.blocks = blocks
+        self.spec = speculation
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out of the queues and free its blocks (finish or abort)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq)
+        seq.status = Status.FINISHED
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.prefill_parts.clear()
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch(decode=self._schedule_decode())
+        batch.prefill = self._schedule_prefill()
+        if not batch and self.running:  # every running sequence is stuck mid-prefill without blocks
+            self.preempt(self.running[-1])
+            return self.schedule()
+        return batch
+
+    def _schedule_decode(self) -> list[Row]:
+        seqs = [s for s in self.running if s.num_uncomputed == 1]
+        caps = [self.spec.cap(s, self.config.max_model_len) for s in seqs]
+        k = self.spec.choose_k(seqs, caps)
+        rows = [Row(s, 1, self.spec.propose(s, k, c)) for s, c in zip(seqs, caps)]
+        scheduled: list[Row] = []
+        while rows:
+            row = rows.pop(0)
+            seq = row.seq
+            while not self.blocks.ensure(seq, seq.num_computed + len(row)):
+                if row.proposal:
+                    row.proposal = EMPTY
+                    continue
+                victim = self.running[-1]
+                rows = [r for r in rows if r.seq is not victim]
+                scheduled = [r for r in scheduled if r.seq is not victim]
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                scheduled.append(row)
+        return scheduled
+
+    def _schedule_prefill(self) -> list[Row]:
+        budget = self.config.max_num_batched_tokens
+        rows: list[Row] = []
+        longest = 0
+
+        def room() -> int:  # the longest chunk one more row may have: (rows + 1) * longest <= budget
+            return budget // (len(rows) + 1) if longest <= budget // (len(rows) + 1) else 0
+
+        for seq in self.running:  # chunked prefills (and recomputations) already running
+            n = min(seq.num_uncomputed, room())
+            if seq.num_uncomputed > 1 and n > 0 and self.blocks.ensure(seq, seq.num_computed + n):
+                rows.append(Row(seq, n))
+                longest = max(longest, n)
+        while self.waiting and len(self.running) < self.config.max_num_seqs and room() > 0:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                cached = self.blocks.match_prefix(seq)
+                if not seq.output_ids:
+                    seq.num_cached_prompt = cached
+            n = min(seq.num_uncomputed, room())
+            need = self.blocks.blocks_for(seq.num_computed + n) - len(seq.block_table)
+            reserve = len(self.running)  # one spare block per running sequence for its decode growth
+            if need + reserve > self.blocks.num_free or not self.blocks.ensure(seq, seq.num_computed + n):
+                self.blocks.free(seq)  # give back the prefix hits; admitted again on a later step
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            rows.append(Row(seq, n))
+            longest = max(longest, n)
+        return rows

@@ -1,0 +1,165 @@
+"""Batched speculation: one shared draft length per decode batch, chosen from a measured cost model.
+
+Every running request in the decode batch drafts up to K tokens with its own proposer (from the
+registry; per-request method or none), and ONE target forward verifies all rows: rows are left-padded
+to T = 1 + (longest draft), so the pass costs about c(B * T), the time of a forward over B * T
+token rows. On a CPU c(N) is flat while the matmuls are memory-bound (small N) and grows linearly
+once they are compute-bound, so speculation is nearly free at small batches and expensive at large
+ones. The rule (documented in docs/benchmarks/serving.md):
+
+    E_b(k)   = (1 - a_b^(k+1)) / (1 - a_b)                 tokens row b emits per pass (a_b: its EMA acceptance)
+    rate(K)  = sum_b E_b(min(K, cap_b)) / (c(B * (K+1)) + sum_b min(K, cap_b) * draft_cost_b)
+    K        = argmax rate(K) over 0..k_max, kept only if > 1.02 x rate(0)
+
+c(N) is profiled at start (N = 1, 2, 4, ..., 64) and refined by an EMA of every decode pass.
+A request with a fixed num_speculative_tokens drafts exactly that many. A row that has not drafted
+for `PROBE_INTERVAL` steps drafts one token so its acceptance estimate stays current.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from specdec.config import ConfigError, SpeculativeConfig
+from specdec.spec.proposer import EMPTY, Proposal, ProposerContext, available_methods, make_proposer
+from specdec.spec.rejection import Verdict, verify_greedy, verify_sampling
+from specdec.sampler import warp
+
+EMA = 0.3
+PROBE_INTERVAL = 16
+PROFILE_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+class BatchCost:
+    """Seconds of a target forward over N token rows (B rows x T columns, padded)."""
+
+    def __init__(self):
+        self.seconds: dict[int, float] = {}
+
+    def profile(self, model, sizes=PROFILE_SIZES, prefix_len: int = 32, repeats: int = 2) -> None:
+        for n in sizes:
+            cache = model.new_cache(prefix_len + 1, batch_size=n)
+            cache.length = prefix_len  # attention over a short, zero prefix: the matmuls dominate
+            times = []
+            for _ in range(repeats):
+                cache.rollback(prefix_len)
+                t0 = time.perf_counter()
+                model(torch.zeros(n, 1, dtype=torch.long), torch.full((n, 1), prefix_len), cache)
+                times.append(time.perf_counter() - t0)
+            self.seconds[n] = min(times)
+
+    def observe(self, n: int, seconds: float) -> None:
+        old = self.seconds.get(n)
+        self.seconds[n] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+
+    def estimate(self, n: int) -> float:
+        if n in self.seconds:
+            return self.seconds[n]
+        if not self.seconds:
+            return float(n)
+        known = sorted(self.seconds)
+        lo = max((x for x in known if x < n), default=None)
+        hi = min((x for x in known if x > n), default=None)
+        if lo is None:
+            return self.seconds[hi]
+        if hi is None:  # past the largest measured size: linear in N (compute-bound)
+            return self.seconds[lo] * n / lo
+        w = (n - lo) / (hi - lo)
+        return (1 - w) * self.seconds[lo] + w * self.seconds[hi]
+
+
+def expected_tokens(a: float, k: int) -> float:
+    a = min(a, 0.99)
+    return (1 - a ** (k + 1)) / (1 - a)
+
+
+def first_path(proposal: Proposal) -> Proposal:
+    """A token tree cut to its first root-to-leaf path, verified as a deterministic chain.
+
+    Treating drafts as deterministic (q one-hot) is exact for any drafted tokens, sampled or not."""
+    tokens, node = [], -1
+    for i, parent in enumerate(proposal.parents):
+        if parent == node:
+            tokens.append(proposal.tokens[i])
+            node = i
+    return Proposal(tokens)
+
+
+def verify_rows(proposal: Proposal, logits: torch.Tensor, params, generator) -> Verdict:
+    """logits [k+1, V] of a pass over [last, x_1..x_k]: the accepted drafts plus one token."""
+    if params.greedy:
+        return verify_greedy(proposal.tokens, logits.argmax(-1).tolist())
+    return verify_sampling(proposal.tokens, warp(logits, params), proposal.probs, generator)
+
+
+class Speculation:
+    """The proposers (the server's default and per-request ones), the cost model, the choice of K."""
+
+    def __init__(self, llm, default_config: SpeculativeConfig | None):
+        self.llm = llm
+        self.default_config = default_config
+        self.proposers = {}
+        if llm.proposer is not None:
+            self.proposers[llm.proposer.name] = llm.proposer
+        self.cost = BatchCost()
+
+    def proposer(self, method: str):
+        """The proposer for a method, built on first use (per-request method choice)."""
+        if method in self.proposers:
+            return self.proposers[method]
+        if method not in available_methods():
+            raise ConfigError(f"speculative method {method!r} is not available; available: "
+                              f"{', '.join(available_methods())}")
+        base = self.default_config
+        cfg = SpeculativeConfig(method=method, model=base.model if base and base.method == method else None)
+        llm = self.llm
+        ctx = ProposerContext(llm.model, llm.tokenizer, cfg, llm.source.directory, llm.dtype, llm.model.max_len,
+                              llm._load_aux)
+        self.proposers[method] = make_proposer(ctx)
+        return self.proposers[method]
+
+    def cap(self, seq, max_model_len: int) -> int:
+        """The most tokens this row may draft now (k_max, tokens left, context room)."""
+        if seq.spec.proposer is None or not seq.begun:
+            return 0
+        remaining = seq.params.max_tokens - len(seq.output_ids)
+        room = max_model_len - seq.num_tokens
+        return max(0, min(seq.spec.k_max, remaining - 1, room))
+
+    def choose_k(self, seqs, caps: list[int]) -> int:
+        adaptive = [(s, c) for s, c in zip(seqs, caps) if c > 0 and not s.spec.fixed_k]
+        if not adaptive:
+            return 0
+        B = len(seqs)
+        best_k, best = 0, B / self.cost.estimate(B)
+        for K in range(1, max(c for _, c in adaptive) + 1):
+            gain = B - len(adaptive) + sum(expected_tokens(s.acceptance, min(K, c)) for s, c in adaptive)
+            draft = sum(min(K, c) * s.spec.proposer.draft_cost_per_token for s, c in adaptive)
+            rate = gain / (self.cost.estimate(B * (K + 1)) + draft)
+            if rate > best * 1.02:
+                best_k, best = K, rate
+        return best_k
+
+    def propose(self, seq, k: int, cap: int) -> Proposal:
+        if cap <= 0:
+            return EMPTY
+        if seq.spec.fixed_k:
+            k = cap
+        elif k == 0:
+            seq.plain_steps += 1
+            if seq.plain_steps % PROBE_INTERVAL:
+                return EMPTY
+            k = 1  # probe: re-measure this row's acceptance
+        k = min(k, cap)
+        proposal = seq.spec.proposer.propose(seq.state, k)
+        if proposal.is_tree:
+            proposal = first_path(proposal)
+        tokens = proposal.tokens[:k]
+        if seq.grammar is not None:
+            tokens = tokens[:seq.grammar.cut(tokens)]
+        if not tokens:
+            return EMPTY
+        seq.plain_steps = 0
+        probs = None if proposal.probs is None else proposal.probs[:len(tokens)]
+        return Proposal(list(tokens), probs)

@@ -1,0 +1,216 @@
+"""The OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of the engine thread.
+
+    specdec serve smollm2-135m --speculative-method ngram --port 8000 --api-key secret
+    curl localhost:8000/v1/chat/completions -H 'Authorization: Bearer secret' \
+      -d '{"messages": [{"role": "user", "content": "Hi"}], "stream": true}'
+
+Routes: /v1/completions, /v1/chat/completions (SSE when stream=true), /v1/models, /health, /metrics,
+and / (a chat page). Limits: bodies over --max-body-bytes get 413, headers over --max-header-bytes are
+refused by the HTTP parser, more than --max-queued-requests waiting sequences get 429 + Retry-After,
+/v1 needs the --api-key (checked with hmac.compare_digest), a client that disconnects aborts its
+request, and SIGTERM stops new work (503) while in-flight requests finish.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+
+from specdec.config import ConfigError
+from specdec.engine.async_engine import AsyncEngine
+from specdec.engine.engine import EngineRequest
+from specdec.engine.grammar import GrammarCompiler
+from specdec.serve.metrics import ServerMetrics
+from specdec.serve.protocol import APIError, ChatRequest, CompletionRequest, pydantic_error
+from specdec.serve.responses import ResponseBuilder
+
+STATIC = Path(__file__).with_name("static")
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    model_name: str
+    api_key: str | None = None
+    max_queued_requests: int = 64
+    max_body_bytes: int = 1 << 20
+    draining: bool = False
+    metrics: ServerMetrics = None
+    grammars: GrammarCompiler = None
+    started: float = field(default_factory=time.time)
+
+    def __post_init__(self):
+        eng = self.engine.engine
+        self.tokenizer, self.max_model_len = eng.tokenizer, eng.max_model_len
+        self.metrics = self.metrics or ServerMetrics(self.model_name)
+        self.grammars = self.grammars or GrammarCompiler(eng.tokenizer, eng.model.config.vocab_size)
+
+
+class LimitsMiddleware:
+    """Pure ASGI: body size (413), API key on /v1 (401), draining (503). Buffers the (bounded) body."""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        st, path = self.state, scope["path"]
+        headers = dict(scope["headers"])
+        if path.startswith("/v1/"):
+            if st.api_key is not None:
+                auth = headers.get(b"authorization", b"")
+                token = auth[7:] if auth[:7].lower() == b"bearer " else b""
+                if not hmac.compare_digest(token, st.api_key.encode()):
+                    return await _send_error(send, APIError(401, "invalid or missing API key"))
+            if st.draining and scope["method"] == "POST":
+                st.metrics.rejected.labels(model_name=st.model_name, reason="draining").inc()
+                return await _send_error(send, APIError(503, "the server is shutting down", headers={
+                    "Retry-After": "5", "Connection": "close"}))
+        length = headers.get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > st.max_body_bytes):
+            return await _send_error(send, APIError(413, f"the request body exceeds {st.max_body_bytes} bytes"))
+        body, more = b"", True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # disconnected while sending the body
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > st.max_body_bytes:
+                return await _send_error(send, APIError(413, f"the request body exceeds {st.max_body_bytes} bytes"))
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+
+async def _send_error(send, err: APIError) -> None:
+    resp = JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+    await resp({"type": "http"}, None, send)
+
+
+class AbortingStream(StreamingResponse):
+    """Closes its body iterator however the response ends, so a disconnect aborts the request."""
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+def build_app(st: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app):
+        if not st.engine.alive:
+            st.engine.start()
+        yield
+        st.engine.shutdown()
+
+    app = FastAPI(title="specdec", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
+    app.state.server = st
+    app.add_middleware(LimitsMiddleware, state=st)
+    rb = ResponseBuilder(st)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request, exc):
+        err = pydantic_error(exc)
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.get("/health")
+    async def health():
+        ok = st.engine.alive and not st.draining
+        return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(st.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": st.model_name, "object": "model", "created": int(st.started),
+                                            "owned_by": "specdec", "max_model_len": st.max_model_len}]}
+
+    @app.get("/", response_class=HTMLResponse)
+    async def index():
+        return HTMLResponse((STATIC / "index.html").read_text())
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        prompts = rb.completion_prompts(body)
+        return await _serve(request, body, prompts, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request):
+        return await _serve(request, body, [rb.chat_prompt(body)], chat=True)
+
+    async def _serve(request: Request, body, prompts: list[list[int]], chat: bool):
+        if body.model is not None and body.model != st.model_name:
+            raise APIError(400, f"the model {body.model!r} does not exist; this server serves {st.model_name!r}",
+                           "model", "model_not_found")
+        body.check_unsupported()
+        reqs = await _engine_requests(body, prompts, chat)
+        queued = st.engine.queued()
+        new = sum(r.params.n for r in reqs)
+        if queued + new > st.max_queued_requests:
+            st.metrics.rejected.labels(model_name=st.model_name, reason="queue_full").inc()
+            raise APIError(429, f"the server is busy ({queued} sequences queued); retry later",
+                           headers={"Retry-After": "1"})
+        if body.stream:
+            return AbortingStream(rb.stream(reqs, body, chat), media_type="text/event-stream",
+                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        task = asyncio.ensure_future(rb.complete(reqs, body, chat))
+        while not task.done():  # a client that leaves aborts its request (the task's cleanup frees it)
+            await asyncio.wait({task}, timeout=0.25)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                return Response(status_code=499)
+        return JSONResponse(task.result())
+
+    async def _engine_requests(body, prompts: list[list[int]], chat: bool) -> list[EngineRequest]:
+        logprobs = (body.top_logprobs or 0 if body.logprobs else None) if chat else body.logprobs
+        spec = body.speculative_choice()
+        if spec is not None and spec.get("method") is not None:
+            try:
+                st.engine.engine.resolve_spec(spec)
+            except ConfigError as e:
+                raise APIError(400, str(e), "speculative") from None
+        grammar = None
+        if body.response_format is not None:
+            try:
+                grammar = await asyncio.get_running_loop().run_in_executor(
+                    None, st.grammars.compile, body.response_format)
+            except ConfigError as e:
+                raise APIError(400, str(e), "response_format") from None
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        reqs = []
+        for i, ids in enumerate(prompts):
+            max_tokens = (body.max_completion_tokens or body.max_tokens) if chat else body.max_tokens
+            room = st.max_model_len - len(ids)
+            if max_tokens is not None and max_tokens > room:
+                raise APIError(400, f"this model's maximum context length is {st.max_model_len} tokens; the prompt "
+                               f"has {len(ids)} and max_tokens is {max_tokens} (at most {room})", "max_tokens")
+            params = body.sampling_params(max_tokens or room, logprobs)
+            reqs.append(EngineRequest(f"{rid}-{i}", ids, params, spec, body.cache_salt, grammar))
+        return reqs
+
+    return app

@@ -1,0 +1,160 @@
+"""OpenAI-compatible request bodies, their validation, and the error shape.
+
+Ranges follow vLLM/OpenAI: temperature in [0, 2], top_p in (0, 1], n in [1, MAX_N], logprobs <= 20,
+at most 16 stop strings. Fields specdec adds (all optional): `speculative` ("off", a method name, or
+{"method", "num_speculative_tokens"}), `cache_salt`, `return_token_sources`, `response_format`
+{"type": "regex", "regex"} besides OpenAI's json_object / json_schema. A request-supplied chat
+template is refused: templates come only from the model's files (rendered in a Jinja2 sandbox).
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from specdec.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
+
+MAX_N = 16
+
+
+class APIError(Exception):
+    """An error answered as {"error": {"message", "type", "param", "code"}} with an HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.headers = status, message, param, headers
+        self.type = type or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                             413: "invalid_request_error", 429: "rate_limit_error",
+                             503: "service_unavailable"}.get(status, "server_error")
+        self.code = code or {400: "invalid_value", 401: "invalid_api_key", 413: "request_too_large",
+                             429: "rate_limit_exceeded", 503: "unavailable"}.get(status, "internal_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=-1, ge=-1)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    response_format: dict[str, Any] | None = None
+    speculative: bool | str | dict[str, Any] | None = None
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    return_token_sources: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
+            raise ValueError(f"at most {MAX_STOP_STRINGS} non-empty stop strings")
+        return stops
+
+    def check_unsupported(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise APIError(400, f"{name} is not supported by this server", name, "unsupported_parameter")
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported by this server", "logit_bias", "unsupported_parameter")
+        extra = self.model_extra or {}
+        for name in ("chat_template", "chat_template_kwargs"):
+            if extra.get(name) is not None:
+                raise APIError(400, f"{name} is not accepted: chat templates come from the model's files", name,
+                               "unsupported_parameter")
+        if extra.get("echo"):
+            raise APIError(400, "echo is not supported by this server", "echo", "unsupported_parameter")
+        if extra.get("best_of") not in (None, self.n):
+            raise APIError(400, "best_of must equal n", "best_of", "unsupported_parameter")
+
+    def speculative_choice(self) -> dict | None:
+        """None: the server's default; {"method": None}: off; {"method": m, ...}: that method."""
+        v = self.speculative
+        if v is None or v is True:
+            return None
+        if v is False or v in ("off", "none"):
+            return {"method": None}
+        if isinstance(v, str):
+            return {"method": v}
+        unknown = set(v) - {"method", "num_speculative_tokens"}
+        if unknown:
+            raise APIError(400, f"unknown speculative field(s): {', '.join(sorted(unknown))}", "speculative")
+        k = v.get("num_speculative_tokens")
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16):
+            raise APIError(400, "speculative.num_speculative_tokens must be an integer in [1, 16]", "speculative")
+        method = v.get("method")
+        if method is not None and not isinstance(method, str):
+            raise APIError(400, "speculative.method must be a string", "speculative")
+        return {"method": None if method in ("off", "none") else method, "num_speculative_tokens": k}
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        try:
+            return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                                  seed=self.seed, max_tokens=max_tokens, stop=tuple(self.stop or ()),
+                                  stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
+                                  logprobs=logprobs, n=self.n, skip_special_tokens=self.skip_special_tokens)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: int | None = Field(default=16, ge=1)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for p in self.content:
+            if p.get("type") != "text" or not isinstance(p.get("text"), str):
+                raise APIError(400, "only text content parts are supported", "messages")
+            parts.append(p["text"])
+        return "".join(parts)
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+def pydantic_error(exc) -> APIError:
+    """A FastAPI RequestValidationError as a 400 naming the first offending field."""
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    param = ".".join(loc) or None
+    msg = first.get("msg", "invalid request")
+    if first.get("type") == "json_invalid":
+        return APIError(400, "the request body is not valid JSON", None, "invalid_json")
+    return APIError(400, f"{param}: {msg}" if param else msg, param)

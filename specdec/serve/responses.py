@@ -1,0 +1,204 @@
+"""Turns engine outputs into OpenAI completion / chat responses and SSE chunks.
+
+Prompts of a request (completions accept a list) each become one engine request of n choices;
+choice index = prompt_index * n + choice. `usage` is exact: prompt tokens of every prompt, completion
+tokens of every choice, and cached_tokens = prompt tokens served by the prefix cache. A response
+also carries `metrics.speculative_decoding` (this request's acceptance figures, as vLLM's
+per-request metrics) and, when asked with return_token_sources, each text piece with "draft" (a
+drafted token the target accepted) or "target" (a token the target produced itself).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from contextlib import aclosing
+
+from specdec.config import ConfigError
+from specdec.engine.engine import EngineRequest, SeqOutput
+from specdec.serve.protocol import APIError
+from specdec.spec.metrics import SpecMetrics
+
+
+def _event(obj) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def spec_summary(metrics: list[SpecMetrics], method: str | None) -> dict | None:
+    if method is None:
+        return None
+    m = SpecMetrics()
+    for x in metrics:
+        m.merge(x)
+    return {"method": method, "num_spec_steps": m.num_drafts, "num_draft_tokens": m.num_draft_tokens,
+            "num_accepted_draft_tokens": m.num_accepted_tokens, "draft_acceptance_rate": round(m.acceptance_rate, 4),
+            "mean_acceptance_length": round(m.mean_acceptance_length, 4),
+            "acceptance_rate_by_position": [round(x, 4) for x in m.acceptance_by_position],
+            "accepted_by_position": list(m.accepted_per_pos), "drafted_by_position": list(m.drafted_per_pos),
+            "target_forward_passes": m.target_passes}
+
+
+class ResponseBuilder:
+    def __init__(self, state):
+        self.st = state
+        self.tok = state.tokenizer
+
+    # --- prompts --------------------------------------------------------------------------------
+    def _check_ids(self, ids: list[int], param: str) -> list[int]:
+        if not ids:
+            raise APIError(400, "the prompt is empty", param)
+        if len(ids) >= self.st.max_model_len:
+            raise APIError(400, f"the prompt has {len(ids)} tokens; this model's maximum context length is "
+                           f"{self.st.max_model_len}", param, "context_length_exceeded")
+        vocab = self.st.engine.engine.model.config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise APIError(400, f"prompt token ids must be in [0, {vocab})", param)
+        return ids
+
+    def completion_prompts(self, body) -> list[list[int]]:
+        p = body.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            p = [p]
+        if not p or len(p) > 16:
+            raise APIError(400, "prompt must hold 1 to 16 prompts", "prompt")
+        return [self._check_ids(self.tok.encode(x) if isinstance(x, str) else list(x), "prompt") for x in p]
+
+    def chat_prompt(self, body) -> list[int]:
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            text = self.tok.apply_chat_template(messages, add_generation_prompt=True)
+        except ConfigError as e:
+            raise APIError(400, str(e), "messages") from None
+        return self._check_ids(self.tok.encode(text, add_special_tokens=False), "messages")
+
+    # --- running --------------------------------------------------------------------------------
+    async def _outputs(self, reqs: list[EngineRequest]):
+        """(prompt index, SeqOutput) from all of a request's engine requests, as they come."""
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, req: EngineRequest):
+            try:
+                async with aclosing(self.st.engine.generate(req)) as it:
+                    async for out in it:
+                        q.put_nowait((i, out))
+                q.put_nowait((i, None))
+            except Exception as e:  # noqa: BLE001 - handed to the consumer
+                q.put_nowait((i, e))
+
+        tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(reqs)]
+        try:
+            left = len(tasks)
+            while left:
+                i, item = await q.get()
+                if isinstance(item, Exception):
+                    raise APIError(500, str(item))
+                if item is None:
+                    left -= 1
+                    continue
+                if item.finished:
+                    self.st.metrics.on_finished(item)
+                yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    def _logprobs(self, out: SeqOutput, chat: bool, offset: int) -> dict | None:
+        if out.logprobs is None:
+            return None
+        dec = lambda i: self.tok.decode([i], skip_special_tokens=False)  # noqa: E731
+        if chat:
+            return {"content": [{"token": dec(lp["token_id"]), "logprob": lp["logprob"],
+                                 "bytes": list(dec(lp["token_id"]).encode()),
+                                 "top_logprobs": [{"token": dec(t), "logprob": v, "bytes": list(dec(t).encode())}
+                                                  for t, v in lp["top"]]} for lp in out.logprobs]}
+        tokens = [dec(lp["token_id"]) for lp in out.logprobs]
+        offsets, pos = [], offset
+        for t in tokens:
+            offsets.append(pos)
+            pos += len(t)
+        return {"tokens": tokens, "token_logprobs": [lp["logprob"] for lp in out.logprobs],
+                "top_logprobs": [{dec(t): v for t, v in lp["top"]} for lp in out.logprobs], "text_offset": offsets}
+
+    @staticmethod
+    def _usage(finals: list[SeqOutput], prompt_lens: dict[int, int]) -> dict:
+        prompt = sum(prompt_lens.values())
+        completion = sum(o.num_output_tokens for o in finals)
+        cached = sum({o.request_id: o.num_cached_tokens for o in finals}.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    @staticmethod
+    def _sources(out: SeqOutput) -> list:
+        return [[text, "draft" if d else "target"] for text, d in out.pieces]
+
+    async def complete(self, reqs: list[EngineRequest], body, chat: bool) -> dict:
+        n = body.n
+        texts: dict[int, str] = {}
+        lps: dict[int, list] = {}
+        sources: dict[int, list] = {}
+        finals: dict[int, SeqOutput] = {}
+        async with aclosing(self._outputs(reqs)) as outs:
+            results = [x async for x in outs]
+        for i, out in results:
+            idx = i * n + out.index
+            texts[idx] = texts.get(idx, "") + out.text
+            lps.setdefault(idx, []).extend(out.logprobs or [])
+            sources.setdefault(idx, []).extend(self._sources(out))
+            if out.finished:
+                finals[idx] = out
+        choices = []
+        for idx in sorted(finals):
+            f = finals[idx]
+            full = SeqOutput(f.request_id, f.index, texts[idx], [], lps[idx] if f.logprobs is not None else None, [])
+            lp = self._logprobs(full, chat, 0)
+            c = {"index": idx, "finish_reason": f.finish_reason, "stop_reason": f.stop_reason, "logprobs": lp}
+            c.update({"message": {"role": "assistant", "content": texts[idx]}} if chat else {"text": texts[idx]})
+            if body.return_token_sources:
+                c["token_sources"] = sources[idx]
+            choices.append(c)
+        first = finals[min(finals)] if finals else None
+        return {"id": reqs[0].request_id.rsplit("-", 1)[0], "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()), "model": self.st.model_name, "choices": choices,
+                "usage": self._usage(list(finals.values()), {i: len(r.prompt_ids) for i, r in enumerate(reqs)}),
+                "metrics": {"speculative_decoding": spec_summary([f.metrics for f in finals.values() if f.metrics],
+                                                                 first.method if first else None)}}
+
+    def _chunk(self, head: dict, idx: int, out: SeqOutput, chat: bool, body, offsets: dict[int, int]) -> dict:
+        choice = {"index": idx, "logprobs": self._logprobs(out, chat, offsets.get(idx, 0)),
+                  "finish_reason": out.finish_reason if out.finished else None}
+        offsets[idx] = offsets.get(idx, 0) + len(out.text)
+        choice.update({"delta": {"content": out.text} if out.text else {}} if chat else {"text": out.text})
+        if body.return_token_sources:
+            choice["token_sources"] = self._sources(out)
+        chunk = {**head, "choices": [choice]}
+        if out.finished:
+            choice["stop_reason"] = out.stop_reason
+            chunk["metrics"] = {"speculative_decoding": spec_summary([out.metrics] if out.metrics else [], out.method)}
+        return chunk
+
+    async def stream(self, reqs: list[EngineRequest], body, chat: bool):
+        n, rid, created = body.n, reqs[0].request_id.rsplit("-", 1)[0], int(time.time())
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        head = {"id": rid, "object": kind, "created": created, "model": self.st.model_name}
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        finals: list[SeqOutput] = []
+        offsets: dict[int, int] = {}
+        try:
+            if chat:
+                for idx in range(n * len(reqs)):
+                    yield _event({**head, "choices": [{"index": idx, "delta": {"role": "assistant", "content": ""},
+                                                       "logprobs": None, "finish_reason": None}]})
+            async with aclosing(self._outputs(reqs)) as outs:
+                async for i, out in outs:
+                    if out.text or out.finished or (out.logprobs and out.token_ids):
+                        if out.finished:
+                            finals.append(out)
+                        yield _event(self._chunk(head, i * n + out.index, out, chat, body, offsets))
+            if include_usage:
+                yield _event({**head, "choices": [], "usage": self._usage(finals, {
+                    i: len(r.prompt_ids) for i, r in enumerate(reqs)}), "metrics": {"speculative_decoding": spec_summary(
+                        [f.metrics for f in finals if f.metrics], finals[0].method if finals else None)}})
+            yield "data: [DONE]\n\n"
+        except APIError as e:
+            yield _event(e.body())
+            yield "data: [DONE]\n\n"
