@@ -90,3 +90,39 @@ class BatchKV:
 
     def advance(self, n: int) -> None:
         """Lengths live in the sequences, which the engine advances after verification."""
+
+
+class SeqKV:
+    """One sequence's blocks seen as a single-request KVCache (length, max_len, write, rollback).
+
+    Lent to proposers that draft into the target's own cache (layerskip) as state.draft["target_cache"];
+    max_len is what the sequence's allocated blocks hold."""
+
+    def __init__(self, pool: PagedKVPool, block_table: list[int], length: int):
+        self.pool, self.block_table, self.length = pool, block_table, length
+
+    @property
+    def max_len(self) -> int:
+        return len(self.block_table) * self.pool.block_size
+
+    def attention_mask(self, block_mask, num_new: int):
+        from specdec.model.layers import build_attention_mask
+        return build_attention_mask(self.length, block_mask, num_new, self.pool.k.device)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # k, v: [1, n_kv, T, D] at positions [length, length + T) -> [1, n_kv, length + T, D]
+        end = self.length + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KV cache overflow: {end} > {self.max_len} positions")
+        slots = self.pool.slots(self.block_table, 0, end)
+        self.pool.k[layer].index_copy_(0, slots[self.length:], k[0].transpose(0, 1))
+        self.pool.v[layer].index_copy_(0, slots[self.length:], v[0].transpose(0, 1))
+        return self.pool.k[layer][slots].transpose(0, 1)[None], self.pool.v[layer][slots].transpose(0, 1)[None]
+
+    def advance(self, n: int) -> None:
+        self.length += n
+
+    def rollback(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll back to {length} (cache holds {self.length})")
+        self.length = length

@@ -104,6 +104,7 @@ class Engine:
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.pool = PagedKVPool.for_model(self.model.config, num_blocks, config.block_size, self.model.dtype)
         self.runner = ModelRunner(self.model, self.pool)
+        self.spec.pool = self.pool
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    self.max_model_len), self.blocks, self.spec)
         self.seqs: dict[str, list[Sequence]] = {}
@@ -148,7 +149,8 @@ class Engine:
             gen = None if params.greedy else make_generator(params.seed)
             grammar = GrammarState(req.grammar, req.grammar.initial()) if req.grammar is not None else None
             seqs.append(Sequence.create(next(self._ids), req.request_id, i, req.prompt_ids, params, self.tokenizer,
-                                        gen, spec=spec, cache_salt=req.cache_salt, grammar=grammar))
+                                        gen, self.max_model_len, spec=spec, cache_salt=req.cache_salt,
+                                        grammar=grammar))
         self.seqs[req.request_id] = seqs
         for s in seqs:
             self.scheduler.add(s)
@@ -225,8 +227,6 @@ class Engine:
             seq.metrics.record(k, verdict.num_accepted, len(verdict.tokens))
             self.totals.record(k, verdict.num_accepted, len(verdict.tokens))
             seq.observe_acceptance(k, verdict.num_accepted)
-        if seq.out.finish_reason is None and seq.num_tokens > self.max_model_len:
-            seq.out.finish_reason = "length"
         if seq.out.finish_reason is not None:
             self._finish(seq)
             return True

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from specdec.engine.block_manager import BlockManager
 from specdec.engine.model_runner import Row
 from specdec.engine.sequence import Sequence, Status
-from specdec.spec.proposer import EMPTY
 
 
 @dataclass(frozen=True)
@@ -83,27 +82,26 @@ class Scheduler:
         return batch
 
     def _schedule_decode(self) -> list[Row]:
+        """Blocks first (room for the row's longest allowed draft), then K, then the drafts."""
         seqs = [s for s in self.running if s.num_uncomputed == 1]
-        caps = [self.spec.cap(s, self.config.max_model_len) for s in seqs]
-        k = self.spec.choose_k(seqs, caps)
-        rows = [Row(s, 1, self.spec.propose(s, k, c)) for s, c in zip(seqs, caps)]
-        scheduled: list[Row] = []
-        while rows:
-            row = rows.pop(0)
-            seq = row.seq
-            while not self.blocks.ensure(seq, seq.num_computed + len(row)):
-                if row.proposal:
-                    row.proposal = EMPTY
+        caps = {s: self.spec.cap(s, self.config.max_model_len) for s in seqs}
+        ready: list[Sequence] = []
+        while seqs:
+            seq = seqs.pop(0)
+            while not self.blocks.ensure(seq, seq.num_computed + 1 + caps[seq]):
+                if caps[seq]:
+                    caps[seq] = 0  # no room for drafts: plain decoding this step
                     continue
                 victim = self.running[-1]
-                rows = [r for r in rows if r.seq is not victim]
-                scheduled = [r for r in scheduled if r.seq is not victim]
+                seqs = [s for s in seqs if s is not victim]
+                ready = [s for s in ready if s is not victim]
                 self.preempt(victim)
                 if victim is seq:
                     break
             else:
-                scheduled.append(row)
-        return scheduled
+                ready.append(seq)
+        k = self.spec.choose_k(ready, [caps[s] for s in ready])
+        return [Row(s, 1, self.spec.propose(s, k, caps[s])) for s in ready]
 
     def _schedule_prefill(self) -> list[Row]:
         budget = self.config.max_num_batched_tokens

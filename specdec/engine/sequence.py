@@ -79,10 +79,11 @@ class Sequence:
 
     @classmethod
     def create(cls, seq_id: int, request_id: str, index: int, prompt_ids: list[int], params: SamplingParams,
-               tokenizer, generator: torch.Generator | None, **kw) -> "Sequence":
+               tokenizer, generator: torch.Generator | None, max_model_len: int, **kw) -> "Sequence":
         state = RequestState(list(prompt_ids), params, generator, request_id=f"{request_id}-{index}")
-        seq = cls(seq_id, request_id, index, state, _Output(params, tokenizer.eos_token_ids,
-                  IncrementalDetokenizer(tokenizer, params.skip_special_tokens), None), **kw)
+        detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
+        seq = cls(seq_id, request_id, index, state, _Output(params, tokenizer.eos_token_ids, detok, None,
+                                                            max_model_len), **kw)
         seq.out.on_delta = seq._on_delta
         return seq
 

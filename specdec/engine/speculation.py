@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from specdec.cache.paged_cache import SeqKV
 from specdec.config import ConfigError, SpeculativeConfig
 from specdec.spec.proposer import EMPTY, Proposal, ProposerContext, available_methods, make_proposer
 from specdec.spec.rejection import Verdict, verify_greedy, verify_sampling
@@ -103,6 +104,7 @@ class Speculation:
         if llm.proposer is not None:
             self.proposers[llm.proposer.name] = llm.proposer
         self.cost = BatchCost()
+        self.pool = None  # the engine's PagedKVPool
 
     def proposer(self, method: str):
         """The proposer for a method, built on first use (per-request method choice)."""
@@ -124,7 +126,7 @@ class Speculation:
         if seq.spec.proposer is None or not seq.begun:
             return 0
         remaining = seq.params.max_tokens - len(seq.output_ids)
-        room = max_model_len - seq.num_tokens
+        room = max_model_len - seq.num_tokens - 1  # a step emits up to k + 1 tokens
         return max(0, min(seq.spec.k_max, remaining - 1, room))
 
     def choose_k(self, seqs, caps: list[int]) -> int:
@@ -142,6 +144,7 @@ class Speculation:
         return best_k
 
     def propose(self, seq, k: int, cap: int) -> Proposal:
+        """Up to k drafted tokens for seq (cap: its limit; the blocks for them are already allocated)."""
         if cap <= 0:
             return EMPTY
         if seq.spec.fixed_k:
@@ -152,6 +155,8 @@ class Speculation:
                 return EMPTY
             k = 1  # probe: re-measure this row's acceptance
         k = min(k, cap)
+        if self.pool is not None:  # self-speculation (layerskip) drafts into the sequence's own blocks
+            seq.state.draft["target_cache"] = SeqKV(self.pool, seq.block_table, seq.num_computed)
         proposal = seq.spec.proposer.propose(seq.state, k)
         if proposal.is_tree:
             proposal = first_path(proposal)

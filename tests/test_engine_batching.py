@@ -1,0 +1,166 @@
+"""The engine against single-request decoding: continuous batching, chunked prefill, preemption,
+batched speculation, abort, per-request speculation and structured output (tiny random model)."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from specdec.engine.engine import Engine, EngineConfig, EngineRequest
+from specdec.engine.grammar import GrammarCompiler, available
+from specdec.llm import LLM
+from specdec.sampling_params import SamplingParams
+
+PROMPTS = ["The cat sat on the mat. The cat sat on the", "Hello world, hello world, hello", "1 2 3 4 5 6 7 8",
+           "a", "Once upon a time there was a little robot who loved to count: one, two, three,",
+           "x y z x y z x y"]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_dir):
+    return LLM(str(tiny_dir("llama")), dtype="float32", max_model_len=160, progress=False, num_threads=1)
+
+
+@pytest.fixture(scope="module")
+def ngram(tiny_dir):
+    return LLM(str(tiny_dir("llama")), dtype="float32", max_model_len=160, progress=False, num_threads=1,
+               speculative_config={"method": "ngram"})
+
+
+_REFS: dict = {}
+
+
+def reference(llm, prompt_ids, params):
+    """Single-request decoding (specdec.spec.decoder), cached across tests."""
+    key = (id(llm), tuple(prompt_ids), params)
+    if key not in _REFS:
+        _REFS[key] = llm.generate({"prompt_token_ids": prompt_ids}, params)[0].outputs
+    return _REFS[key]
+
+
+def run(engine: Engine, reqs: list[EngineRequest]) -> dict[tuple[str, int], dict]:
+    for r in reqs:
+        engine.add_request(r)
+    res: dict[tuple[str, int], dict] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            d = res.setdefault((o.request_id, o.index), {"ids": [], "text": "", "lps": []})
+            d["ids"] += o.token_ids
+            d["text"] += o.text
+            d["lps"] += o.logprobs or []
+            if o.finished:
+                d["out"] = o
+    assert engine.blocks.num_used == 0  # nothing leaked
+    return res
+
+
+def greedy_reqs(llm, max_tokens=40):
+    p = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [EngineRequest(str(i), llm.tokenizer.encode(t), p) for i, t in enumerate(PROMPTS)]
+
+
+@pytest.mark.parametrize("spec_k", [None, 3])
+def test_greedy_batched_speculation_equals_single_request(plain, ngram, spec_k):
+    reqs = greedy_reqs(ngram)
+    if spec_k:
+        for r in reqs:
+            r.speculative = {"method": "ngram", "num_speculative_tokens": spec_k}
+    res = run(Engine(ngram, EngineConfig(max_num_seqs=4, max_num_batched_tokens=16, block_size=8)), reqs)
+    drafted = 0
+    for r in reqs:
+        got = res[(r.request_id, 0)]
+        assert got["ids"] == reference(plain, r.prompt_ids, r.params)[0].token_ids, r.request_id
+        drafted += got["out"].metrics.num_draft_tokens
+    assert drafted > 0
+
+
+def test_preemption_by_recompute_keeps_outputs(plain, ngram):
+    eng = Engine(ngram, EngineConfig(max_num_seqs=6, max_num_batched_tokens=32, block_size=8, num_kv_blocks=21))
+    reqs = greedy_reqs(ngram)
+    res = run(eng, reqs)
+    assert eng.scheduler.num_preemptions > 0
+    for r in reqs:
+        assert res[(r.request_id, 0)]["ids"] == reference(plain, r.prompt_ids, r.params)[0].token_ids
+
+
+def test_prefix_cache_hit_gives_same_output(plain):
+    eng = Engine(plain, EngineConfig(block_size=4))
+    ids = plain.tokenizer.encode(PROMPTS[4])
+    p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    first = run(eng, [EngineRequest("a", ids, p)])[("a", 0)]
+    second = run(eng, [EngineRequest("b", ids, p)])[("b", 0)]
+    salted = run(eng, [EngineRequest("c", ids, p, cache_salt="other-tenant")])[("c", 0)]
+    assert first["out"].num_cached_tokens == 0 and second["out"].num_cached_tokens > 0
+    assert salted["out"].num_cached_tokens == 0
+    assert first["ids"] == second["ids"] == salted["ids"]
+
+
+def test_seeded_sampling_n_stop_and_logprobs(plain, ngram):
+    ids = plain.tokenizer.encode(PROMPTS[0])
+    p = SamplingParams(temperature=0.8, top_p=0.9, seed=7, n=2, max_tokens=24, logprobs=3, ignore_eos=True)
+    res = run(Engine(plain, EngineConfig()), [EngineRequest("s", ids, p)])
+    ref = reference(plain, ids, p)
+    for i in range(2):
+        assert res[("s", i)]["ids"] == ref[i].token_ids
+        got, want = res[("s", i)]["lps"], ref[i].logprobs
+        assert [g["token_id"] for g in got] == [w["token_id"] for w in want]
+        assert [t for t, _ in got[0]["top"]] == [t for t, _ in want[0]["top"]]
+        assert max(abs(g["logprob"] - w["logprob"]) for g, w in zip(got, want)) < 1e-3
+    # stop strings cut the text exactly where the single-request decoder does, drafts or not
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    full = reference(plain, ids, greedy)[0].text
+    stop = full[10:14]
+    ps = SamplingParams(temperature=0, max_tokens=40, stop=(stop,), ignore_eos=True)
+    out = run(Engine(ngram, EngineConfig()), [EngineRequest("t", ids, ps)])[("t", 0)]
+    assert out["text"] == reference(plain, ids, ps)[0].text == full[:full.index(stop)]
+    assert out["out"].finish_reason == "stop" and out["out"].stop_reason == stop
+
+
+def test_per_request_speculation_off_and_abort(ngram):
+    eng = Engine(ngram, EngineConfig(block_size=8))
+    ids = ngram.tokenizer.encode(PROMPTS[1])
+    p = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    res = run(eng, [EngineRequest("off", ids, p, speculative={"method": None}), EngineRequest("on", ids, p)])
+    assert res[("off", 0)]["out"].metrics.num_drafts == 0 and res[("off", 0)]["out"].method is None
+    assert res[("on", 0)]["out"].metrics.num_drafts > 0
+    assert res[("off", 0)]["ids"] == res[("on", 0)]["ids"]
+    for i in range(3):
+        eng.add_request(EngineRequest(f"x{i}", ids, SamplingParams(temperature=0, max_tokens=100)))
+    eng.step(), eng.step()
+    assert eng.blocks.num_used > 0
+    for i in range(3):
+        outs = eng.abort(f"x{i}")
+        assert outs and outs[0].finish_reason == "abort"
+    assert eng.blocks.num_used == 0 and not eng.has_unfinished()
+
+
+@pytest.mark.skipif(not available(), reason="outlines-core is not installed")
+def test_structured_output_with_speculation_is_valid_and_exact(plain, ngram):
+    gc = GrammarCompiler(ngram.tokenizer, ngram.model.config.vocab_size)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]}},
+              "required": ["ok", "color"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    regex = {"type": "regex", "regex": r"(yes|no)( (yes|no)){2,5}\."}
+    p = SamplingParams(temperature=0, max_tokens=60)
+    outs = {}
+    for name, llm in (("plain", plain), ("spec", ngram)):
+        eng = Engine(llm, EngineConfig())
+        reqs = [EngineRequest("json", llm.tokenizer.encode(PROMPTS[0]), p, grammar=gc.compile(fmt)),
+                EngineRequest("re", llm.tokenizer.encode(PROMPTS[2]), p, grammar=gc.compile(regex))]
+        outs[name] = run(eng, reqs)
+    for name in outs:
+        obj = json.loads(outs[name][("json", 0)]["text"])
+        assert set(obj) == {"ok", "color"} and isinstance(obj["ok"], bool) and obj["color"] in ("red", "green", "blue")
+        assert re.fullmatch(r"(yes|no)( (yes|no)){2,5}\.", outs[name][("re", 0)]["text"])
+        assert outs[name][("json", 0)]["out"].finish_reason == "stop"
+    assert outs["plain"][("json", 0)]["ids"] == outs["spec"][("json", 0)]["ids"]
+    assert outs["plain"][("re", 0)]["ids"] == outs["spec"][("re", 0)]["ids"]
+
+
+def test_too_long_prompt_is_refused(plain):
+    eng = Engine(plain, EngineConfig())
+    with pytest.raises(ValueError):
+        eng.add_request(EngineRequest("long", [5] * 200, SamplingParams()))
+    assert torch.get_num_threads() >= 1
