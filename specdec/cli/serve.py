@@ -49,7 +49,8 @@ def build_server(args):
     from specdec.serve.api_server import ServerState, build_app
     from specdec.serve.metrics import ServerMetrics
 
-    for name in ("max_num_seqs", "max_queued_requests", "max_num_batched_tokens", "block_size", "max_body_bytes"):
+    for name in ("max_num_seqs", "max_queued_requests", "max_num_batched_tokens", "block_size", "max_body_bytes",
+                 "max_header_bytes"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
     llm = LLM(args.model, speculative_config=spec_config_from_args(args), dtype=args.dtype,
@@ -59,7 +60,7 @@ def build_server(args):
     name = args.served_model_name or args.model
     metrics = ServerMetrics(name)
     state = ServerState(AsyncEngine(engine, on_stats=metrics.on_stats), name, args.api_key or None,
-                        args.max_queued_requests, args.max_body_bytes, metrics=metrics)
+                        args.max_queued_requests, args.max_body_bytes, args.max_header_bytes, metrics=metrics)
     config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=args.log_level, http="h11",
                             h11_max_incomplete_event_size=args.max_header_bytes,
                             timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on")

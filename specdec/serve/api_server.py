@@ -6,7 +6,7 @@
 
 Routes: /v1/completions, /v1/chat/completions (SSE when stream=true), /v1/models, /health, /metrics,
 and / (a chat page). Limits: bodies over --max-body-bytes get 413, headers over --max-header-bytes are
-refused by the HTTP parser, more than --max-queued-requests waiting sequences get 429 + Retry-After,
+answered 431, more than --max-queued-requests waiting sequences get 429 + Retry-After,
 /v1 needs the --api-key (checked with hmac.compare_digest), a client that disconnects aborts its
 request, and SIGTERM stops new work (503) while in-flight requests finish.
 """
@@ -42,6 +42,7 @@ class ServerState:
     api_key: str | None = None
     max_queued_requests: int = 64
     max_body_bytes: int = 1 << 20
+    max_header_bytes: int = 16 << 10
     draining: bool = False
     metrics: ServerMetrics = None
     grammars: GrammarCompiler = None
@@ -55,7 +56,10 @@ class ServerState:
 
 
 class LimitsMiddleware:
-    """Pure ASGI: body size (413), API key on /v1 (401), draining (503). Buffers the (bounded) body."""
+    """Pure ASGI: header size (431), body size (413), API key on /v1 (401), draining (503).
+
+    The body is buffered (it is bounded) and replayed to the app; later receive() calls go to the
+    client connection, so the app still hears of a disconnect."""
 
     def __init__(self, app, state: ServerState):
         self.app, self.state = app, state
@@ -64,6 +68,8 @@ class LimitsMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         st, path = self.state, scope["path"]
+        if sum(len(k) + len(v) for k, v in scope["headers"]) > st.max_header_bytes:
+            return await _send_error(send, APIError(431, f"the request headers exceed {st.max_header_bytes} bytes"))
         headers = dict(scope["headers"])
         if path.startswith("/v1/"):
             if st.api_key is not None:

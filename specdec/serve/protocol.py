@@ -25,9 +25,9 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.headers = status, message, param, headers
         self.type = type or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                             413: "invalid_request_error", 429: "rate_limit_error",
+                             413: "invalid_request_error", 431: "invalid_request_error", 429: "rate_limit_error",
                              503: "service_unavailable"}.get(status, "server_error")
-        self.code = code or {400: "invalid_value", 401: "invalid_api_key", 413: "request_too_large",
+        self.code = code or {400: "invalid_value", 401: "invalid_api_key", 413: "request_too_large", 431: "headers_too_large",
                              429: "rate_limit_exceeded", 503: "unavailable"}.get(status, "internal_error")
 
     def body(self) -> dict:

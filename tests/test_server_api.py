@@ -1,0 +1,216 @@
+"""The OpenAI-compatible server on a loopback port, driven by the `openai` client and raw HTTP (tiny model).
+
+32 concurrent greedy streams (with batched n-gram speculation on) must equal single-request plain
+decoding; every bad input gets its status and the OpenAI error shape; a full queue gives 429; a wrong
+key 401; a client that disconnects or times out leaves no KV block behind.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import httpx
+import openai
+import pytest
+
+from server_util import ThreadServer
+from specdec.llm import LLM
+from specdec.sampling_params import SamplingParams
+
+KEY = "test-key-123"
+WORDS = ["cat", "mat", "robot", "river", "sky", "tree", "code", "moon"]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir):
+    srv = ThreadServer(str(tiny_dir("llama")), "--dtype", "float32", "--threads", "1", "--max-model-len", "256",
+                       "--speculative-method", "ngram", "--api-key", KEY, "--served-model-name", "tiny",
+                       "--max-num-seqs", "16", "--max-queued-requests", "64", "--block-size", "8")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_dir):
+    return LLM(str(tiny_dir("llama")), dtype="float32", max_model_len=256, progress=False, num_threads=1)
+
+
+def client(server, **kw) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, **kw)
+
+
+def headers() -> dict:
+    return {"Authorization": f"Bearer {KEY}"}
+
+
+def test_concurrent_greedy_streams_equal_single_request(server, plain):
+    prompts = [f"{WORDS[i % 8]} {WORDS[(i * 3) % 8]} {WORDS[i % 8]} {WORDS[(i * 3) % 8]} number {i}" for i in range(32)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = [plain.generate(p, params)[0].outputs[0].text for p in prompts]
+
+    async def one(c, p):
+        stream = await c.completions.create(model="tiny", prompt=p, max_tokens=24, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True})
+        text, finish = "", None
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            finish = chunk.choices[0].finish_reason or finish
+        return text, finish
+
+    async def main():
+        c = client(server)
+        return await asyncio.gather(*(one(c, p) for p in prompts))
+
+    got = asyncio.run(main())
+    assert [t for t, _ in got] == want
+    assert all(f == "length" for _, f in got)
+    server.wait_idle()
+    metrics = httpx.get(server.url + "/metrics").text
+    assert re.search(r"specdec:spec_decode_num_draft_tokens_total\{[^}]*\} [1-9]", metrics)
+
+
+BAD = [
+    ("/v1/completions", {"prompt": "hi", "temperature": 2.5}, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -0.1}, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, "top_p"),
+    ("/v1/completions", {"prompt": ""}, "prompt"),
+    ("/v1/completions", {"prompt": []}, "prompt"),
+    ("/v1/completions", {"prompt": "word " * 300}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 10_000}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, "model"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 1000}, "n"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["x"] * 17}, "stop"),
+    ("/v1/completions", {"prompt": [10**9]}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "speculative": "no-such-method"}, "speculative"),
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "xml"}}, "response_format"),
+    ("/v1/completions", {"max_tokens": 3}, "prompt"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 50}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 7*7 }}"},
+     "chat_template"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "presence_penalty": 1.0},
+     "presence_penalty"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", BAD, ids=[f"{b[2]}-{i}" for i, b in enumerate(BAD)])
+def test_bad_input_gets_400_in_openai_shape(server, path, body, param):
+    r = httpx.post(server.url + path, json=body, headers=headers(), timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error" and err["param"] == param and err["message"]
+
+
+def test_malformed_json_body_and_size_limits(server):
+    r = httpx.post(server.url + "/v1/completions", content=b"{not json", headers={**headers(),
+                   "Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "x" * (2 << 20)}, headers=headers())
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    r = httpx.get(server.url + "/health", headers={"X-Big": "y" * (20 << 10)})
+    assert r.status_code == 431 and r.json()["error"]["code"] == "headers_too_large"
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_api_key(server):
+    body = {"prompt": "hi", "max_tokens": 2}
+    for h in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        r = httpx.post(server.url + "/v1/completions", json=body, headers=h)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0).models.list()
+    assert httpx.get(server.url + "/health").status_code == 200  # health needs no key
+    assert httpx.get(server.url + "/v1/models", headers=headers()).json()["data"][0]["id"] == "tiny"
+
+
+def test_queue_full_answers_429_with_retry_after(server):
+    server.state.max_queued_requests = 2
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as c:
+            body = {"prompt": "count with me", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+            return await asyncio.gather(*(c.post(server.url + "/v1/completions", json=body, headers=headers())
+                                          for _ in range(24)))
+
+    try:
+        rs = asyncio.run(main())
+    finally:
+        server.state.max_queued_requests = 64
+    codes = [r.status_code for r in rs]
+    assert set(codes) <= {200, 429} and codes.count(429) >= 1 and codes.count(200) >= 16
+    limited = next(r for r in rs if r.status_code == 429)
+    assert limited.headers["retry-after"] and limited.json()["error"]["type"] == "rate_limit_error"
+    server.wait_idle()
+
+
+def test_disconnect_and_timeout_abort_and_free_blocks(server):
+    body = {"prompt": "a long story", "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as c:
+        with c.stream("POST", server.url + "/v1/completions", json=body, headers=headers()) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data:")
+        # the response is closed after one chunk: the server must abort the request
+    body["stream"] = False
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, headers=headers(), timeout=0.5)
+    server.wait_idle()
+    assert server.engine.blocks.num_used == 0
+
+
+def test_chat_stream_sources_usage_and_spec_metrics(server):
+    body = {"messages": [{"role": "user", "content": "sky tree sky tree sky tree"}], "max_tokens": 30,
+            "temperature": 0, "stream": True, "return_token_sources": True, "stream_options": {"include_usage": True}}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=headers(), timeout=60)
+    events = [json.loads(l[5:]) for l in r.text.split("\n\n") if l.startswith("data:") and "[DONE]" not in l]
+    assert r.text.rstrip().endswith("data: [DONE]")
+    content = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"])
+    pieces = [p for e in events if e["choices"] for p in e["choices"][0].get("token_sources", [])]
+    assert "".join(t for t, _ in pieces) == content and {s for _, s in pieces} <= {"draft", "target"}
+    usage = events[-1]["usage"]
+    assert usage["completion_tokens"] == 30 and usage["total_tokens"] == usage["prompt_tokens"] + 30
+    spec = events[-1]["metrics"]["speculative_decoding"]
+    assert spec["method"] == "ngram" and 0 <= spec["draft_acceptance_rate"] <= 1
+    # the same request with speculation off: same text, no speculative metrics
+    off = httpx.post(server.url + "/v1/chat/completions", headers=headers(), timeout=60,
+                     json={**body, "stream": False, "speculative": "off"}).json()
+    assert off["choices"][0]["message"]["content"] == content
+    assert off["metrics"]["speculative_decoding"] is None
+
+
+def test_n_seed_stop_logprobs_and_exact_usage(server, plain):
+    async def main():
+        c = client(server)
+        return await c.completions.create(model="tiny", prompt="moon river moon", max_tokens=12, temperature=0.9,
+                                          n=3, seed=5, logprobs=2, extra_body={"ignore_eos": True})
+
+    r = asyncio.run(main())
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    ids = plain.tokenizer.encode("moon river moon")
+    ref = plain.generate(ids, SamplingParams(temperature=0.9, n=3, seed=5, max_tokens=12, ignore_eos=True))[0]
+    assert [c.text for c in r.choices] == [o.text for o in ref.outputs]
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 36
+    assert all(len(c.logprobs.tokens) == 12 and len(c.logprobs.top_logprobs[0]) == 2 for c in r.choices)
+    greedy = plain.generate(ids, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].outputs[0].text
+    stop = greedy[5:9]
+    rs = httpx.post(server.url + "/v1/completions", headers=headers(), json={
+        "prompt": "moon river moon", "max_tokens": 20, "temperature": 0, "stop": [stop], "ignore_eos": True}).json()
+    assert rs["choices"][0]["text"] == greedy[:greedy.index(stop)] and rs["choices"][0]["finish_reason"] == "stop"
+
+
+def test_json_schema_response_format(server):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                               "color": {"enum": ["red", "green", "blue"]}},
+              "required": ["ok", "color"], "additionalProperties": False}
+    r = httpx.post(server.url + "/v1/chat/completions", headers=headers(), timeout=60, json={
+        "messages": [{"role": "user", "content": "give me json"}], "max_tokens": 60, "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+    assert r.status_code == 200, r.text
+    obj = json.loads(r.json()["choices"][0]["message"]["content"])
+    assert isinstance(obj["ok"], bool) and obj["color"] in ("red", "green", "blue")
