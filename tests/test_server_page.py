@@ -1,0 +1,93 @@
+"""The chat page at / in headless Chromium: it streams a reply and marks the drafter's accepted tokens.
+
+Chromium is driven over the DevTools protocol on a pipe (--remote-debugging-pipe: JSON messages
+separated by NUL bytes on fds 3 and 4), so the test needs no extra Python package. `make browser`
+installs Debian's chromium; without it the test is skipped.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+import urllib.parse
+
+import pytest
+
+from server_util import ThreadServer
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (run `make browser`)")
+
+
+class DevTools:
+    """A minimal Chrome DevTools Protocol client over --remote-debugging-pipe."""
+
+    def __init__(self, tmp_path):
+        cmd_r, self._cmd_w = os.pipe()
+        self._resp_r, resp_w = os.pipe()
+        flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
+                 f"--user-data-dir={tmp_path}", "--remote-debugging-pipe", "about:blank"]
+        shell = f'exec "{CHROMIUM}" ' + " ".join(f"'{f}'" for f in flags) + f" 3<&{cmd_r} 4>&{resp_w}"
+        self.proc = subprocess.Popen(["bash", "-c", shell], pass_fds=(cmd_r, resp_w),
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        os.close(cmd_r), os.close(resp_w)
+        self._buf, self._id = b"", 0
+
+    def call(self, method: str, session: str | None = None, **params) -> dict:
+        self._id += 1
+        msg = {"id": self._id, "method": method, "params": params}
+        if session:
+            msg["sessionId"] = session
+        os.write(self._cmd_w, json.dumps(msg).encode() + b"\0")
+        while True:
+            while b"\0" not in self._buf:
+                chunk = os.read(self._resp_r, 1 << 16)
+                if not chunk:
+                    raise RuntimeError("chromium closed the DevTools pipe")
+                self._buf += chunk
+            raw, self._buf = self._buf.split(b"\0", 1)
+            reply = json.loads(raw)
+            if reply.get("id") == self._id:
+                if "error" in reply:
+                    raise RuntimeError(reply["error"])
+                return reply["result"]
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+        os.close(self._cmd_w), os.close(self._resp_r)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir):
+    srv = ThreadServer(str(tiny_dir("llama")), "--dtype", "float32", "--threads", "1", "--max-model-len", "256",
+                       "--speculative-method", "ngram")
+    yield srv
+    srv.stop()
+
+
+def test_page_streams_a_reply_and_colours_drafted_tokens(server, tmp_path):
+    query = urllib.parse.urlencode({"q": "sky tree sky tree sky tree sky tree", "maxTokens": "40"})
+    browser = DevTools(tmp_path)
+    try:
+        target = browser.call("Target.createTarget", url=f"{server.url}/?{query}")["targetId"]
+        session = browser.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+        probe = ("JSON.stringify({done: document.body.dataset.done || '', "
+                 "drafted: document.querySelectorAll('.msg.assistant span.draft').length, "
+                 "pieces: document.querySelectorAll('.msg.assistant > span').length, "
+                 "text: (document.querySelector('.msg.assistant') || {}).textContent || ''})")
+        state: dict = {}
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            res = browser.call("Runtime.evaluate", session, expression=probe, returnByValue=True)
+            state = json.loads(res["result"]["value"])
+            if state["done"]:
+                break
+            time.sleep(0.25)
+    finally:
+        browser.close()
+    assert state.get("done") == "1", state
+    assert state["pieces"] >= 10 and "tokens in" in state["text"]
+    assert state["drafted"] >= 1  # n-gram drafts of a repetitive reply were accepted and shown as such
