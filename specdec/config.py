@@ -53,6 +53,7 @@ class ModelConfig:
             )
         model_type = SUPPORTED_ARCHS[arch]
         heads = cfg["num_attention_heads"]
+        rope = cfg.get("rope_parameters") or {}  # transformers >= 5 folds theta and scaling in here
         eos = cfg.get("eos_token_id")
         eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return cls(
@@ -64,8 +65,8 @@ class ModelConfig:
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-            rope_scaling=cfg.get("rope_scaling"),
+            rope_theta=cfg.get("rope_theta", rope.get("rope_theta", 10000.0)),
+            rope_scaling=cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=cfg.get("attention_bias", model_type == "qwen2"),
@@ -84,7 +85,8 @@ class ModelConfig:
         return L * per_layer + v * h * (1 if self.tie_word_embeddings else 2) + h
 
 
-SPEC_METHODS = ("draft_model", "ngram", "suffix", "layerskip", "lookahead")
+SPEC_METHODS = ("draft_model", "ngram", "suffix", "layerskip", "lookahead", "medusa", "eagle", "eagle3", "qdraft")
+LEARNED_TREE_METHODS = ("medusa", "eagle", "eagle3")  # learned heads; `model` = the head dir (default: shipped)
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,11 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 1000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    # learned heads (names as SGLang's --speculative-num-steps / -eagle-topk / -num-draft-tokens):
+    # tree depth, children per expanded node, tokens verified per step counting the root (topk 1: a chain)
+    num_steps: int = 4
+    eagle_topk: int = 1
+    num_draft_tokens: int | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -128,6 +135,20 @@ class SpeculativeConfig:
             raise ConfigError("method 'draft_model' needs 'model' (the draft model's path or alias)")
         if not (0.0 <= self.draft_confidence_threshold < 1.0):
             raise ConfigError("draft_confidence_threshold must be in [0, 1)")
+        if self.method in LEARNED_TREE_METHODS:
+            self._check_tree()
+
+    def _check_tree(self) -> None:
+        if not (1 <= self.num_steps <= 16 and 1 <= self.eagle_topk <= 16):
+            raise ConfigError("need 1 <= num_steps <= 16 and 1 <= eagle_topk <= 16")
+        n = self.num_draft_tokens
+        if n is None:  # SGLang's rule for chains; a small tree otherwise
+            n = self.num_steps + 1 if self.eagle_topk == 1 else min(2 * self.num_steps + 2, 64)
+            object.__setattr__(self, "num_draft_tokens", n)
+        if not (2 <= n <= 65):
+            raise ConfigError(f"num_draft_tokens must be in [2, 65], got {n}")
+        if self.num_speculative_tokens is None:  # a learned tree has a fixed budget, not adaptive k
+            object.__setattr__(self, "num_speculative_tokens", n - 1)
 
     @property
     def fixed_k(self) -> bool:

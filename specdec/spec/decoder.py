@@ -60,6 +60,7 @@ class _Output:
     eos_ids: frozenset[int]
     detok: IncrementalDetokenizer
     on_delta: Callable[[str, list[int]], None] | None
+    max_total_tokens: int  # the context length: prompt + output never exceed it
     text: str = ""
     finish_reason: str | None = None
     stop_reason: str | int | None = None
@@ -74,7 +75,8 @@ class _Output:
                 self.logprobs.extend(logprobs_of(logits[j:j + 1], [tok], p.logprobs))
             if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
                 self.finish_reason, self.stop_reason = "stop", (None if tok in self.eos_ids else tok)
-                self._flush([tok], special=True)
+                if self.on_delta:  # streams see the stop token, with no text
+                    self.on_delta("", [tok])
                 return
             delta = self.detok.add([tok])
             if p.stop and self._check_stop_strings(delta, [tok]):
@@ -82,7 +84,7 @@ class _Output:
             if delta and self.on_delta:
                 self.on_delta(delta, [tok])
             self.text += delta
-            if len(state.output_ids) >= p.max_tokens:
+            if len(state.output_ids) >= p.max_tokens or state.num_tokens >= self.max_total_tokens:
                 self.finish_reason = "length"
                 return
 
@@ -99,10 +101,6 @@ class _Output:
                 self.text, self.finish_reason, self.stop_reason = cut, "stop", s
                 return True
         return False
-
-    def _flush(self, toks: list[int], special: bool) -> None:
-        if self.on_delta:
-            self.on_delta("", toks)
 
 
 class SpeculativeDecoder:
@@ -132,7 +130,7 @@ class SpeculativeDecoder:
 
     def _choose_k(self, state: RequestState, adaptive: AdaptiveK | None, cache_len: int) -> int:
         remaining = state.params.max_tokens - len(state.output_ids)
-        room = self.max_len - cache_len - 1
+        room = self.max_len - (cache_len + 1) - 1  # a step emits up to k + 1 tokens
         if self.proposer is None or remaining <= 1 or room <= 0:
             return 0
         if adaptive is None:
@@ -156,9 +154,10 @@ class SpeculativeDecoder:
         gen = None if params.greedy else make_generator(params.seed)
         state = RequestState(list(prompt_ids), params, gen)
         out = _Output(params, self.tokenizer.eos_token_ids, IncrementalDetokenizer(
-            self.tokenizer, params.skip_special_tokens), on_delta)
+            self.tokenizer, params.skip_special_tokens), on_delta, self.max_len)
         metrics = SpecMetrics()
         cache = self.target.new_cache(min(self.max_len, len(prompt_ids) + params.max_tokens + self.k_max + 1))
+        state.draft["target_cache"] = cache  # self-speculation (layerskip) drafts into the target's own cache
         adaptive = None
         if self.proposer is not None and not self.config.fixed_k and self.config.adaptive:
             if not self.cost.profiled:
@@ -176,9 +175,6 @@ class SpeculativeDecoder:
             self.proposer.begin(state, TargetOutput(res, list(range(n))))
         try:
             while out.finish_reason is None:
-                if cache.length + 1 > cache.max_len:
-                    out.finish_reason = "length"
-                    break
                 self._step(state, cache, out, metrics, adaptive)
         finally:
             if self.proposer is not None:

@@ -1,0 +1,95 @@
+"""Loaders: GGUF conversion and its cache, tokenizer, chat templates, and clear errors on bad input."""
+import json
+import shutil
+import time
+
+import pytest
+import torch
+
+from specdec.config import ConfigError, ModelConfig
+from specdec.model.chat_template import render_chat
+from specdec.model.loader import load_model, resolve_model
+from specdec.model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+def test_gguf_conversion_is_cached_and_fast(smollm_dir):
+    t0 = time.perf_counter()
+    src = resolve_model("smollm2-135m", progress=False)
+    model = load_model(src.directory)
+    elapsed = time.perf_counter() - t0
+    assert src.directory == smollm_dir and model.config.num_hidden_layers == 30
+    assert elapsed < 3.0, f"second load took {elapsed:.1f}s"
+
+
+def test_gguf_tokenizer_matches_transformers(smollm_dir):
+    from transformers import AutoTokenizer
+    source = json.loads((smollm_dir / "source.json").read_text())["gguf"]
+    import pathlib
+    ref = AutoTokenizer.from_pretrained(str(pathlib.Path(source).parent), gguf_file=pathlib.Path(source).name)
+    ours = Tokenizer(smollm_dir)
+    for text in ["Hello world", "  spaces   and\ttabs\n\nnewlines", "digits 1234567 and 3.14",
+                 "café ☕ naïve 日本語", "<|im_start|>user\nhi<|im_end|>"]:
+        assert ours.encode(text) == ref(text).input_ids
+        assert ours.decode(ours.encode(text), skip_special_tokens=False) == text
+
+
+def test_incremental_detokenizer_streams_whole_characters(smollm_dir):
+    tok = Tokenizer(smollm_dir)
+    text = "naïve café ☕ 日本語 done"
+    ids = tok.encode(text)
+    detok = IncrementalDetokenizer(tok)
+    pieces = [detok.add([i]) for i in ids]
+    assert "".join(pieces) == text and all("\ufffd" not in p for p in pieces)
+
+
+def test_chat_template_is_sandboxed():
+    evil = "{{ messages.__class__.__mro__[1].__subclasses__() }}"
+    with pytest.raises(ConfigError):
+        render_chat(evil, [{"role": "user", "content": "x"}])
+    ok = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
+    assert render_chat(ok, [{"role": "user", "content": "hi"}]) == "[user]hi"
+
+
+def test_unknown_model_and_hub_id_errors(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(ConfigError, match="unknown model"):
+        resolve_model("no-such-model")
+    with pytest.raises(ConfigError, match="local Hugging Face cache"):
+        resolve_model("someorg/somemodel")
+
+
+def test_hub_id_resolves_from_local_cache(tmp_path, monkeypatch, tiny_dir):
+    snap = tmp_path / "models--org--tiny" / "snapshots" / "abc"
+    shutil.copytree(tiny_dir("llama"), snap)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    assert resolve_model("org/tiny").directory == snap
+
+
+def test_corrupt_gguf_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 64)
+    with pytest.raises(ConfigError, match="GGUF"):
+        resolve_model(str(bad))
+    assert not list((tmp_path / "cache").rglob("model.safetensors"))  # nothing half-written
+
+
+def test_unsupported_architecture(tmp_path):
+    with pytest.raises(ConfigError, match="unsupported architecture"):
+        ModelConfig.from_hf({"architectures": ["GPT2LMHeadModel"]})
+
+
+def test_pickle_weights_are_refused(tmp_path, tiny_dir):
+    d = tmp_path / "m"
+    shutil.copytree(tiny_dir("llama"), d)
+    (d / "model.safetensors").unlink()
+    (d / "pytorch_model.bin").write_bytes(b"not loaded")
+    with pytest.raises(ConfigError, match="pickle"):
+        load_model(d)
+
+
+def test_make_bf16_model(tiny_dir):
+    model = load_model(tiny_dir("llama"), dtype=torch.bfloat16)
+    cache = model.new_cache(8)
+    out = model(torch.tensor([[5, 6]]), torch.arange(2)[None], cache)
+    assert out.logits.dtype == torch.bfloat16 and torch.isfinite(out.logits.float()).all()

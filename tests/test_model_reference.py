@@ -1,0 +1,63 @@
+"""Our decoder against HF transformers (the reference implementation), in fp32."""
+import pytest
+import torch
+
+from specdec.model.loader import load_model
+
+PROMPT_IDS = [1, 504, 3458, 282, 4649, 314, 253, 1345, 28, 2365, 30, 9690, 198, 2683, 359]
+
+
+def _hf_logits(directory, ids):
+    from transformers import AutoModelForCausalLM
+    ref = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return ref(torch.tensor([ids])).logits[0], ref
+
+
+def _our_logits(model, ids):
+    cache = model.new_cache(64)
+    return model(torch.tensor([ids]), torch.arange(len(ids))[None], cache).logits[0]
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "qwen3"])
+def test_tiny_logits_match_transformers(tiny_dir, arch):
+    d = tiny_dir(arch)
+    ref, _ = _hf_logits(d, PROMPT_IDS)
+    ours = _our_logits(load_model(d), PROMPT_IDS)
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+
+
+def test_tiny_incremental_decode_matches_full_pass(tiny_dir):
+    """Feeding tokens one at a time through the KV cache equals one pass over all of them."""
+    model = load_model(tiny_dir("qwen3"))
+    full = _our_logits(model, PROMPT_IDS)
+    cache = model.new_cache(64)
+    rows = [model(torch.tensor([[t]]), torch.tensor([[i]]), cache).logits[0, 0] for i, t in enumerate(PROMPT_IDS)]
+    torch.testing.assert_close(torch.stack(rows), full, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_smollm_logits_match_transformers(smollm_dir):
+    ref, _ = _hf_logits(smollm_dir, PROMPT_IDS)
+    ours = _our_logits(load_model(smollm_dir), PROMPT_IDS)
+    # logits are O(20) here; the AVX2 kernel sums in another order than MKL
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_smollm_greedy_equals_transformers_generate(smollm_dir, smollm_llm):
+    from transformers import AutoModelForCausalLM
+    from specdec import SamplingParams
+
+    ref = AutoModelForCausalLM.from_pretrained(str(smollm_dir), dtype=torch.float32).eval()
+    tok = smollm_llm.tokenizer
+    prompts = ["The three primary colors are",
+               tok.apply_chat_template([{"role": "user", "content": "Give me two tips for sleeping well."}])]
+    for prompt in prompts:
+        ids = tok.encode(prompt)
+        with torch.no_grad():
+            hf = ref.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)[0, len(ids):].tolist()
+        ours = smollm_llm.generate({"prompt_token_ids": ids},
+                                   SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))[0]
+        assert ours.outputs[0].token_ids == hf

@@ -1,0 +1,86 @@
+"""The rejection sampler as a distribution: emitted tokens follow p whatever q is.
+
+Toy p, q over a vocabulary of 10; N samples; the total-variation distance between the empirical
+distribution and p must be under a bound derived from N (4 standard deviations per cell). A
+deliberately wrong sampler (resampling from p instead of the residual after a rejection) is
+rejected by the same test: the negative control shows the test has teeth.
+"""
+import math
+
+import torch
+
+from specdec.sampler import sample
+from specdec.spec.rejection import Verdict, verify_greedy, verify_sampling
+
+V, N = 10, 100_000
+
+
+def tv_bound(p: torch.Tensor, n: int) -> float:
+    return 0.5 * sum(4 * math.sqrt(float(pi) * (1 - float(pi)) / n) for pi in p) + 1e-3
+
+
+def tv(counts: torch.Tensor, p: torch.Tensor) -> float:
+    return 0.5 * float((counts / counts.sum() - p).abs().sum())
+
+
+def toy(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    p = torch.softmax(torch.randn(3, V, generator=g) * 1.5, -1)
+    q = torch.softmax(torch.randn(2, V, generator=g) * 1.5, -1)
+    return p, q
+
+
+def wrong_verify(draft, p, q, gen):
+    """A classic bug: on rejection, resample from p instead of norm(max(0, p - q))."""
+    for i, x in enumerate(draft):
+        if float(torch.rand((), generator=gen)) < min(1.0, float(p[i, x] / q[i, x])):
+            continue
+        return Verdict(i, list(draft[:i]) + [sample(p[i], gen)])
+    return Verdict(len(draft), list(draft) + [sample(p[len(draft)], gen)])
+
+
+def run(verify, p, q, one_hot=False, seed=0, n=N):
+    gen = torch.Generator().manual_seed(seed)
+    first, second = torch.zeros(V), torch.zeros(V)
+    for _ in range(n):
+        draft = [sample(q[0], gen), sample(q[1], gen)]
+        v = verify(draft, p, None if one_hot else q, gen)
+        first[v.tokens[0]] += 1
+        if len(v.tokens) > 1:
+            second[v.tokens[1]] += 1
+    return first, second
+
+
+def test_speculative_sampling_matches_target():
+    p, q = toy(0)
+    first, second = run(verify_sampling, p, q)
+    assert tv(first, p[0]) < tv_bound(p[0], N)
+    assert tv(second, p[1]) < tv_bound(p[1], int(second.sum()))
+
+
+def test_deterministic_proposals_match_target():
+    """n-gram style drafts: q is one-hot on the drafted token."""
+    p, q = toy(1)
+    first, second = run(verify_sampling, p, q, one_hot=True)
+    assert tv(first, p[0]) < tv_bound(p[0], N)
+    assert tv(second, p[1]) < tv_bound(p[1], int(second.sum()))
+
+
+def test_negative_control_wrong_sampler_is_rejected():
+    p, q = toy(0)
+    first, _ = run(wrong_verify, p, q, n=N // 5)
+    assert tv(first, p[0]) > tv_bound(p[0], N // 5), "the distribution test cannot tell a wrong sampler apart"
+
+
+def test_identical_p_and_q_accepts_everything():
+    p, _ = toy(2)
+    gen = torch.Generator().manual_seed(0)
+    accepted = sum(verify_sampling([sample(p[0], gen), sample(p[1], gen)], p, p[:2], gen).num_accepted
+                   for _ in range(2000))
+    assert accepted == 4000
+
+
+def test_greedy_verification():
+    assert verify_greedy([5, 6, 7], [5, 6, 9, 1]) == Verdict(2, [5, 6, 9])
+    assert verify_greedy([5, 6], [5, 6, 3]) == Verdict(2, [5, 6, 3])  # bonus token
+    assert verify_greedy([4], [5, 0]) == Verdict(0, [5])
