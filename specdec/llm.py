@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from specdec.config import SpeculativeConfig
-from specdec.model.loader import DEFAULT_MODEL, load_model, resolve_dtype, resolve_model
+from specdec.model.loader import DEFAULT_MODEL, load_model, resolve_device, resolve_dtype, resolve_model
 from specdec.model.tokenizer import Tokenizer
 from specdec.sampling_params import SamplingParams
 from specdec.spec.decoder import GenerationResult, SpeculativeDecoder
@@ -39,18 +39,19 @@ class RequestOutput:
     metrics: dict = field(default_factory=dict)
 
 
-def load_target(model: str, dtype, max_model_len: int | None, progress: bool = True):
+def load_target(model: str, dtype, max_model_len: int | None, progress: bool = True, device: str = "auto"):
     source = resolve_model(model, progress=progress)
-    target = load_model(source.directory, resolve_dtype(dtype), max_model_len)
+    device = resolve_device(device)
+    target = load_model(source.directory, resolve_dtype(dtype, device), max_model_len, device)
     return source, target, Tokenizer(source.directory)
 
 
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, speculative_config: dict | SpeculativeConfig | None = None,
                  dtype: str | torch.dtype = "auto", max_model_len: int | None = None,
-                 num_threads: int | None = None, progress: bool = True):
+                 num_threads: int | None = None, progress: bool = True, device: str = "auto"):
         torch.set_num_threads(num_threads or os.cpu_count() or 1)
-        self.source, self.model, self.tokenizer = load_target(model, dtype, max_model_len, progress)
+        self.source, self.model, self.tokenizer = load_target(model, dtype, max_model_len, progress, device)
         self.dtype = self.model.dtype
         self.speculative_config = SpeculativeConfig.from_dict(speculative_config)
         self.proposer = None
@@ -64,7 +65,8 @@ class LLM:
     def _load_aux(self, name: str):
         """Load another model (a drafter) at the target's dtype and context length."""
         source = resolve_model(name)
-        return load_model(source.directory, self.dtype, self.model.max_len), Tokenizer(source.directory), source
+        return (load_model(source.directory, self.dtype, self.model.max_len, str(self.model.device)),
+                Tokenizer(source.directory), source)
 
     def _encode(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -106,7 +108,7 @@ class LLM:
         return {"model": self.source.origin, "loaded_from": str(self.source.directory), "source_kind": self.source.kind,
                 "architecture": cfg.model_type, "parameters": cfg.num_parameters, "layers": cfg.num_hidden_layers,
                 "hidden_size": cfg.hidden_size, "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
-                "vocab_size": cfg.vocab_size, "dtype": str(self.dtype).replace("torch.", ""),
+                "vocab_size": cfg.vocab_size, "dtype": str(self.dtype).replace("torch.", ""), "device": str(self.model.device),
                 "max_model_len": self.model.max_len, "threads": torch.get_num_threads(), "kernels": kernel_status(),
                 "speculative_config": None if self.speculative_config is None else self.speculative_config.method}
 

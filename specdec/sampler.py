@@ -33,8 +33,8 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token from probs [V]."""
-    return int(torch.multinomial(probs, 1, generator=generator))
+    """One token from probs [V] (drawn on the CPU, where per-request generators live)."""
+    return int(torch.multinomial(probs.float().cpu(), 1, generator=generator))
 
 
 def make_generator(seed: int | None) -> torch.Generator:

@@ -1,7 +1,6 @@
 """Loaders: GGUF conversion and its cache, tokenizer, chat templates, and clear errors on bad input."""
 import json
 import shutil
-import time
 
 import pytest
 import torch
@@ -12,13 +11,18 @@ from specdec.model.loader import load_model, resolve_model
 from specdec.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
-def test_gguf_conversion_is_cached_and_fast(smollm_dir):
-    t0 = time.perf_counter()
+def test_gguf_conversion_is_cached(smollm_dir, monkeypatch):
+    """The second load reads the converted safetensors and never converts again (its time is a
+    benchmark figure, `specdec bench`, not a timed test)."""
+    import specdec.model.gguf as gguf_mod
+
+    def fail(*a, **k):
+        raise AssertionError("converted twice")
+
+    monkeypatch.setattr(gguf_mod, "convert_gguf", fail)
     src = resolve_model("smollm2-135m", progress=False)
     model = load_model(src.directory)
-    elapsed = time.perf_counter() - t0
     assert src.directory == smollm_dir and model.config.num_hidden_layers == 30
-    assert elapsed < 3.0, f"second load took {elapsed:.1f}s"
 
 
 def test_gguf_tokenizer_matches_transformers(smollm_dir):

@@ -14,6 +14,7 @@ def add_model_args(p: argparse.ArgumentParser, positional: bool = True) -> None:
     p.add_argument("--dtype", default="auto", help="auto|float32|bfloat16|float16 (auto: bf16 where the CPU has AMX/AVX512-BF16)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: model's, capped at 8192)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--device", default="auto", help="auto|cpu|cuda (auto: CUDA when available)")
 
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
@@ -47,4 +48,4 @@ def spec_config_from_args(args) -> dict | None:
 def make_llm(args, speculative: bool = True):
     from specdec.llm import LLM
     return LLM(args.model, speculative_config=spec_config_from_args(args) if speculative else None,
-               dtype=args.dtype, max_model_len=args.max_model_len, num_threads=args.threads)
+               dtype=args.dtype, max_model_len=args.max_model_len, num_threads=args.threads, device=args.device)

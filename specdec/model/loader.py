@@ -115,6 +115,17 @@ def cpu_has_bf16() -> bool:
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
+def resolve_device(device: str = "auto") -> str:
+    """auto: CUDA when available, else CPU. Asking for CUDA without it is an error, not a fallback."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was asked for but no CUDA device is available")
+    if not (device == "cpu" or device.startswith("cuda")):
+        raise ConfigError(f"unknown device {device!r}; choose auto, cpu or cuda")
+    return device
+
+
 def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -195,6 +206,9 @@ def specdec_to_hf(model: LlamaModel, layers: list[int] | None = None) -> dict[st
 
 def load_model(directory: Path, dtype: torch.dtype = torch.float32, max_len: int | None = None,
                device: str = "cpu") -> LlamaModel:
+    from specdec.quant.io import is_quantized, load_quantized  # `specdec quantize` output (int8/int4)
+    if is_quantized(directory):
+        return load_quantized(directory, dtype, max_len, device)
     cfg = read_config(directory)
     max_len = min(max_len or min(cfg.max_position_embeddings, 8192), cfg.max_position_embeddings)
     with torch.device("meta"):

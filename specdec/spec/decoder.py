@@ -166,7 +166,8 @@ class SpeculativeDecoder:
 
         t0 = time.perf_counter()
         n = len(prompt_ids)
-        res = self.target(torch.tensor([prompt_ids]), torch.arange(n)[None], cache, num_logits=1,
+        dev = self.target.device
+        res = self.target(torch.tensor([prompt_ids], device=dev), torch.arange(n, device=dev)[None], cache, num_logits=1,
                           output_layers=self._feature_layers())
         logits = res.logits[0]  # [1, V]
         out.emit(state, [self._pick(logits[-1], params, gen)], logits)
@@ -202,7 +203,8 @@ class SpeculativeDecoder:
             positions, block_mask = start + tree_positions(proposal.parents), tree_mask(proposal.parents)
         else:
             positions, block_mask = torch.arange(start, start + T), None
-        fwd = self.target(torch.tensor([tokens]), positions[None], cache, block_mask=block_mask,
+        dev = self.target.device
+        fwd = self.target(torch.tensor([tokens], device=dev), positions.to(dev)[None], cache, block_mask=block_mask,
                           output_layers=self._feature_layers())
         logits = fwd.logits[0]  # [T, V]: row 0 predicts after the last token, row i after node i-1
         t2 = time.perf_counter()
