@@ -39,5 +39,11 @@ demo: install
 bench: install
 	$(VENV)/bin/specdec bench --out docs/benchmarks/latest
 
+# optional peers for `specdec bench`: llama-cpp-python compiles llama.cpp from source (long on 2 cores);
+# without it the benchmark skips the llama.cpp rows with a note. Not part of `make test`.
+bench-deps: install
+	CMAKE_ARGS="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF" \
+	  $(PIP) install llama-cpp-python==0.3.36
+
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

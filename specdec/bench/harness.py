@@ -1,0 +1,328 @@
+"""The benchmark harness: every system x every prompt, interleaved, in one process and one run.
+
+    specdec bench --prompts-per-category 3 --max-tokens 96 --repeats 3 --out docs/benchmarks/x
+
+A *system* is one way to generate: our plain decoding (the baseline), each registered speculative
+method, and the peers (specdec.bench.peers). For each repeat, each prompt is run by every system
+back to back, the order rotated from prompt to prompt, so that the load of a shared machine hits
+every system alike; speedups are ratios of tokens/s measured inside the same repeat.
+
+Times are wall clock around one greedy generation (prefill + decode), tokens are the new tokens
+generated (each system stops at EOS or max_tokens; greedy lossless systems make the same tokens).
+Proposers are rebuilt at every repeat, so no drafter can remember a previous repeat's output.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from specdec.bench.costs import PeakRSS, rss_mb
+from specdec.bench.systems import BASELINE, Generated, SpecdecSystem, System
+from specdec.config import ConfigError
+
+
+
+@dataclass
+class RunRecord:
+    repeat: int
+    category: str
+    prompt: int  # index into the prompt list
+    system: str
+    prompt_tokens: int
+    new_tokens: int
+    seconds: float
+    prefill_seconds: float | None
+    target_passes: int | None
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    drafted_per_pos: list[int] = field(default_factory=list)
+    accepted_per_pos: list[int] = field(default_factory=list)
+    draft_seconds: float = 0.0
+    peak_rss_mb: float | None = None  # whole process, during this generation
+    extra_rss_mb: float | None = None  # peak minus the RSS before this generation
+    phase: str = "main"  # "main" | "sweep"
+
+
+# ---------------------------------------------------------------- the run loop
+@dataclass
+class SystemStatus:
+    name: str
+    ok: bool
+    setup_seconds: float = 0.0
+    setup_rss_mb: float | None = None  # RSS growth while setting up (weights it loaded)
+    note: str = ""
+    describe: dict = field(default_factory=dict)
+
+
+def _rotated(items: list, shift: int) -> list:
+    if not items:
+        return items
+    shift %= len(items)
+    return items[shift:] + items[:shift]
+
+
+def setup_systems(systems: list[System], warmup_ids: list[int], log=print) -> tuple[list[System], list[SystemStatus]]:
+    """Set up and warm up each system; a system that fails is dropped with its reason."""
+    ready, status = [], []
+    for s in systems:
+        before = rss_mb()
+        t0 = time.perf_counter()
+        try:
+            s.setup()
+            s.generate(warmup_ids, 8)  # first-call allocations, cost profiles, drafter calibration
+        except (ConfigError, FileNotFoundError, ImportError, RuntimeError, ValueError, OSError) as e:
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            log(f"  skip {s.name}: {msg}")
+            status.append(SystemStatus(s.name, False, note=msg, describe=s.describe()))
+            s.close()
+            continue
+        after = rss_mb()
+        dt = time.perf_counter() - t0
+        log(f"  ready {s.name} ({dt:.1f} s)")
+        status.append(SystemStatus(s.name, True, dt, None if before is None or after is None else after - before,
+                                   s.note, s.describe()))
+        ready.append(s)
+    return ready, status
+
+
+def _record(g: Generated, repeat: int, prompt, idx: int, system: System, mem: PeakRSS, phase: str,
+            prefill: float | None) -> RunRecord:
+    spec = g.spec or {}
+    return RunRecord(repeat, prompt.category, idx, system.name, len(prompt.token_ids), len(g.token_ids), g.seconds,
+                     g.prefill_seconds if g.prefill_seconds is not None else prefill, g.target_passes,
+                     spec.get("num_drafts", 0), spec.get("num_draft_tokens", 0), spec.get("num_accepted_tokens", 0),
+                     spec.get("drafted_per_pos", []), spec.get("accepted_per_pos", []),
+                     spec.get("draft_seconds", 0.0), mem.peak_mb, mem.extra_mb, phase)
+
+
+def run_interleaved(systems: list[System], prompts: list, max_tokens: int, repeats: int, phase: str = "main",
+                    log=print, measure_prefill: bool = True) -> list[RunRecord]:
+    """repeats x prompts x systems, systems in a rotating order. Peers' prefill is timed once per
+    prompt (a 1-token generation) so their decode-only rate can be derived."""
+    records: list[RunRecord] = []
+    prefill: dict[tuple[str, int], float] = {}
+    total = repeats * len(prompts)
+    for r in range(repeats):
+        if r > 0:
+            for s in systems:
+                s.new_repeat()
+        for i, p in enumerate(prompts):
+            for s in _rotated(systems, r + i):
+                if measure_prefill and r == 0 and s.family != "specdec":
+                    prefill[(s.name, i)] = s.prefill_seconds(p.token_ids)
+                with PeakRSS() as mem:
+                    g = s.generate(p.token_ids, max_tokens)
+                records.append(_record(g, r, p, i, s, mem, phase, prefill.get((s.name, i))))
+            done = r * len(prompts) + i + 1
+            if log and (done % max(1, total // 10) == 0 or done == total):
+                log(f"  {phase}: {done}/{total} prompt runs")
+    return records
+
+
+def records_to_dicts(records: list[RunRecord]) -> list[dict]:
+    out = []
+    for rec in records:
+        d = asdict(rec)
+        d["seconds"] = round(d["seconds"], 6)
+        if d["prefill_seconds"] is not None:
+            d["prefill_seconds"] = round(d["prefill_seconds"], 6)
+        d["draft_seconds"] = round(d["draft_seconds"], 6)
+        for key in ("peak_rss_mb", "extra_rss_mb"):
+            if d[key] is not None:
+                d[key] = round(d[key], 1)
+        out.append(d)
+    return out
+
+
+def set_threads(threads: int | None) -> int:
+    import os
+    n = threads or os.cpu_count() or 1
+    torch.set_num_threads(n)
+    return n
+
+
+# ---------------------------------------------------------------- the whole benchmark
+DEFAULT_METHOD_CONFIGS: dict[str, dict] = {"draft_model": {}, "ngram": {}, "suffix": {}, "layerskip": {},
+                                           "lookahead": {}}
+SWEEP_CATEGORIES = ("chat", "summarization", "rag", "code")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    model: str = "smollm2-135m"
+    dtypes: tuple[str, ...] = ("float32",)
+    categories: tuple[str, ...] | None = None  # None: all (specdec.bench.prompts.CATEGORIES)
+    prompts_per_category: int = 3
+    max_tokens: int = 96
+    repeats: int = 3
+    threads: int | None = None
+    methods: tuple[str, ...] | None = None  # None: every registered speculative method
+    method_configs: dict = field(default_factory=dict)  # method -> extra speculative_config keys
+    peers: tuple[str, ...] | None = None  # None: all peers; (): none; else names or families
+    draft_model: str | None = "auto"  # "auto": a layer-truncated copy of the target; None: no draft model
+    draft_layers: int = 8
+    sweep_ks: tuple[int, ...] = (1, 2, 4, 8)  # (): no k sweep
+    cost_ks: tuple[int, ...] = tuple(range(1, 33))
+    bandwidth_mb: int = 512  # buffer of the streaming-read bandwidth measurement
+    first_turn_tokens: int = 48
+    max_prompt_tokens: int = 1536
+
+
+def auto_draft_dir(source_dir: Path, target, layers: int) -> Path:
+    """A layer-truncated copy of the target (`specdec make-draft`'s default layer choice when that
+    module is present, else the first layers), made once into the cache."""
+    from specdec.model.loader import cache_root, save_model_dir
+
+    total = target.config.num_hidden_layers
+    n = max(1, min(layers, total - 1))
+    try:
+        from specdec.train.make_draft import draft_layers
+        kept, how = draft_layers(total, n), "first-last"
+    except ImportError:
+        kept, how = list(range(n)), "first"
+    st = next(iter(sorted(source_dir.glob("*.safetensors"))), source_dir / "config.json").stat()
+    key = hashlib.sha1(f"{source_dir.resolve()}|{st.st_size}|{st.st_mtime_ns}|{kept}".encode()).hexdigest()[:10]
+    out = cache_root() / "bench" / "drafts" / f"{source_dir.name}-{how}{n}-{key}"
+    if not (out / "tokenizer.json").exists():  # written last by save_model_dir
+        save_model_dir(target, source_dir, out, layers=kept)
+        (out / "specdec_draft.json").write_text(json.dumps({"target": str(source_dir), "layers": kept}))
+    return out
+
+
+def _draft_layers(draft_dir: Path) -> list[int] | None:
+    meta = draft_dir / "specdec_draft.json"
+    return json.loads(meta.read_text()).get("layers") if meta.exists() else None
+
+
+def _cached_loader(dtype, max_len):
+    from specdec.model.loader import load_model, resolve_model
+    from specdec.model.tokenizer import Tokenizer
+    loaded: dict[str, tuple] = {}
+
+    def load(name: str):
+        if name not in loaded:
+            src = resolve_model(name, progress=False)
+            loaded[name] = (load_model(src.directory, dtype, max_len), Tokenizer(src.directory), src)
+        return loaded[name]
+    return load
+
+
+def _answer_fn(plain: SpecdecSystem, tokenizer, max_tokens: int):
+    def answer(messages: list[dict]) -> str:
+        ids = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        g = plain.generate(ids, max_tokens)
+        return tokenizer.decode(g.token_ids).strip() or "OK."
+    return answer
+
+
+def our_systems(cfg: BenchConfig, target, tokenizer, source_dir: Path, draft_dir: Path | None, load_aux,
+                k: int | None = None) -> tuple[list[System], list[tuple[str, str]]]:
+    from specdec.spec.proposer import available_methods
+
+    methods = available_methods() if cfg.methods is None else list(cfg.methods)
+    systems: list[System] = [] if k is not None else [SpecdecSystem(target, tokenizer, source_dir)]
+    skipped = []
+    for m in methods:
+        spec = dict(DEFAULT_METHOD_CONFIGS.get(m, {}), **cfg.method_configs.get(m, {}))
+        if m == "draft_model" and "model" not in spec:
+            if draft_dir is None:
+                skipped.append((f"specdec:{m}", "no draft model available (--draft-model)"))
+                continue
+            spec["model"] = str(draft_dir)
+        label = m
+        if k is not None:
+            spec["num_speculative_tokens"], label = k, f"{m}@k{k}"
+        systems.append(SpecdecSystem(target, tokenizer, source_dir, m, spec, load_aux, label))
+    return systems, skipped
+
+
+def run_dtype(cfg: BenchConfig, dtype_name: str, prompts: list | None, log=print) -> tuple[dict, list]:
+    """Everything measured at one dtype. Builds the prompts on first use (multi-turn answers are the
+    target's own) and returns them for the next dtype."""
+    from specdec.bench.costs import measure_bandwidth, measure_cost_curve, weight_bytes_per_token
+    from specdec.bench.peers import make_peers
+    from specdec.bench.prompts import CATEGORIES, build_prompts
+    from specdec.model.loader import load_model, resolve_dtype, resolve_model
+    from specdec.model.tokenizer import Tokenizer
+
+    threads = set_threads(cfg.threads)
+    dtype = resolve_dtype(dtype_name)
+    source = resolve_model(cfg.model, progress=False)
+    max_len = cfg.max_prompt_tokens + cfg.max_tokens + 160
+    target = load_model(source.directory, dtype, max_len)
+    tokenizer = Tokenizer(source.directory)
+    plain = SpecdecSystem(target, tokenizer, source.directory)
+    plain.setup()
+    if prompts is None:
+        log("building prompts ...")
+        prompts = build_prompts(tokenizer, cfg.prompts_per_category, cfg.categories or CATEGORIES,
+                                _answer_fn(plain, tokenizer, cfg.first_turn_tokens), cfg.max_prompt_tokens)
+    log(f"[{dtype_name}] cost curve and memory bandwidth ...")
+    curve = measure_cost_curve(target, cfg.cost_ks)
+    result = {"dtype": str(dtype).replace("torch.", ""), "threads": threads, "model_dir": str(source.directory),
+              "cost_curve": curve.to_dict(), "bandwidth_gb_s": round(measure_bandwidth(cfg.bandwidth_mb), 2),
+              "weight_bytes_per_token": weight_bytes_per_token(target)}
+    draft_dir = None
+    if cfg.draft_model == "auto":
+        draft_dir = auto_draft_dir(source.directory, target, cfg.draft_layers)
+    elif cfg.draft_model:
+        draft_dir = resolve_model(cfg.draft_model, progress=False).directory
+    result["draft_model"] = None if draft_dir is None else {"dir": str(draft_dir), "auto": cfg.draft_model == "auto",
+                                                             "layers": _draft_layers(draft_dir)}
+    load_aux = _cached_loader(dtype, max_len)
+    ours, skipped = our_systems(cfg, target, tokenizer, source.directory, draft_dir, load_aux)
+    peers, peer_skips = ([], []) if cfg.peers == () else make_peers(
+        source.directory, dtype, threads, max_len + 64, sorted(tokenizer.eos_token_ids), draft_dir, cfg.peers)
+    warm = prompts[0].token_ids[:64]
+    log(f"[{dtype_name}] setting up {len(ours) + len(peers)} systems ...")
+    systems, status = setup_systems(ours + peers, warm, log)
+    if BASELINE not in {s.name for s in systems}:
+        raise ConfigError("plain decoding failed to run; nothing to compare against")
+    records = run_interleaved(systems, prompts, cfg.max_tokens, cfg.repeats, "main", log)
+    for s in peers:
+        s.close()
+    sweep: list[RunRecord] = []
+    ready_methods = tuple(s.method for s in systems if s.family == "specdec" and s.method != "plain")
+    if cfg.sweep_ks and ready_methods:
+        firsts = {c: next((p for p in prompts if p.category == c), None) for c in SWEEP_CATEGORIES}
+        sub = [p for p in firsts.values() if p is not None] or prompts[:1]
+        sweep_cfg = BenchConfig(**{**cfg.__dict__, "methods": ready_methods})
+        sweep_systems = [plain]
+        for k in cfg.sweep_ks:
+            sweep_systems += our_systems(sweep_cfg, target, tokenizer, source.directory, draft_dir, load_aux, k)[0]
+        log(f"[{dtype_name}] k sweep: {len(sweep_systems)} systems x {len(sub)} prompts ...")
+        ready, _ = setup_systems(sweep_systems[1:], warm, log)
+        sweep = run_interleaved([plain] + ready, sub, cfg.max_tokens, 1, "sweep", log)
+        result["sweep_prompts"] = [prompts.index(p) for p in sub]
+    result.update(systems=[s.__dict__ for s in status], skipped=[{"name": n, "reason": r} for n, r in skipped + peer_skips],
+                  records=records_to_dicts(records), sweep_records=records_to_dicts(sweep))
+    return result, prompts
+
+
+def run_benchmark(cfg: BenchConfig, log=print) -> dict:
+    """The full benchmark: environment, prompts, and per dtype the foundation figures, every system x
+    category and the k sweep (raw records included; summaries come from specdec.bench.report)."""
+    from specdec.bench.costs import environment
+
+    started = time.time()
+    threads = set_threads(cfg.threads)
+    env_before = environment()
+    load = env_before["load_average"][0]
+    if threads > 1 and load > (env_before["cores"] or 1):
+        log(f"warning: the machine is busy (load {load:.1f} on {env_before['cores']} cores); with {threads} threads "
+            "per process the timings are dominated by thread scheduling: consider --threads 1")
+    prompts, runs = None, {}
+    for dt in cfg.dtypes:
+        runs[dt], prompts = run_dtype(cfg, dt, prompts, log)
+    env = dict(env_before, load_average_end=environment()["load_average"])
+    return {"config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.__dict__.items()},
+            "environment": env, "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
+            "wall_seconds": round(time.time() - started, 1),
+            "prompts": [p.to_dict() for p in prompts], "runs": runs}

@@ -1,0 +1,64 @@
+"""`specdec advise`: measure this machine and your prompts, and recommend a speculative method and k.
+
+    specdec advise smollm2-135m --prompts my_prompts.txt
+    specdec advise smollm2-135m --prompts chats.jsonl --batch-size 8 --json
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from specdec.cli._common import add_model_args
+
+
+def register(sub) -> None:
+    p = sub.add_parser("advise", help="recommend a speculative method, k and tree size for your prompts")
+    add_model_args(p)
+    p.add_argument("--prompts", type=Path, required=True,
+                   help="a text file (one prompt per line) or JSONL ({\"prompt\": ...} or {\"messages\": [...]})")
+    p.add_argument("--raw", action="store_true", help="do not wrap prompts in the chat template")
+    p.add_argument("--batch-size", type=int, default=1, help="concurrent requests you will serve (default 1)")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per prompt while measuring")
+    p.add_argument("--k-max", type=int, default=8, help="largest k considered")
+    p.add_argument("--methods", default=None, help="comma list (default: every registered method)")
+    p.add_argument("--speculative-model", "--draft-model", dest="draft_model", default=None,
+                   help="draft model for the draft_model method")
+    p.add_argument("--max-prompts", type=int, default=16, help="use at most this many prompts")
+    p.add_argument("--no-verify", action="store_true", help="skip measuring the recommendation against plain decoding")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from specdec.bench.advise import advise
+    from specdec.bench.prompts import load_prompt_file
+    from specdec.model.loader import resolve_model
+    from specdec.model.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(resolve_model(args.model).directory)
+    prompts = load_prompt_file(args.prompts, tokenizer, chat=not args.raw)[: max(1, args.max_prompts)]
+    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip()) if args.methods else None
+    log = (lambda *a: print(*a, file=sys.stderr, flush=True))
+    adv = advise(args.model, prompts, args.dtype, args.threads, args.batch_size, args.max_tokens, args.k_max,
+                 methods, None, args.draft_model, not args.no_verify, log)
+    if args.json:
+        print(json.dumps(adv.to_dict(), default=str))
+        return 0
+    rec = adv.recommendation
+    if rec["method"] is None:
+        print("Recommendation: plain decoding (speculation off).")
+    else:
+        tree = f", tree size {rec['tree_size']:.0f}" if rec["tree_size"] else ""
+        meas = f", measured {rec['measured_speedup']:.2f}x" if rec["measured_speedup"] else ""
+        print(f"Recommendation: --speculative-method {rec['method']} --num-speculative-tokens {rec['k']}{tree} "
+              f"(expected {rec['expected_speedup']:.2f}x{meas})")
+        print(f"  --speculative-config '{json.dumps(rec['speculative_config'])}'")
+    print(f"Why: {adv.reason}")
+    print(f"\n{'method':14s} {'best k':>6s} {'expected':>9s} {'tokens/step':>12s} {'acceptance':>11s} {'draft cost':>11s}")
+    for c in sorted(adv.candidates, key=lambda c: -c.expected_speedup):
+        print(f"{c.method:14s} {c.best_k:6d} {c.expected_speedup:8.2f}x {c.tokens_per_step:12.2f} "
+              f"{c.acceptance_rate:11.2f} {c.draft_cost_rel:11.3f}")
+    for s in adv.skipped:
+        print(f"{s['method']:14s} skipped: {s['reason']}")
+    return 0

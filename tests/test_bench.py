@@ -1,0 +1,155 @@
+"""The benchmark harness and `advise` on a tiny random model: report structure, speedups computed from
+the measured times (never constants), and a recommendation with its reason."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdec.bench.harness import BenchConfig, run_benchmark
+from specdec.bench.prompts import CATEGORIES
+from specdec.bench.report import summarize_run, write_report
+from specdec.bench.systems import BASELINE
+
+
+@pytest.fixture(scope="module")
+def bench(tiny_dir, tmp_path_factory):
+    import torch
+
+    model = tiny_dir("llama")
+    threads = torch.get_num_threads()
+    # one thread: on a shared 2-core machine two threads per process spend their time waiting for each other
+    cfg = BenchConfig(model=str(model), prompts_per_category=2, max_tokens=6, repeats=2, threads=1,
+                      peers=("transformers:greedy", "transformers:prompt_lookup", "llama.cpp"), draft_layers=2, sweep_ks=(2,),
+                      cost_ks=(1, 2, 4), bandwidth_mb=64, first_turn_tokens=6, max_prompt_tokens=160)
+    try:
+        result = run_benchmark(cfg, log=lambda *a: None)
+    finally:
+        torch.set_num_threads(threads)
+    out = tmp_path_factory.mktemp("bench")
+    paths = write_report(result, out)
+    return result, paths
+
+
+def test_report_structure(bench):
+    result, paths = bench
+    run = result["runs"]["float32"]
+    summary = summarize_run(run)
+    assert summary["categories"] == list(CATEGORIES) + ["all"]
+    names = set(summary["systems"])
+    assert {BASELINE, "specdec:ngram", "transformers:greedy", "transformers:prompt_lookup"} <= names
+    md = paths["markdown"].read_text()
+    for cat in CATEGORIES:
+        assert f" {cat} |" in md
+    for name in names:
+        assert f"| {name} |" in md
+    for heading in ("### Foundation", "### Speedup", "### Tokens/s", "### tau", "### Systems", "### Our best"):
+        assert heading in md
+    assert "llama.cpp" in md and "SKIPPED" in md  # no GGUF behind a HF directory: skipped with a reason
+    data = json.loads(paths["json"].read_text())
+    assert {"config", "environment", "prompts", "runs", "summary"} <= set(data)
+    assert len(data["prompts"]) == 2 * len(CATEGORIES)
+    rec = data["runs"]["float32"]["records"][0]
+    assert {"repeat", "category", "system", "new_tokens", "seconds", "prefill_seconds", "target_passes"} <= set(rec)
+    for png in [p for k, p in paths.items() if k.startswith("float32:")]:
+        assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
+    assert sum(k.startswith("float32:") for k in paths) >= 3
+
+
+def _rate(recs):
+    return sum(r["new_tokens"] for r in recs) / sum(r["seconds"] for r in recs)
+
+
+def test_speedups_are_measured_time_ratios(bench):
+    run = bench[0]["runs"]["float32"]
+    summary = summarize_run(run)
+    recs = run["records"]
+    for name in summary["systems"]:
+        for cat in ("chat", "code", "all"):
+            cell = summary["table"][name][cat]
+            for rep, value in zip(sorted({r["repeat"] for r in recs}), cell["speedup"]["per_repeat"]):
+                mine = [r for r in recs if r["system"] == name and r["repeat"] == rep and cat in ("all", r["category"])]
+                base = [r for r in recs if r["system"] == BASELINE and r["repeat"] == rep and cat in ("all", r["category"])]
+                assert value == pytest.approx(_rate(mine) / _rate(base), rel=1e-9)
+            assert cell["speedup"]["median"] == pytest.approx(sorted(cell["speedup"]["per_repeat"])[0] * 0.5
+                                                              + sorted(cell["speedup"]["per_repeat"])[1] * 0.5)
+
+
+def test_no_figure_is_a_constant(bench):
+    run = bench[0]["runs"]["float32"]
+    summary = summarize_run(run)
+    others = [n for n in summary["systems"] if n != BASELINE]
+    speedups = [summary["table"][n][c]["speedup"]["median"] for n in others for c in summary["categories"]]
+    assert len(set(speedups)) > len(speedups) // 2
+    assert all(s != 1.0 for s in speedups)
+    tps = [summary["table"][n][c]["tokens_per_s"]["median"] for n in summary["systems"] for c in summary["categories"]]
+    assert len(set(tps)) == len(tps)
+    assert len(set(run["cost_curve"]["seconds"])) == len(run["cost_curve"]["seconds"])
+    fd = summary["foundation"]
+    assert fd["bound_tokens_per_s"] > 0 and fd["fraction_of_bound"] > 0 and fd["plain_vs_transformers"] > 0
+    assert summary["sweep"] and all(p["tokens_per_s"] > 0 for pts in summary["sweep"].values() for p in pts)
+
+
+def test_advise_recommends_with_a_reason(tiny_dir, tmp_path):
+    from specdec.bench.advise import advise
+    from specdec.bench.prompts import load_prompt_file
+    from specdec.model.tokenizer import Tokenizer
+
+    model = tiny_dir("llama")
+    f = tmp_path / "prompts.txt"
+    f.write_text("Repeat after me: one two three four, one two three four, one two three four\n"
+                 '{"prompt": "List the numbers 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3"}\n')
+    prompts = load_prompt_file(f, Tokenizer(model))
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        adv = advise(str(model), prompts, dtype="float32", threads=1, max_tokens=12, k_max=4, methods=("ngram",))
+    finally:
+        torch.set_num_threads(threads)
+    rec = adv.recommendation
+    assert adv.reason and "batch 1" in adv.reason
+    assert adv.regime in ("latency-bound", "throughput-bound", "in between")
+    assert rec["method"] in (None, "ngram")
+    assert [c.method for c in adv.candidates] == ["ngram"]
+    est = adv.candidates[0]
+    assert len(est.per_k) == 4 and est.per_k[est.best_k - 1]["expected_speedup"] == pytest.approx(est.expected_speedup, rel=1e-3)
+    if rec["method"]:
+        assert rec["speculative_config"]["num_speculative_tokens"] == rec["k"] and rec["measured_speedup"] > 0
+
+
+def test_estimate_matches_the_cost_model():
+    from specdec.bench.advise import estimate
+    from specdec.bench.costs import CostCurve
+
+    curve = CostCurve([1, 2, 3, 4, 5], [1.0, 1.1, 1.2, 1.3, 1.4], [1.0] * 5, 0)
+    # every step drafts 4 tokens, acceptance at positions 1..4 in 80, 60, 40, 20 of 100 steps
+    e = estimate([100] * 4, [80, 60, 40, 20], 100, 0.0, curve, 1, 4)
+    assert e["tokens_per_step"] == pytest.approx(1 + 0.8 + 0.6 + 0.4 + 0.2)
+    assert e["cost"] == pytest.approx(1.4)
+    e2 = estimate([100] * 4, [80, 60, 40, 20], 100, 0.05, curve, 1, 2)
+    assert e2["expected_speedup"] == pytest.approx((1 + 0.8 + 0.6) / (1.2 + 2 * 0.05))
+
+
+def test_bench_cli_errors_are_one_line(capsys):
+    from specdec.cli import main
+
+    assert main(["bench", "--repeats", "0"]) == 2
+    assert "repeats" in capsys.readouterr().err
+
+
+def test_bench_serve_passes_its_flags_through(monkeypatch, capsys):
+    import importlib.util
+    from specdec.cli import main
+
+    if importlib.util.find_spec("specdec.bench.serve_bench") is None:
+        assert main(["bench", "serve", "--rate", "1"]) == 2
+        assert "serving benchmark" in capsys.readouterr().err
+        return
+    import specdec.bench.serve_bench as sb
+    seen = {}
+    monkeypatch.setattr(sb, "run_serve_bench", lambda args: seen.update(vars(args)) or 0)
+    assert main(["bench", "serve", "--concurrency", "2,8"]) == 0
+    assert seen["serve_argv"] == ["--concurrency", "2,8"]
+    if hasattr(sb, "add_arguments"):
+        assert seen["concurrency"] == "2,8"
