@@ -1,0 +1,1 @@
+"""Making and training drafters (layer-truncated draft models; learned heads come later)."""
