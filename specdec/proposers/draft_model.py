@@ -11,6 +11,9 @@ After verification the cache is rolled back to the accepted drafts, e.g. context
 drafts [x y z] with x, y fed, 1 accepted -> keep [a b c x] (length 4); the next call feeds the
 recovered token.
 
+A draft with a different tokenizer is refused (ConfigError) unless extra={"universal_tokenizer": True},
+which drafts through text instead (specdec/proposers/universal.py).
+
 `draft_chain` (the autoregressive loop: argmax for greedy requests, a sample from warp(logits) with
 the request's generator otherwise, a confidence early stop) is shared with the layer-skip drafter.
 """
@@ -83,8 +86,9 @@ def time_one_step(model, layers: list[int] | None = None, repeats: int = 3) -> f
 def check_same_vocab(target_tok, draft_tok, draft_name: str) -> None:
     if target_tok.get_vocab() != draft_tok.get_vocab():
         raise ConfigError(f"draft model {draft_name!r} has a different vocabulary than the target "
-                          f"({draft_tok.vocab_size} vs {target_tok.vocab_size} tokens); draft_model needs "
-                          f"the same tokenizer")
+                          f"({draft_tok.vocab_size} vs {target_tok.vocab_size} tokens); draft_model needs the "
+                          f"same tokenizer, or extra={{\"universal_tokenizer\": true}} to draft through text "
+                          f"(lossless, deterministic drafts)")
 
 
 @register_proposer("draft_model")
@@ -95,15 +99,26 @@ class DraftModelProposer(Proposer):
         super().__init__(ctx)
         if ctx.load_model is None:
             raise ConfigError("draft_model needs a model loader (use LLM(...) or the CLI)")
+        unknown = sorted(set(ctx.config.extra) - {"universal_tokenizer"})
+        if unknown:
+            raise ConfigError(f"unknown draft_model option(s) in extra: {', '.join(unknown)}")
         loaded = ctx.load_model(ctx.config.model)
         self.model, draft_tok = loaded[0], loaded[1]
-        check_same_vocab(ctx.tokenizer, draft_tok, ctx.config.model)
+        self.universal = None  # a UniversalDrafter when the tokenizers differ and that is allowed
+        if ctx.config.extra.get("universal_tokenizer") and ctx.tokenizer.get_vocab() != draft_tok.get_vocab():
+            from specdec.proposers.universal import UniversalDrafter
+            self.universal = UniversalDrafter(self.model, ctx.tokenizer, draft_tok)
+        else:
+            check_same_vocab(ctx.tokenizer, draft_tok, ctx.config.model)
         self.vocab = ctx.target.config.vocab_size
         self.threshold = ctx.config.draft_confidence_threshold
         self.draft_cost_per_token = time_one_step(self.model)
 
     def begin(self, state: RequestState, prefill: TargetOutput | None = None) -> None:
         cap = len(state.prompt_ids) + state.params.max_tokens + self.ctx.config.k_max + 1
+        if self.universal is not None:
+            self.universal.begin(state, cap)
+            return
         state.draft["cache"] = self.model.new_cache(min(cap, self.model.max_len))
 
     def _forward(self, cache, tokens: list[int]) -> torch.Tensor:
@@ -115,6 +130,13 @@ class DraftModelProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, state: RequestState, k: int) -> Proposal:
+        if self.universal is not None:
+            if "ucache" not in state.draft:
+                self.begin(state)
+            proposal, per_token = self.universal.propose(state, k)
+            if proposal.tokens:
+                self.draft_cost_per_token = (1 - COST_EMA) * self.draft_cost_per_token + COST_EMA * per_token
+            return proposal
         cache = state.draft.get("cache")
         ids = state.token_ids
         if cache is None or len(ids) + k > cache.max_len:
