@@ -35,12 +35,13 @@ def _cpu_key() -> str:
     return platform.machine() + flags
 
 
-def _build() -> Path:
+def build_library(source: Path) -> Path:
+    """Compile a C file of this package (once per source, flags and CPU) into the cache; its path."""
     from specdec.model.loader import cache_root
 
-    src = _SRC.read_bytes()
+    src = source.read_bytes()
     key = hashlib.sha256(src + " ".join(_FLAGS).encode() + _cpu_key().encode()).hexdigest()[:16]
-    out = cache_root() / "kernels" / f"libspecdec_gemv-{key}.so"
+    out = cache_root() / "kernels" / f"libspecdec_{source.stem}-{key}.so"
     if out.exists():
         return out
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
@@ -50,12 +51,26 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run([cc, *_FLAGS, str(_SRC), "-o", tmp], check=True, capture_output=True, timeout=120)
+        subprocess.run([cc, *_FLAGS, str(source), "-o", tmp], check=True, capture_output=True, timeout=120)
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return out
+
+
+def _build() -> Path:
+    return build_library(_SRC)
+
+
+def load_library(source: Path) -> tuple[ctypes.CDLL | None, str | None]:
+    """Build and load another kernel file as gemv.c is: (library, None), or (None, why not)."""
+    if os.environ.get("SPECDEC_KERNELS", "1") == "0" or platform.machine() not in ("x86_64", "AMD64"):
+        return None, "disabled"
+    try:
+        return ctypes.CDLL(str(build_library(source))), None
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        return None, (str(e).splitlines()[0] if str(e) else type(e).__name__)
 
 
 def _load():
@@ -85,6 +100,8 @@ def kernel_status() -> str:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if not isinstance(weight, torch.Tensor):  # a packed weight (specdec.quant.QuantizedWeight) runs itself
+        return weight.linear(x, bias)
     rows = x.numel() // x.shape[-1]
     if (x.dtype is not torch.float32 or weight.dtype is not torch.float32 or x.device.type != "cpu"
             or rows > MAX_ROWS or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):

@@ -1,0 +1,119 @@
+"""Quantized self-draft ("qdraft"): an int4 (or int8) copy of the target drafts for the full-precision
+target. Same tokenizer, same architecture, nearly the same distribution, so acceptance is very high,
+and the copy reads ~6x fewer weight bytes per token than fp32 (no training, no second model).
+
+    LLM("smollm2-135m", speculative_config={"method": "qdraft"})
+    LLM(..., speculative_config={"method": "qdraft", "extra": {"scheme": "int8", "group_size": 64}})
+    LLM(..., speculative_config={"method": "qdraft", "model": "./smollm2-int4-awq"})  # from `specdec quantize`
+
+Without `model`, the copy is made at start-up with RTN (extra: scheme int4|int8, group_size,
+lm_head int8|int4|none); it shares the target's norms, rotary tables and embedding table.
+
+Per request (state.draft):
+    cache     the drafter's KV cache; invariant: it holds exactly token_ids[:cache.length]
+    pending   (pre_len, fed): the cache held pre_len context tokens plus `fed` drafted ones
+Lazy catch-up: propose() first feeds every context token the drafter has not seen (the prompt on
+the first call, then the bonus/recovered token) in ONE forward, then drafts k tokens one by one:
+greedy requests take the argmax, sampling requests draw from q = warp(logits) with the request's
+generator and return q, so verification is exact. After verification the cache is rolled back to
+the accepted drafts, e.g. context [a b c], drafts [x y z] (x, y fed), 1 accepted -> keep [a b c x].
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from specdec.config import ConfigError
+from specdec.sampler import sample, warp
+from specdec.spec.proposer import EMPTY, Proposal, Proposer, RequestState, TargetOutput, register_proposer
+
+COST_EMA = 0.3
+DEFAULTS = {"scheme": "int4", "group_size": 32, "lm_head": "int8"}
+
+
+def build_drafter(ctx):
+    """The quantized copy of ctx.target (or the quantized model ctx.config.model)."""
+    from specdec.quant.qmodel import quantized_copy
+    from specdec.quant.schemes import QuantScheme
+
+    cfg = ctx.config
+    unknown = sorted(set(cfg.extra) - set(DEFAULTS))
+    if unknown:
+        raise ConfigError(f"qdraft: unknown extra key(s) {', '.join(unknown)}; known: {', '.join(DEFAULTS)}")
+    if cfg.model:
+        if ctx.load_model is None:
+            raise ConfigError("qdraft with 'model' needs a model loader (use LLM(...) or the CLI)")
+        model, tok = ctx.load_model(cfg.model)[:2]
+        if tok.get_vocab() != ctx.tokenizer.get_vocab() or model.config.vocab_size != ctx.target.config.vocab_size:
+            raise ConfigError(f"qdraft model {cfg.model!r} has a different vocabulary than the target")
+        return model
+    opts = {**DEFAULTS, **cfg.extra}
+    scheme = QuantScheme.named(str(opts["scheme"]), int(opts["group_size"]))
+    head = None if opts["lm_head"] == "none" else QuantScheme.named(str(opts["lm_head"]), 32)
+    return quantized_copy(ctx.target, scheme, head)
+
+
+@register_proposer("qdraft")
+class QDraftProposer(Proposer):
+    deterministic = False  # sampling requests get q
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.model = build_drafter(ctx)
+        self.draft_cost_per_token = self._time_one_step()
+
+    @torch.inference_mode()
+    def _time_one_step(self, repeats: int = 3) -> float:
+        cache = self.model.new_cache(16)
+        self.model(torch.zeros(1, 4, dtype=torch.long), torch.arange(4)[None], cache, num_logits=1)
+        times = []
+        for i in range(repeats):
+            t0 = time.perf_counter()
+            self.model(torch.zeros(1, 1, dtype=torch.long), torch.tensor([[4 + i]]), cache)
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2]
+
+    def begin(self, state: RequestState, prefill: TargetOutput | None = None) -> None:
+        cap = len(state.prompt_ids) + state.params.max_tokens + self.ctx.config.k_max + 1
+        state.draft["cache"] = self.model.new_cache(min(cap, self.model.max_len))
+
+    def _forward(self, cache, tokens: list[int]) -> torch.Tensor:
+        """Feed tokens at the next positions of the draft cache; logits [V] after the last one."""
+        start = cache.length
+        out = self.model(torch.tensor([tokens]), torch.arange(start, start + len(tokens))[None], cache, num_logits=1)
+        return out.logits[0, -1]
+
+    @torch.inference_mode()
+    def propose(self, state: RequestState, k: int) -> Proposal:
+        cache = state.draft.get("cache")
+        ids = state.token_ids
+        if cache is None or len(ids) + k > cache.max_len:
+            return EMPTY  # the drafter's context is full: the target goes on alone
+        t0 = time.perf_counter()
+        pre_len, behind = len(ids), len(ids) - cache.length
+        logits = self._forward(cache, ids[cache.length:])  # lazy catch-up, one forward
+        if behind > 2:  # a prompt's prefill is not a per-token drafting cost
+            t0 = time.perf_counter()
+        tokens, qs = [], []
+        for i in range(k):
+            if state.params.greedy:
+                tok = int(logits.argmax())
+            else:
+                q = warp(logits[None], state.params)[0]  # [V]
+                tok = sample(q, state.generator)
+                qs.append(q)
+            tokens.append(tok)
+            if i < k - 1:
+                logits = self._forward(cache, [tok])
+        state.draft["pending"] = (pre_len, cache.length - pre_len)
+        per_token = (time.perf_counter() - t0) / len(tokens)
+        self.draft_cost_per_token = (1 - COST_EMA) * self.draft_cost_per_token + COST_EMA * per_token
+        return Proposal(tokens, torch.stack(qs) if qs else None)
+
+    def on_verified(self, state: RequestState, proposal: Proposal, num_accepted: int,
+                    target: TargetOutput | None = None) -> None:
+        pending = state.draft.pop("pending", None)
+        if pending is not None:
+            pre_len, fed = pending
+            state.draft["cache"].rollback(pre_len + min(num_accepted, fed))

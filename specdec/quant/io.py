@@ -1,0 +1,216 @@
+"""Quantized models on disk: an HF-style directory (config.json with a `quantization_config`,
+model.safetensors, tokenizer files) that `specdec.model.loader.load_model` recognises.
+
+Tensor names are HF's, with each quantized projection stored as three tensors:
+    model.layers.0.self_attn.q_proj.qweight   int8/uint8 [N, K] (8 bits) or uint8 [N, K/2] (4 bits)
+    model.layers.0.self_attn.q_proj.scales    fp16 [N, ceil(K / G)]
+    model.layers.0.self_attn.q_proj.zeros     fp16 [N, ceil(K / G)] (absent when symmetric int8)
+(layout in specdec/quant/schemes.py). A tied embedding is stored once, quantized, as
+model.embed_tokens.*; norms, biases and any matrix left in full precision keep `.weight`/`.bias`.
+    "quantization_config": {"quant_method": "specdec", "format_version": 1, "bits": 4,
+                            "group_size": 128, "symmetric": false, "method": "awq",
+                            "lm_head": {"bits": 8, "group_size": 32, "symmetric": true}}
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from specdec.config import ConfigError
+from specdec.model.layers import Rotary
+from specdec.model.llama import LlamaModel
+from specdec.quant.qlinear import QEmbedding, QLinear, QuantizedWeight
+from specdec.quant.schemes import Packed, QuantScheme
+
+FORMAT_VERSION = 1
+QUANT_METHOD = "specdec"
+# our fused module -> the HF projections it holds (rows in this order)
+PROJECTIONS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+               "o_proj": ("self_attn.o_proj",), "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+               "down": ("mlp.down_proj",)}
+
+
+def _raw_config(directory: Path) -> dict:
+    try:
+        return json.loads((Path(directory) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot read {Path(directory) / 'config.json'}: {e}") from None
+
+
+def is_quantized(directory: Path) -> bool:
+    return "quantization_config" in _raw_config(directory)
+
+
+def _split_rows(model: LlamaModel, name: str) -> list[int]:
+    cfg = model.config
+    if name == "qkv":
+        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        return [q, kv, kv]
+    if name == "gate_up":
+        return [cfg.intermediate_size] * 2
+    return [getattr(model.layers[0], name).weight.shape[0]]
+
+
+def _put(out: dict, prefix: str, weight, rows: slice) -> None:
+    """One projection (rows of a fused weight) under HF names."""
+    if isinstance(weight, QuantizedWeight):
+        p = weight.packed.rows(rows)
+        out[prefix + ".qweight"], out[prefix + ".scales"] = p.qweight, p.scales
+        if p.zeros is not None:
+            out[prefix + ".zeros"] = p.zeros
+    else:
+        out[prefix + ".weight"] = weight[rows]
+
+
+def quantized_state_dict(model: LlamaModel) -> dict[str, torch.Tensor]:
+    cfg = model.config
+    out: dict[str, torch.Tensor] = {"model.norm.weight": model.norm.weight}
+    tied_packed = isinstance(model.embed, QEmbedding)
+    if tied_packed:
+        _put(out, "model.embed_tokens", model.embed.weight, slice(None))
+    else:
+        out["model.embed_tokens.weight"] = model.embed.weight
+        if not cfg.tie_word_embeddings or isinstance(model.lm_head, QLinear):
+            _put(out, "lm_head", model.lm_head.weight, slice(None))
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = layer.input_norm.weight
+        out[p + "post_attention_layernorm.weight"] = layer.post_norm.weight
+        if cfg.qk_norm:
+            out[p + "self_attn.q_norm.weight"], out[p + "self_attn.k_norm.weight"] = layer.q_norm.weight, layer.k_norm.weight
+        for name, hf_names in PROJECTIONS.items():
+            module, start = getattr(layer, name), 0
+            for hf, n in zip(hf_names, _split_rows(model, name)):
+                _put(out, p + hf, module.weight, slice(start, start + n))
+                if module.bias is not None:
+                    out[p + hf + ".bias"] = module.bias[start:start + n]
+                start += n
+    return {k: v.detach().contiguous().clone() for k, v in out.items()}
+
+
+def save_quantized(model: LlamaModel, src: Path, out: Path, scheme: QuantScheme, head: QuantScheme | None,
+                   method: str, extra: dict | None = None) -> Path:
+    """Write a quantized model as a directory that load_model() reads; tokenizer files from `src`."""
+    for module, sch, what in ((model.layers[0].qkv, scheme, "layers"), (model.lm_head, head, "lm_head")):
+        w = module.weight
+        packed = (w.bits, w.group_size) if isinstance(w, QuantizedWeight) else None
+        if packed != (None if sch is None else (sch.bits, sch.group_size)):
+            raise ValueError(f"save_quantized: the model's {what} are {packed or 'not quantized'}, not {sch}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    raw = _raw_config(src)
+    raw["quantization_config"] = {"quant_method": QUANT_METHOD, "format_version": FORMAT_VERSION,
+                                  **scheme.to_dict(), "method": method,
+                                  "lm_head": None if head is None else head.to_dict(), **(extra or {})}
+    save_file(quantized_state_dict(model), str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(raw, indent=2))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (Path(src) / name).exists():
+            (out / name).write_text((Path(src) / name).read_text())
+    return out
+
+
+def _read_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    files = sorted(Path(directory).glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{directory}: no *.safetensors weights")
+    tensors = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for k in fh.keys():
+                    tensors[k] = fh.get_tensor(k)
+        except Exception as e:  # safetensors raises SafetensorError and others on corrupt files
+            raise ConfigError(f"corrupt weights file {f}: {e}") from None
+    return tensors
+
+
+def _scheme(d: dict | None, what: str) -> QuantScheme | None:
+    if d is None:
+        return None
+    try:
+        return QuantScheme(int(d["bits"]), int(d["group_size"]), bool(d.get("symmetric", False)))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"bad quantization_config for {what}: {e}") from None
+
+
+def _packed(t: dict, prefixes: tuple[str, ...], scheme: QuantScheme | None, K: int) -> Packed | None:
+    """The projections `prefixes` (quantized) concatenated along rows; None when stored in fp."""
+    if not all(p + ".qweight" in t for p in prefixes):
+        return None
+    if scheme is None:
+        raise ConfigError(f"{prefixes[0]} is quantized but the config has no scheme for it")
+    cat = lambda suffix: torch.cat([t[p + suffix] for p in prefixes])  # noqa: E731
+    zeros = cat(".zeros") if all(p + ".zeros" in t for p in prefixes) else None
+    p = Packed(cat(".qweight"), cat(".scales"), zeros, scheme.bits, scheme.group_size, K)
+    width = K // 2 if scheme.bits == 4 else K
+    if p.qweight.shape[1] != width or p.scales.shape != (p.qweight.shape[0], -(-K // scheme.group_size)):
+        raise ConfigError(f"{prefixes[0]}: packed shapes do not match int{scheme.bits}, group {scheme.group_size}")
+    return p
+
+
+def load_quantized(directory: Path, dtype: torch.dtype = torch.float32, max_len: int | None = None,
+                   device: str = "cpu") -> LlamaModel:
+    from specdec.model.loader import read_config
+
+    raw, cfg = _raw_config(directory), read_config(directory)
+    qc = raw["quantization_config"]
+    if qc.get("quant_method") != QUANT_METHOD or int(qc.get("format_version", 0)) > FORMAT_VERSION:
+        raise ConfigError(f"{directory}: quantization {qc.get('quant_method')!r} (version "
+                          f"{qc.get('format_version')}) is not one specdec reads; make it with `specdec quantize`")
+    body, head = _scheme(qc, "layers"), _scheme(qc.get("lm_head"), "lm_head")
+    max_len = min(max_len or min(cfg.max_position_embeddings, 8192), cfg.max_position_embeddings)
+    t = _read_tensors(directory)
+    with torch.device("meta"):
+        model = LlamaModel(cfg, max_len)
+    sd: dict[str, torch.Tensor] = {"norm.weight": t.get("model.norm.weight")}
+    H = cfg.hidden_size
+    emb, tie = _packed(t, ("model.embed_tokens",), head, H), False
+    if emb is not None:
+        qw = QuantizedWeight(emb, dtype)
+        model.embed, model.lm_head = QEmbedding(qw), QLinear(qw)
+    else:
+        sd["embed.weight"] = t.get("model.embed_tokens.weight")
+        lm = _packed(t, ("lm_head",), head, H)
+        if lm is not None:
+            model.lm_head = QLinear(QuantizedWeight(lm, dtype))
+        elif "lm_head.weight" in t:
+            sd["lm_head.weight"] = t["lm_head.weight"]
+        else:
+            tie = cfg.tie_word_embeddings
+            if not tie:
+                raise ConfigError(f"{directory}: no lm_head weights")
+    for i, layer in enumerate(model.layers):
+        p, o = f"model.layers.{i}.", f"layers.{i}."
+        sd[o + "input_norm.weight"] = t.get(p + "input_layernorm.weight")
+        sd[o + "post_norm.weight"] = t.get(p + "post_attention_layernorm.weight")
+        if cfg.qk_norm:
+            sd[o + "q_norm.weight"], sd[o + "k_norm.weight"] = t.get(p + "self_attn.q_norm.weight"), t.get(p + "self_attn.k_norm.weight")
+        for name, hf_names in PROJECTIONS.items():
+            prefixes = tuple(p + n for n in hf_names)
+            bias = torch.cat([t[x + ".bias"] for x in prefixes]) if all(x + ".bias" in t for x in prefixes) else None
+            K = getattr(layer, name).weight.shape[1]
+            packed = _packed(t, prefixes, body, K)
+            if packed is not None:
+                setattr(layer, name, QLinear(QuantizedWeight(packed, dtype), None if bias is None else bias.to(dtype)))
+                continue
+            if not all(x + ".weight" in t for x in prefixes):
+                raise ConfigError(f"{directory}: weights missing for {prefixes[0]}")
+            sd[o + name + ".weight"] = torch.cat([t[x + ".weight"] for x in prefixes])
+            if bias is not None:
+                sd[o + name + ".bias"] = bias
+    missing = [k for k, v in sd.items() if v is None]
+    if missing:
+        raise ConfigError(f"{directory}: weights missing for {missing[:3]}")
+    model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=False, assign=True)
+    if tie:
+        model.lm_head.weight = model.embed.weight
+    model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_len)
+    left = [n for n, x in list(model.named_parameters()) + list(model.named_buffers()) if x.is_meta]
+    if left:
+        raise ConfigError(f"{directory}: weights missing for {left[:3]}")
+    return model.to(device).eval()

@@ -1,0 +1,139 @@
+"""Packed weights as modules: QuantizedWeight (what `specdec.kernels.linear` dispatches to), and
+the QLinear / QEmbedding modules that hold one.
+
+The model code is unchanged: it calls `linear(x, self.qkv.weight, self.qkv.bias)`, and when
+`self.qkv` is a QLinear its `weight` is a QuantizedWeight, which runs itself:
+    rows <= MAX_ROWS, fp32, CPU  -> qgemv.c (AVX2/OpenMP, batch-invariant; decode and verify)
+    otherwise (prefill, GPU, bf16) -> dequantize to the activation dtype, then F.linear (BLAS)
+"""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specdec import kernels
+from specdec.quant.schemes import Packed, dequantize
+
+_SRC = Path(kernels.__file__).with_name("qgemv.c")
+_lib = None
+_load_error: str | None = None
+
+
+def qkernel():
+    """The compiled qgemv.c, or None (no compiler, not x86, SPECDEC_KERNELS=0)."""
+    global _lib, _load_error
+    if _lib is None and _load_error is None:
+        lib, _load_error = kernels.load_library(_SRC)
+        if lib is not None:
+            ptrs, i64 = [ctypes.c_void_p] * 6, [ctypes.c_int64] * 4
+            for fn in (lib.specdec_qlinear_i8, lib.specdec_qlinear_i4):
+                fn.argtypes, fn.restype = ptrs + i64, None
+            lib.specdec_dequant.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+            lib.specdec_dequant.restype = None
+            _lib = lib
+    return _lib
+
+
+def qkernel_status() -> str:
+    return "qgemv.c (AVX2/OpenMP)" if qkernel() is not None else f"torch dequantize + matmul ({_load_error})"
+
+
+def _ptr(t: torch.Tensor | None):
+    return None if t is None else t.data_ptr()
+
+
+class QuantizedWeight(torch.nn.Module):
+    """A packed [N, K] weight (see specdec.quant.schemes) that computes x @ W^T itself."""
+
+    def __init__(self, p: Packed, compute_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.register_buffer("qweight", p.qweight)
+        self.register_buffer("scales", p.scales)
+        self.register_buffer("zeros", p.zeros)
+        self.bits, self.group_size, self.in_features = p.bits, p.group_size, p.in_features
+        self.compute_dtype = compute_dtype  # the activations' dtype (what model.dtype reports)
+
+    @property
+    def packed(self) -> Packed:
+        return Packed(self.qweight, self.scales, self.zeros, self.bits, self.group_size, self.in_features)
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.out_features, self.in_features))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.compute_dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.qweight.device
+
+    def extra_repr(self) -> str:
+        return (f"int{self.bits}, group_size={self.group_size}, {self.out_features}x{self.in_features}, "
+                f"{'asymmetric' if self.zeros is not None else 'symmetric'}")
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., K] -> [..., N]."""
+        rows = x.numel() // x.shape[-1]
+        lib = None
+        if (x.device.type == "cpu" and x.dtype is torch.float32 and rows <= kernels.MAX_ROWS
+                and not (torch.is_grad_enabled() and x.requires_grad)):
+            lib = qkernel()
+        if lib is None:
+            return F.linear(x, self.dequantize(x.dtype), None if bias is None else bias.to(x.dtype))
+        x = x.contiguous()
+        bias = None if bias is None else bias.float().contiguous()
+        y = torch.empty(*x.shape[:-1], self.out_features, dtype=torch.float32)
+        fn = lib.specdec_qlinear_i4 if self.bits == 4 else lib.specdec_qlinear_i8
+        fn(x.data_ptr(), self.qweight.data_ptr(), self.scales.data_ptr(), _ptr(self.zeros), _ptr(bias), y.data_ptr(),
+           rows, self.in_features, self.out_features, self.group_size)
+        return y
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The fp matrix [N, K] (the kernel's own arithmetic on CPU, the torch reference elsewhere)."""
+        lib = qkernel() if self.device.type == "cpu" else None
+        if lib is None:
+            return dequantize(self.packed, dtype)
+        out = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
+        lib.specdec_dequant(self.bits, self.qweight.data_ptr(), self.scales.data_ptr(), _ptr(self.zeros),
+                            out.data_ptr(), self.in_features, self.out_features, self.group_size)
+        return out.to(dtype)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Dequantized rows ids [...] -> [..., K] (an embedding lookup)."""
+        flat = ids.reshape(-1)
+        return dequantize(self.packed.rows(flat), self.compute_dtype).view(*ids.shape, self.in_features)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.zeros) if t is not None)
+
+
+class QLinear(torch.nn.Module):
+    """A Linear whose weight is packed; `linear(x, m.weight, m.bias)` works on it as on nn.Linear."""
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.weight = weight
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight.linear(x, self.bias)
+
+
+class QEmbedding(torch.nn.Module):
+    """An embedding table read from a packed matrix (shared with a tied lm_head)."""
+
+    def __init__(self, weight: QuantizedWeight):
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight.rows(ids)

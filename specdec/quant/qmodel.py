@@ -1,0 +1,83 @@
+"""Whole-model conversion: swap a LlamaModel's linear layers for packed QLinear modules.
+
+    quantize_model(model, QuantScheme.named("int8"))      in place (a quantized target)
+    quantized_copy(model, QuantScheme.named("int4", 32))  a second model that shares the norms,
+                                                          rotary tables and fp32 embedding of
+                                                          `model` (the qdraft drafter)
+The lm_head (and a tied embedding) uses its own scheme, int8 by default: it is a large share of a
+small model's error and only ~20% of its bytes. A matrix whose width is not a multiple of 32 stays
+in full precision.
+"""
+from __future__ import annotations
+
+import torch
+
+from specdec.model.llama import LlamaModel
+from specdec.quant.qlinear import QEmbedding, QLinear, QuantizedWeight
+from specdec.quant.schemes import BLOCK, QuantScheme, quantize
+
+LAYER_LINEARS = ("qkv", "o_proj", "gate_up", "down")
+DEFAULT_HEAD = QuantScheme(8, 32, True)
+
+
+def _qlinear(lin: torch.nn.Module, scheme: QuantScheme, dtype: torch.dtype) -> torch.nn.Module:
+    if isinstance(lin, QLinear) or lin.weight.shape[1] % BLOCK:
+        return lin
+    return QLinear(QuantizedWeight(quantize(lin.weight, scheme), dtype), lin.bias)
+
+
+def _quantize_head(src: LlamaModel, dst: LlamaModel, head: QuantScheme | None, embed: bool) -> None:
+    """dst.lm_head (and dst.embed when `embed` and the model ties them) from src's weights."""
+    if head is None or src.lm_head.weight.shape[1] % BLOCK:
+        dst.lm_head = src.lm_head
+        return
+    qw = QuantizedWeight(quantize(src.lm_head.weight, head), src.dtype)
+    dst.lm_head = QLinear(qw)
+    if embed and src.config.tie_word_embeddings:
+        dst.embed = QEmbedding(qw)
+
+
+def quantize_model(model: LlamaModel, scheme: QuantScheme, head: QuantScheme | None = DEFAULT_HEAD,
+                   embed: bool = True) -> LlamaModel:
+    """Quantize every decoder linear with `scheme` and the lm_head with `head` (None: keep it), in place.
+    embed: a tied embedding reads the packed lm_head (else it keeps its fp table)."""
+    dtype = model.dtype
+    for layer in model.layers:
+        for name in LAYER_LINEARS:
+            setattr(layer, name, _qlinear(getattr(layer, name), scheme, dtype))
+    _quantize_head(model, model, head, embed)
+    return model
+
+
+def quantized_copy(model: LlamaModel, scheme: QuantScheme, head: QuantScheme | None = DEFAULT_HEAD) -> LlamaModel:
+    """A quantized twin of `model` sharing its norms, rotary tables and embedding (no fp copies)."""
+    with torch.device("meta"):
+        copy = LlamaModel(model.config, model.max_len)
+    copy.embed, copy.norm, copy.rotary = model.embed, model.norm, model.rotary
+    dtype = model.dtype
+    for src, dst in zip(model.layers, copy.layers):
+        for name, module in src.named_children():
+            setattr(dst, name, _qlinear(module, scheme, dtype) if name in LAYER_LINEARS else module)
+    _quantize_head(model, copy, head, embed=False)
+    return copy.eval()
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters and buffers, each storage counted once (shared/tied too)."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        key = (t.untyped_storage().data_ptr(), t.device)
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def describe(model: LlamaModel) -> str:
+    """e.g. 'int4-g32 (lm_head int8-g32)' or 'float32'."""
+    def name(w) -> str:
+        if isinstance(w, QuantizedWeight):
+            return f"int{w.bits}-g{w.group_size}"
+        return str(w.dtype).replace("torch.", "")
+    body, head = name(model.layers[0].qkv.weight), name(model.lm_head.weight)
+    return body if head == body else f"{body} (lm_head {head})"
