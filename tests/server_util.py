@@ -52,10 +52,10 @@ class ThreadServer:
         return self.state.engine.engine
 
     def wait_idle(self, timeout: float = 30.0) -> None:
-        """Until the engine holds no request and no KV block."""
+        """Until the engine holds no request and no KV block, and no response is in flight."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if not self.engine.has_unfinished() and self.engine.blocks.num_used == 0:
+            if not self.engine.has_unfinished() and self.engine.blocks.num_used == 0 and not self.state.inflight_seqs:
                 return
             time.sleep(0.05)
         raise TimeoutError(f"engine still busy: {self.engine.stats()}")

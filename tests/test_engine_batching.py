@@ -118,6 +118,18 @@ def test_seeded_sampling_n_stop_and_logprobs(plain, ngram):
     assert out["out"].finish_reason == "stop" and out["out"].stop_reason == stop
 
 
+def test_greedy_logprobs_with_speculation_equal_plain_ones(plain, ngram):
+    ids = ngram.tokenizer.encode(PROMPTS[5])
+    p = SamplingParams(temperature=0, max_tokens=24, logprobs=5, ignore_eos=True)
+    got = run(Engine(ngram, EngineConfig()), [EngineRequest("lp", ids, p)])[("lp", 0)]
+    want = reference(plain, ids, p)[0].logprobs
+    assert got["out"].metrics.num_accepted_tokens > 0  # some logprobs came from verified drafts
+    assert [g["token_id"] for g in got["lps"]] == [w["token_id"] for w in want]
+    for g, w in zip(got["lps"], want):
+        assert [t for t, _ in g["top"]] == [t for t, _ in w["top"]]
+        assert max(abs(a - b) for (_, a), (_, b) in zip(g["top"], w["top"])) < 1e-3
+
+
 def test_per_request_speculation_off_and_abort(ngram):
     eng = Engine(ngram, EngineConfig(block_size=8))
     ids = ngram.tokenizer.encode(PROMPTS[1])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from dataclasses import replace
 
 import httpx
 import openai
@@ -131,20 +132,24 @@ def test_api_key(server):
 
 
 def test_queue_full_answers_429_with_retry_after(server):
+    sched = server.engine.scheduler
+    saved = sched.config
+    sched.config = replace(saved, max_num_seqs=1)  # one running sequence: the rest must queue
     server.state.max_queued_requests = 2
 
     async def main():
         async with httpx.AsyncClient(timeout=120) as c:
-            body = {"prompt": "count with me", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+            body = {"prompt": "count with me", "max_tokens": 60, "temperature": 0, "ignore_eos": True}
             return await asyncio.gather(*(c.post(server.url + "/v1/completions", json=body, headers=headers())
-                                          for _ in range(24)))
+                                          for _ in range(8)))
 
     try:
         rs = asyncio.run(main())
     finally:
         server.state.max_queued_requests = 64
+        sched.config = saved
     codes = [r.status_code for r in rs]
-    assert set(codes) <= {200, 429} and codes.count(429) >= 1 and codes.count(200) >= 16
+    assert set(codes) <= {200, 429} and codes.count(429) >= 1 and codes.count(200) >= 2, codes
     limited = next(r for r in rs if r.status_code == 429)
     assert limited.headers["retry-after"] and limited.json()["error"]["type"] == "rate_limit_error"
     server.wait_idle()

@@ -37,7 +37,6 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self.num_inflight_seqs = 0  # submitted and not finished (counted on the asyncio side)
 
     # --- asyncio side -------------------------------------------------------------------------
     def start(self) -> None:
@@ -54,17 +53,12 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def queued(self) -> int:
-        """Sequences submitted but not yet running (the waiting queue plus the inbox)."""
-        return max(0, self.num_inflight_seqs - len(self.engine.scheduler.running))
-
     async def generate(self, req: EngineRequest) -> AsyncIterator[SeqOutput]:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         n = req.params.n
         with self._lock:
             self._queues[req.request_id] = (loop, q)
-        self.num_inflight_seqs += n
         self._inbox.put(("add", req))
         done = 0
         try:
@@ -75,7 +69,6 @@ class AsyncEngine:
                 done += item.finished
                 yield item
         finally:
-            self.num_inflight_seqs -= n
             with self._lock:
                 self._queues.pop(req.request_id, None)
             if done < n:  # the consumer went away (client disconnect, timeout): free everything now

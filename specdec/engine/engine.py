@@ -109,6 +109,7 @@ class Engine:
                                                    self.max_model_len), self.blocks, self.spec)
         self.seqs: dict[str, list[Sequence]] = {}
         self.totals = SpecMetrics()
+        self.last_k = 0  # the longest draft of the last decode batch
         self._ids = itertools.count()
         if config.profile_cost and llm.proposer is not None:
             self.spec.cost.profile(self.model)
@@ -226,7 +227,7 @@ class Engine:
         elif seq.begun:
             seq.metrics.record(k, verdict.num_accepted, len(verdict.tokens))
             self.totals.record(k, verdict.num_accepted, len(verdict.tokens))
-            seq.observe_acceptance(k, verdict.num_accepted)
+            seq.adaptive.update(k, verdict.num_accepted)
         if seq.out.finish_reason is not None:
             self._finish(seq)
             return True
@@ -292,4 +293,4 @@ class Engine:
         pc = self.blocks.prefix
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.blocks.usage,
                            self.blocks.num_used, self.scheduler.num_preemptions, pc.queries, pc.hits, self.totals,
-                           getattr(self, "last_k", 0))
+                           self.last_k)

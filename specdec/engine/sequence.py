@@ -18,12 +18,10 @@ import torch
 
 from specdec.model.tokenizer import IncrementalDetokenizer
 from specdec.sampling_params import SamplingParams
+from specdec.spec.adaptive import AdaptiveK
 from specdec.spec.decoder import _Output
 from specdec.spec.metrics import SpecMetrics
 from specdec.spec.proposer import Proposer, RequestState
-
-PRIOR_ACCEPTANCE = 0.6
-EMA = 0.3
 
 
 class Status(enum.Enum):
@@ -63,8 +61,9 @@ class Sequence:
     num_preemptions: int = 0
     begun: bool = False  # proposer.begin() called
     prefill_parts: list = field(default_factory=list)  # ForwardOutput chunks until begin()
-    acceptance: float = PRIOR_ACCEPTANCE  # EMA of the per-position acceptance rate
-    plain_steps: int = 0  # consecutive steps without drafts (probing)
+    # EMA of this row's per-position acceptance, and its count of plain steps (probing); the batch's
+    # K is chosen from these by specdec.engine.speculation, not by AdaptiveK.choose
+    adaptive: AdaptiveK = field(default_factory=lambda: AdaptiveK(0, None))
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
     # per output token: True when it was a drafted token the target accepted
     token_from_draft: list[bool] = field(default_factory=list)
@@ -116,22 +115,12 @@ class Sequence:
         return self.num_tokens - self.num_computed
 
     @property
-    def in_decode(self) -> bool:
-        """Only the newest token is uncomputed: the next row is [last token] + drafts."""
-        return self.num_uncomputed == 1 and bool(self.output_ids)
-
-    @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
     @property
     def finish_reason(self) -> str | None:
         return "abort" if self.aborted else self.out.finish_reason
-
-    def observe_acceptance(self, num_drafted: int, num_accepted: int) -> None:
-        if num_drafted:
-            rate = num_accepted / num_drafted if num_accepted < num_drafted else 1.0
-            self.acceptance = (1 - EMA) * self.acceptance + EMA * min(rate, 0.99)
 
     def text_pieces(self, start: int, end: int) -> list[tuple[str, bool]]:
         """The text [start, end) cut where tokens begin, each piece with its token's from_draft flag."""

@@ -13,7 +13,7 @@ ones. The rule (documented in docs/benchmarks/serving.md):
 
 c(N) is profiled at start (N = 1, 2, 4, ..., 64) and refined by an EMA of every decode pass.
 A request with a fixed num_speculative_tokens drafts exactly that many. A row that has not drafted
-for `PROBE_INTERVAL` steps drafts one token so its acceptance estimate stays current.
+for AdaptiveK.probe_interval steps drafts one token so its acceptance estimate stays current.
 """
 from __future__ import annotations
 
@@ -28,7 +28,6 @@ from specdec.spec.rejection import Verdict, verify_greedy, verify_sampling
 from specdec.sampler import warp
 
 EMA = 0.3
-PROBE_INTERVAL = 16
 PROFILE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -130,13 +129,50 @@ class Speculation:
         return max(0, min(seq.spec.k_max, remaining - 1, room))
 
     def choose_k(self, seqs, caps: list[int]) -> int:
+        drafting = [(s, c) for s, c in zip(seqs, caps) if c > 0 and not s.spec.fixed_k]
+        if not drafting:
+            return 0
+        B = len(seqs)
+        best_k, best = 0, B / self.cost.estimate(B)
+        for K in range(1, max(c for _, c in drafting) + 1):
+            gain = B - len(drafting) + sum(expected_tokens(s.adaptive.acceptance, min(K, c)) for s, c in drafting)
+            draft = sum(min(K, c) * s.spec.proposer.draft_cost_per_token for s, c in drafting)
+            rate = gain / (self.cost.estimate(B * (K + 1)) + draft)
+            if rate > best * 1.02:
+                best_k, best = K, rate
+        return best_k
+
+    def proposer(self, method: str):
+        """The proposer for a method, built on first use (per-request method choice)."""
+        if method in self.proposers:
+            return self.proposers[method]
+        if method not in available_methods():
+            raise ConfigError(f"speculative method {method!r} is not available; available: "
+                              f"{', '.join(available_methods())}")
+        base = self.default_config
+        cfg = SpeculativeConfig(method=method, model=base.model if base and base.method == method else None)
+        llm = self.llm
+        ctx = ProposerContext(llm.model, llm.tokenizer, cfg, llm.source.directory, llm.dtype, llm.model.max_len,
+                              llm._load_aux)
+        self.proposers[method] = make_proposer(ctx)
+        return self.proposers[method]
+
+    def cap(self, seq, max_model_len: int) -> int:
+        """The most tokens this row may draft now (k_max, tokens left, context room)."""
+        if seq.spec.proposer is None or not seq.begun:
+            return 0
+        remaining = seq.params.max_tokens - len(seq.output_ids)
+        room = max_model_len - seq.num_tokens - 1  # a step emits up to k + 1 tokens
+        return max(0, min(seq.spec.k_max, remaining - 1, room))
+
+    def choose_k(self, seqs, caps: list[int]) -> int:
         adaptive = [(s, c) for s, c in zip(seqs, caps) if c > 0 and not s.spec.fixed_k]
         if not adaptive:
             return 0
         B = len(seqs)
         best_k, best = 0, B / self.cost.estimate(B)
         for K in range(1, max(c for _, c in adaptive) + 1):
-            gain = B - len(adaptive) + sum(expected_tokens(s.acceptance, min(K, c)) for s, c in adaptive)
+            gain = B - len(adaptive) + sum(expected_tokens(s.adaptive.acceptance, min(K, c)) for s, c in adaptive)
             draft = sum(min(K, c) * s.spec.proposer.draft_cost_per_token for s, c in adaptive)
             rate = gain / (self.cost.estimate(B * (K + 1)) + draft)
             if rate > best * 1.02:
@@ -150,8 +186,8 @@ class Speculation:
         if seq.spec.fixed_k:
             k = cap
         elif k == 0:
-            seq.plain_steps += 1
-            if seq.plain_steps % PROBE_INTERVAL:
+            seq.adaptive.plain_steps += 1
+            if seq.adaptive.plain_steps % seq.adaptive.probe_interval:
                 return EMPTY
             k = 1  # probe: re-measure this row's acceptance
         k = min(k, cap)
@@ -165,6 +201,6 @@ class Speculation:
             tokens = tokens[:seq.grammar.cut(tokens)]
         if not tokens:
             return EMPTY
-        seq.plain_steps = 0
+        seq.adaptive.plain_steps = 0
         probs = None if proposal.probs is None else proposal.probs[:len(tokens)]
         return Proposal(list(tokens), probs)

@@ -44,6 +44,7 @@ class ServerState:
     max_body_bytes: int = 1 << 20
     max_header_bytes: int = 16 << 10
     draining: bool = False
+    inflight_seqs: int = 0  # sequences admitted whose responses are not finished (event-loop side)
     metrics: ServerMetrics = None
     grammars: GrammarCompiler = None
     started: float = field(default_factory=time.time)
@@ -53,6 +54,10 @@ class ServerState:
         self.tokenizer, self.max_model_len = eng.tokenizer, eng.max_model_len
         self.metrics = self.metrics or ServerMetrics(self.model_name)
         self.grammars = self.grammars or GrammarCompiler(eng.tokenizer, eng.model.config.vocab_size)
+
+    def queued(self) -> int:
+        """Admitted sequences not yet in the running batch (engine queue, inbox, about to be sent)."""
+        return max(0, self.inflight_seqs - len(self.engine.engine.scheduler.running))
 
 
 class LimitsMiddleware:
@@ -113,11 +118,17 @@ async def _send_error(send, err: APIError) -> None:
 class AbortingStream(StreamingResponse):
     """Closes its body iterator however the response ends, so a disconnect aborts the request."""
 
+    def __init__(self, *args, on_close=None, **kw):
+        super().__init__(*args, **kw)
+        self.on_close = on_close
+
     async def __call__(self, scope, receive, send):
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
+            if self.on_close is not None:
+                self.on_close()
 
 
 def build_app(st: ServerState) -> FastAPI:
@@ -175,22 +186,29 @@ def build_app(st: ServerState) -> FastAPI:
                            "model", "model_not_found")
         body.check_unsupported()
         reqs = await _engine_requests(body, prompts, chat)
-        queued = st.engine.queued()
-        new = sum(r.params.n for r in reqs)
+        queued, new = st.queued(), sum(r.params.n for r in reqs)
         if queued + new > st.max_queued_requests:
             st.metrics.rejected.labels(model_name=st.model_name, reason="queue_full").inc()
             raise APIError(429, f"the server is busy ({queued} sequences queued); retry later",
                            headers={"Retry-After": "1"})
+        st.inflight_seqs += new  # counted now, before any await: a burst of requests sees its own size
+
+        def release():
+            st.inflight_seqs -= new
+
         if body.stream:
-            return AbortingStream(rb.stream(reqs, body, chat), media_type="text/event-stream",
+            return AbortingStream(rb.stream(reqs, body, chat), media_type="text/event-stream", on_close=release,
                                   headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         task = asyncio.ensure_future(rb.complete(reqs, body, chat))
-        while not task.done():  # a client that leaves aborts its request (the task's cleanup frees it)
-            await asyncio.wait({task}, timeout=0.25)
-            if not task.done() and await request.is_disconnected():
-                task.cancel()
-                return Response(status_code=499)
-        return JSONResponse(task.result())
+        try:
+            while not task.done():  # a client that leaves aborts its request (the task's cleanup frees it)
+                await asyncio.wait({task}, timeout=0.25)
+                if not task.done() and await request.is_disconnected():
+                    task.cancel()
+                    return Response(status_code=499)
+            return JSONResponse(task.result())
+        finally:
+            release()
 
     async def _engine_requests(body, prompts: list[list[int]], chat: bool) -> list[EngineRequest]:
         logprobs = (body.top_logprobs or 0 if body.logprobs else None) if chat else body.logprobs

@@ -102,22 +102,23 @@ class ResponseBuilder:
             for t in tasks:
                 t.cancel()
 
-    def _logprobs(self, out: SeqOutput, chat: bool, offset: int) -> dict | None:
-        if out.logprobs is None:
+    def _logprobs(self, logprobs: list[dict] | None, chat: bool, offset: int) -> dict | None:
+        """Engine logprobs ({"token_id", "logprob", "top": [(id, logprob)]}) in the endpoint's format."""
+        if logprobs is None:
             return None
         dec = lambda i: self.tok.decode([i], skip_special_tokens=False)  # noqa: E731
         if chat:
             return {"content": [{"token": dec(lp["token_id"]), "logprob": lp["logprob"],
                                  "bytes": list(dec(lp["token_id"]).encode()),
                                  "top_logprobs": [{"token": dec(t), "logprob": v, "bytes": list(dec(t).encode())}
-                                                  for t, v in lp["top"]]} for lp in out.logprobs]}
-        tokens = [dec(lp["token_id"]) for lp in out.logprobs]
+                                                  for t, v in lp["top"]]} for lp in logprobs]}
+        tokens = [dec(lp["token_id"]) for lp in logprobs]
         offsets, pos = [], offset
         for t in tokens:
             offsets.append(pos)
             pos += len(t)
-        return {"tokens": tokens, "token_logprobs": [lp["logprob"] for lp in out.logprobs],
-                "top_logprobs": [{dec(t): v for t, v in lp["top"]} for lp in out.logprobs], "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": [lp["logprob"] for lp in logprobs],
+                "top_logprobs": [{dec(t): v for t, v in lp["top"]} for lp in logprobs], "text_offset": offsets}
 
     @staticmethod
     def _usage(finals: list[SeqOutput], prompt_lens: dict[int, int]) -> dict:
@@ -149,8 +150,7 @@ class ResponseBuilder:
         choices = []
         for idx in sorted(finals):
             f = finals[idx]
-            full = SeqOutput(f.request_id, f.index, texts[idx], [], lps[idx] if f.logprobs is not None else None, [])
-            lp = self._logprobs(full, chat, 0)
+            lp = self._logprobs(lps[idx] if f.logprobs is not None else None, chat, 0)
             c = {"index": idx, "finish_reason": f.finish_reason, "stop_reason": f.stop_reason, "logprobs": lp}
             c.update({"message": {"role": "assistant", "content": texts[idx]}} if chat else {"text": texts[idx]})
             if body.return_token_sources:
@@ -164,7 +164,7 @@ class ResponseBuilder:
                                                                  first.method if first else None)}}
 
     def _chunk(self, head: dict, idx: int, out: SeqOutput, chat: bool, body, offsets: dict[int, int]) -> dict:
-        choice = {"index": idx, "logprobs": self._logprobs(out, chat, offsets.get(idx, 0)),
+        choice = {"index": idx, "logprobs": self._logprobs(out.logprobs, chat, offsets.get(idx, 0)),
                   "finish_reason": out.finish_reason if out.finished else None}
         offsets[idx] = offsets.get(idx, 0) + len(out.text)
         choice.update({"delta": {"content": out.text} if out.text else {}} if chat else {"text": out.text})

@@ -1,0 +1,46 @@
+"""The batch cost model and the choice of K: speculation backs off as the batch grows."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from specdec.engine.speculation import BatchCost, Speculation, expected_tokens, first_path
+from specdec.spec.proposer import Proposal
+
+
+def cpu_like_cost() -> BatchCost:
+    """Flat (memory-bound) up to 16 token rows, then linear (compute-bound): c(N) = max(1, N / 16)."""
+    cost = BatchCost()
+    for n in (1, 2, 4, 8, 16, 32, 64):
+        cost.seconds[n] = max(1.0, n / 16)
+    return cost
+
+
+def rows(batch: int, acceptance: float, cap: int = 8):
+    proposer = SimpleNamespace(draft_cost_per_token=0.0)
+    seqs = [SimpleNamespace(adaptive=SimpleNamespace(acceptance=acceptance), spec=SimpleNamespace(proposer=proposer, fixed_k=False))
+            for _ in range(batch)]
+    return seqs, [cap] * batch
+
+
+def test_cost_interpolates_and_extrapolates():
+    cost = cpu_like_cost()
+    assert cost.estimate(12) == 1.0 and cost.estimate(48) == 3.0 and cost.estimate(128) == 8.0
+    cost.observe(4, 3.0)
+    assert 1.0 < cost.estimate(4) < 3.0  # an EMA, not a jump
+
+
+def test_k_backs_off_as_the_batch_grows():
+    spec = Speculation.__new__(Speculation)
+    spec.cost = cpu_like_cost()
+    ks = [spec.choose_k(*rows(b, acceptance=0.7)) for b in (1, 2, 4, 8, 16, 32)]
+    assert ks[0] >= 4 and ks == sorted(ks, reverse=True) and ks[-1] == 0
+    # a poor drafter gets shorter drafts at the same batch size
+    assert spec.choose_k(*rows(4, acceptance=0.2)) < spec.choose_k(*rows(4, acceptance=0.8))
+    # rows that may not draft (cap 0) never make the batch speculate
+    assert spec.choose_k(*rows(4, acceptance=0.9, cap=0)) == 0
+
+
+def test_expected_tokens_and_tree_path():
+    assert expected_tokens(0.0, 4) == 1.0 and abs(expected_tokens(0.5, 2) - 1.75) < 1e-9
+    tree = Proposal([10, 11, 12, 13, 14], parents=[-1, -1, 0, 0, 2])
+    assert first_path(tree).tokens == [10, 12, 14] and first_path(tree).probs is None
