@@ -111,7 +111,7 @@ class Engine:
         self.totals = SpecMetrics()
         self.last_k = 0  # the longest draft of the last decode batch
         self._ids = itertools.count()
-        if config.profile_cost and llm.proposer is not None:
+        if config.profile_cost:  # also without a default proposer: requests may ask for one
             self.spec.cost.profile(self.model)
 
     def _num_blocks(self, config: EngineConfig) -> int:

@@ -17,6 +17,7 @@ for AdaptiveK.probe_interval steps drafts one token so its acceptance estimate s
 """
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -104,21 +105,23 @@ class Speculation:
             self.proposers[llm.proposer.name] = llm.proposer
         self.cost = BatchCost()
         self.pool = None  # the engine's PagedKVPool
+        self._lock = threading.Lock()
 
     def proposer(self, method: str):
-        """The proposer for a method, built on first use (per-request method choice)."""
-        if method in self.proposers:
+        """The proposer for a method, built on first use (per-request method choice; thread-safe)."""
+        with self._lock:
+            if method in self.proposers:
+                return self.proposers[method]
+            if method not in available_methods():
+                raise ConfigError(f"speculative method {method!r} is not available; available: "
+                                  f"{', '.join(available_methods())}")
+            base = self.default_config
+            cfg = SpeculativeConfig(method=method, model=base.model if base and base.method == method else None)
+            llm = self.llm
+            ctx = ProposerContext(llm.model, llm.tokenizer, cfg, llm.source.directory, llm.dtype, llm.model.max_len,
+                                  llm._load_aux)
+            self.proposers[method] = make_proposer(ctx)
             return self.proposers[method]
-        if method not in available_methods():
-            raise ConfigError(f"speculative method {method!r} is not available; available: "
-                              f"{', '.join(available_methods())}")
-        base = self.default_config
-        cfg = SpeculativeConfig(method=method, model=base.model if base and base.method == method else None)
-        llm = self.llm
-        ctx = ProposerContext(llm.model, llm.tokenizer, cfg, llm.source.directory, llm.dtype, llm.model.max_len,
-                              llm._load_aux)
-        self.proposers[method] = make_proposer(ctx)
-        return self.proposers[method]
 
     def cap(self, seq, max_model_len: int) -> int:
         """The most tokens this row may draft now (k_max, tokens left, context room)."""
@@ -143,19 +146,20 @@ class Speculation:
         return best_k
 
     def proposer(self, method: str):
-        """The proposer for a method, built on first use (per-request method choice)."""
-        if method in self.proposers:
+        """The proposer for a method, built on first use (per-request method choice; thread-safe)."""
+        with self._lock:
+            if method in self.proposers:
+                return self.proposers[method]
+            if method not in available_methods():
+                raise ConfigError(f"speculative method {method!r} is not available; available: "
+                                  f"{', '.join(available_methods())}")
+            base = self.default_config
+            cfg = SpeculativeConfig(method=method, model=base.model if base and base.method == method else None)
+            llm = self.llm
+            ctx = ProposerContext(llm.model, llm.tokenizer, cfg, llm.source.directory, llm.dtype, llm.model.max_len,
+                                  llm._load_aux)
+            self.proposers[method] = make_proposer(ctx)
             return self.proposers[method]
-        if method not in available_methods():
-            raise ConfigError(f"speculative method {method!r} is not available; available: "
-                              f"{', '.join(available_methods())}")
-        base = self.default_config
-        cfg = SpeculativeConfig(method=method, model=base.model if base and base.method == method else None)
-        llm = self.llm
-        ctx = ProposerContext(llm.model, llm.tokenizer, cfg, llm.source.directory, llm.dtype, llm.model.max_len,
-                              llm._load_aux)
-        self.proposers[method] = make_proposer(ctx)
-        return self.proposers[method]
 
     def cap(self, seq, max_model_len: int) -> int:
         """The most tokens this row may draft now (k_max, tokens left, context room)."""
