@@ -6,6 +6,7 @@ Every figure is computed here from the raw records (kept in the JSON), never typ
     speedup  (system, category, repeat)  = tokens/s / tokens/s of specdec:plain in the same repeat
     reported: the median over repeats, with the min-max spread
     decode tokens/s                      = sum (new tokens - 1) / sum (seconds - prefill seconds)
+    decode speedup                       = decode tokens/s / plain's decode tokens/s, same repeat
     tau                                  = 1 + accepted / drafting steps   (specdec methods)
     acceptance rate                      = accepted / drafted tokens
     tokens per pass                      = (new tokens - 1) / target passes after the prefill (all systems)
@@ -53,16 +54,18 @@ def _sum_lists(lists: list[list[int]]) -> list[int]:
 def summarize_cell(recs: list[dict], base: list[dict]) -> dict:
     """Figures for one system on one set of prompts; base: the baseline's records on the same prompts."""
     repeats = sorted({r["repeat"] for r in recs})
-    tps, speedup, decode = [], [], []
+    tps, speedup, decode, decode_speedup = [], [], [], []
     for rep in repeats:
         mine = [r for r in recs if r["repeat"] == rep]
         theirs = [r for r in base if r["repeat"] == rep]
         tps.append(_rate(mine))
         if theirs and _rate(theirs) > 0:
             speedup.append(_rate(mine) / _rate(theirs))
-        d = _decode_rate(mine)
+        d, d_base = _decode_rate(mine), _decode_rate(theirs) if theirs else None
         if d is not None:
             decode.append(d)
+            if d_base:
+                decode_speedup.append(d / d_base)
     drafts = sum(r["num_drafts"] for r in recs)
     drafted = sum(r["num_draft_tokens"] for r in recs)
     accepted = sum(r["num_accepted_tokens"] for r in recs)
@@ -73,6 +76,7 @@ def summarize_cell(recs: list[dict], base: list[dict]) -> dict:
     extras = [r["extra_rss_mb"] for r in recs if r.get("extra_rss_mb") is not None]
     return {
         "tokens_per_s": _spread(tps), "speedup": _spread(speedup), "decode_tokens_per_s": _spread(decode),
+        "decode_speedup": _spread(decode_speedup),
         "new_tokens_per_repeat": sum(r["new_tokens"] for r in recs) / max(len(repeats), 1),
         "tau": 1 + accepted / drafts if drafts else None,
         "acceptance_rate": accepted / drafted if drafted else None,
@@ -194,7 +198,7 @@ def markdown(result: dict, summaries: dict, plots: dict) -> str:
               f"| plain decode, transformers generate (same prompts) | {_f(fd['transformers_decode_tokens_per_s'], 1)} |",
               f"| specdec / transformers | {_f(fd['plain_vs_transformers'])}x |",
               f"| streaming-read bandwidth (GB/s) | {_f(fd['bandwidth_gb_s'], 1)} |",
-              f"| weights read per token (MB) | {_f(fd['weight_mb_per_token'], 1)} |",
+              f"| weights read per token (MiB) | {_f(fd['weight_mb_per_token'], 1)} |",
               f"| bandwidth bound (tokens/s) | {_f(fd['bound_tokens_per_s'], 1)} |",
               f"| specdec plain, fraction of the bound | {_f(fd['fraction_of_bound'])} |", "",
               "Cost of one target forward over k new tokens relative to k = 1 (prefix of "
@@ -205,6 +209,11 @@ def markdown(result: dict, summaries: dict, plots: dict) -> str:
                                            if k in fd["cost_relative"]) + " |", ""]
         L += ["### Speedup over specdec plain decoding (tokens/s ratio, same run)", ""]
         L += _system_table(s, _cell_speedup, pass_baseline=True) + [""]
+        L += ["### Speedup of the decode phase only (prefill excluded)", "",
+              "Decode tokens/s = (new tokens - 1) / (wall - prefill). Our systems time their prefill inside the "
+              "run; a peer's prefill is a 1-token generation of the same prompt timed in the first repeat.", ""]
+        L += _system_table(s, lambda c, base: _cell_speedup({"speedup": c.get("decode_speedup")}, base),
+                           pass_baseline=True) + [""]
         L += ["### Tokens/s (wall clock, prefill included; median over repeats)", ""]
         L += _system_table(s, lambda c: _f((c.get("tokens_per_s") or {}).get("median"), 1)) + [""]
         L += ["### tau (accepted + 1 per drafting step) / acceptance rate / tokens per target pass", "",
@@ -260,11 +269,41 @@ def _cli_flags(cfg: dict) -> list[str]:
              f"--repeats {cfg['repeats']}"]
     if cfg.get("threads"):
         flags.append(f"--threads {cfg['threads']}")
+    if cfg.get("categories"):
+        flags.append(f"--categories {','.join(cfg['categories'])}")
+    if cfg.get("methods") is not None:
+        flags.append(f"--methods {','.join(cfg['methods'])}")
+    if cfg.get("peers") is not None:
+        flags.append(f"--peers {','.join(cfg['peers']) or 'none'}")
+    if cfg.get("draft_model") != "auto":
+        flags.append(f"--draft-model {cfg.get('draft_model') or 'none'}")
+    if list(cfg.get("sweep_ks") or []) != [1, 2, 4, 8]:
+        flags.append(f"--sweep-k {','.join(map(str, cfg['sweep_ks'])) or 'none'}")
     return flags + ["--out DIR"]
 
 
+def compact_table(result: dict, summaries: dict) -> str:
+    """The README's table: speedup over plain decoding per system and category (median of repeats),
+    with the setting it was measured in."""
+    cfg, env = result["config"], result["environment"]
+    out = []
+    for dt, s in summaries.items():
+        fd = s["foundation"]
+        out += [f"Measured {result['started'][:10]} on {env['cpu']} ({env['threads']} threads, {dt}, load average "
+                f"{env['load_average'][0]:.1f}); `{cfg['model']}`, {cfg['prompts_per_category']} prompts per "
+                f"category, {cfg['max_tokens']} new tokens, {cfg['repeats']} repeats. Plain decoding "
+                f"{_f(fd['plain_decode_tokens_per_s'], 1)} tok/s ({_f(fd['fraction_of_bound'])} of the "
+                f"bandwidth bound), transformers {_f(fd['transformers_decode_tokens_per_s'], 1)} tok/s.", ""]
+        out += _system_table(s, lambda c, base=False: "1.00x" if base else
+                             (f"{c['speedup']['median']:.2f}x" if c.get("speedup") else "-"), pass_baseline=True)
+        out.append("")
+    out.append("Regenerate: `specdec bench " + " ".join(_cli_flags(cfg)) + "` (full report: "
+               "docs/benchmarks/).")
+    return "\n".join(out) + "\n"
+
+
 def write_report(result: dict, out_dir: Path, stem: str = "report", plots: bool = True) -> dict[str, Path]:
-    """report.md + report.json (+ PNG plots) in out_dir; returns the written paths."""
+    """NAME.md + NAME.json + NAME-table.md (the README table) (+ PNG plots) in out_dir; returns the paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     summaries = {dt: summarize_run(run) for dt, run in result["runs"].items()}
     figs: dict[str, dict[str, str]] = {}
@@ -275,4 +314,6 @@ def write_report(result: dict, out_dir: Path, stem: str = "report", plots: bool 
     md.write_text(markdown(result, summaries, figs))
     js = out_dir / f"{stem}.json"
     js.write_text(json.dumps(dict(result, summary=summaries), indent=1, default=str))
-    return {"markdown": md, "json": js, **{f"{dt}:{k}": out_dir / v for dt, f in figs.items() for k, v in f.items()}}
+    table = out_dir / f"{stem}-table.md"
+    table.write_text(compact_table(result, summaries))
+    return {"markdown": md, "json": js, "table": table, **{f"{dt}:{k}": out_dir / v for dt, f in figs.items() for k, v in f.items()}}

@@ -3,6 +3,7 @@
     specdec bench --out docs/benchmarks/latest                       # defaults: fp32, 3 prompts/category
     specdec bench --prompts-per-category 2 --max-tokens 64 --repeats 2 --bf16 --out /tmp/b
     specdec bench --methods ngram,suffix --peers transformers --sweep-k none --json
+    specdec bench --from-json docs/benchmarks/x/report.json --out docs/benchmarks/x   # re-render only
     specdec bench serve ...                                          # the serving benchmark (if installed)
 """
 from __future__ import annotations
@@ -45,6 +46,8 @@ def register(sub) -> None:
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="directory for the report and plots")
     p.add_argument("--name", default="report", help="file stem of the report (NAME.md, NAME.json, NAME-*.png)")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--from-json", type=Path, default=None, metavar="REPORT.json",
+                   help="re-render the report (Markdown, table, plots) from a saved JSON instead of measuring")
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
     p.set_defaults(func=run)
     modes = p.add_subparsers(dest="bench_mode", metavar="MODE")
@@ -120,9 +123,15 @@ def run(args) -> int:
     from specdec.bench.harness import run_benchmark
     from specdec.bench.report import summarize_run, write_report
 
-    cfg = config_from_args(args)
-    log = (lambda *a: print(*a, file=sys.stderr, flush=True))
-    result = run_benchmark(cfg, log=log)
+    if args.from_json is not None:
+        try:
+            result = json.loads(args.from_json.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"cannot read {args.from_json}: {e}") from None
+        result.pop("summary", None)
+    else:
+        cfg = config_from_args(args)
+        result = run_benchmark(cfg, log=lambda *a: print(*a, file=sys.stderr, flush=True))
     paths = write_report(result, args.out, args.name, plots=not args.no_plots)
     summaries = {dt: summarize_run(run) for dt, run in result["runs"].items()}
     print_summary(summaries)
