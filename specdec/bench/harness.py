@@ -151,7 +151,6 @@ def set_threads(threads: int | None) -> int:
 # ---------------------------------------------------------------- the whole benchmark
 DEFAULT_METHOD_CONFIGS: dict[str, dict] = {"draft_model": {}, "ngram": {}, "suffix": {}, "layerskip": {},
                                            "lookahead": {}}
-SWEEP_CATEGORIES = ("chat", "summarization", "rag", "code")
 
 
 @dataclass(frozen=True)
@@ -169,6 +168,8 @@ class BenchConfig:
     draft_model: str | None = "auto"  # "auto": a layer-truncated copy of the target; None: no draft model
     draft_layers: int = 8
     sweep_ks: tuple[int, ...] = (1, 2, 4, 8)  # (): no k sweep
+    sweep_methods: tuple[str, ...] | None = None  # None: every method that ran
+    sweep_categories: tuple[str, ...] = ("chat", "summarization", "rag", "code")  # first prompt of each
     cost_ks: tuple[int, ...] = tuple(range(1, 33))
     bandwidth_mb: int = 512  # buffer of the streaming-read bandwidth measurement
     first_turn_tokens: int = 48
@@ -289,9 +290,10 @@ def run_dtype(cfg: BenchConfig, dtype_name: str, prompts: list | None, log=print
     for s in peers:
         s.close()
     sweep: list[RunRecord] = []
-    ready_methods = tuple(s.method for s in systems if s.family == "specdec" and s.method != "plain")
+    ready_methods = tuple(s.method for s in systems if s.family == "specdec" and s.method != "plain"
+                          and (cfg.sweep_methods is None or s.method in cfg.sweep_methods))
     if cfg.sweep_ks and ready_methods:
-        firsts = {c: next((p for p in prompts if p.category == c), None) for c in SWEEP_CATEGORIES}
+        firsts = {c: next((p for p in prompts if p.category == c), None) for c in cfg.sweep_categories}
         sub = [p for p in firsts.values() if p is not None] or prompts[:1]
         sweep_cfg = BenchConfig(**{**cfg.__dict__, "methods": ready_methods})
         sweep_systems = [plain]

@@ -279,6 +279,10 @@ def _cli_flags(cfg: dict) -> list[str]:
         flags.append(f"--draft-model {cfg.get('draft_model') or 'none'}")
     if list(cfg.get("sweep_ks") or []) != [1, 2, 4, 8]:
         flags.append(f"--sweep-k {','.join(map(str, cfg['sweep_ks'])) or 'none'}")
+    if cfg.get("sweep_methods"):
+        flags.append(f"--sweep-methods {','.join(cfg['sweep_methods'])}")
+    if list(cfg.get("sweep_categories") or []) not in ([], ["chat", "summarization", "rag", "code"]):
+        flags.append(f"--sweep-categories {','.join(cfg['sweep_categories'])}")
     return flags + ["--out DIR"]
 
 

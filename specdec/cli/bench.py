@@ -43,6 +43,9 @@ def register(sub) -> None:
                         "(a layer-truncated copy of the target) or 'none'")
     p.add_argument("--draft-layers", type=int, default=8, help="layers of the 'auto' draft model")
     p.add_argument("--sweep-k", default="1,2,4,8", help="fixed k values for the tokens/s-vs-k sweep, or 'none'")
+    p.add_argument("--sweep-methods", default=None, help="comma list of methods in the k sweep (default: all that ran)")
+    p.add_argument("--sweep-categories", default="chat,summarization,rag,code",
+                   help="the sweep runs the first prompt of each of these categories")
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="directory for the report and plots")
     p.add_argument("--name", default="report", help="file stem of the report (NAME.md, NAME.json, NAME-*.png)")
     p.add_argument("--no-plots", action="store_true")
@@ -103,7 +106,9 @@ def config_from_args(args):
                        repeats=args.repeats, threads=args.threads,
                        methods=_csv(args.methods) if args.methods else None,
                        method_configs=_method_configs(args.method_config), peers=peers, draft_model=draft,
-                       draft_layers=args.draft_layers, sweep_ks=sweep)
+                       draft_layers=args.draft_layers, sweep_ks=sweep,
+                       sweep_methods=_csv(args.sweep_methods) if args.sweep_methods else None,
+                       sweep_categories=_csv(args.sweep_categories))
 
 
 def print_summary(summaries: dict, file=sys.stderr) -> None:
