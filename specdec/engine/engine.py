@@ -89,14 +89,19 @@ class EngineStats:
     last_k: int = 0
 
 
+def _choice(proposer, k: int | None = None) -> SpecChoice:
+    """k from the request, else the proposer's config (fixed num_speculative_tokens, or adaptive up to k_max)."""
+    cfg = proposer.ctx.config
+    return SpecChoice(proposer, k or cfg.k_max, k is not None or cfg.fixed_k or not cfg.adaptive)
+
+
 class Engine:
     def __init__(self, llm, config: EngineConfig = EngineConfig()):
         self.llm, self.config = llm, config
         self.model, self.tokenizer = llm.model, llm.tokenizer
         self.max_model_len = self.model.max_len
         self.spec = Speculation(llm, llm.speculative_config)
-        default = llm.speculative_config
-        self.default_spec = SpecChoice(llm.proposer, default.k_max, default.fixed_k) if llm.proposer else SpecChoice()
+        self.default_spec = _choice(llm.proposer) if llm.proposer is not None else SpecChoice()
         num_blocks = self._num_blocks(config)
         if num_blocks * config.block_size < self.max_model_len + 1:
             raise ConfigError(f"{num_blocks} KV blocks of {config.block_size} cannot hold one sequence of "
@@ -127,15 +132,9 @@ class Engine:
         """A request's speculation: the server default, off, or another registered method."""
         if speculative is None:
             return self.default_spec
-        method = speculative.get("method")
-        if method is None:
+        if speculative.get("method") is None:
             return SpecChoice()
-        proposer = self.spec.proposer(method)
-        k = speculative.get("num_speculative_tokens")
-        base = self.llm.speculative_config
-        k_max = k or (base.k_max if base else 8)
-        return SpecChoice(proposer, k_max, fixed_k=k is not None or (base is not None and base.fixed_k and
-                                                                      proposer is self.llm.proposer))
+        return _choice(self.spec.proposer(speculative["method"]), speculative.get("num_speculative_tokens"))
 
     def add_request(self, req: EngineRequest) -> None:
         p = req.params
