@@ -145,44 +145,6 @@ class Speculation:
                 best_k, best = K, rate
         return best_k
 
-    def proposer(self, method: str):
-        """The proposer for a method, built on first use (per-request method choice; thread-safe)."""
-        with self._lock:
-            if method in self.proposers:
-                return self.proposers[method]
-            if method not in available_methods():
-                raise ConfigError(f"speculative method {method!r} is not available; available: "
-                                  f"{', '.join(available_methods())}")
-            base = self.default_config
-            cfg = SpeculativeConfig(method=method, model=base.model if base and base.method == method else None)
-            llm = self.llm
-            ctx = ProposerContext(llm.model, llm.tokenizer, cfg, llm.source.directory, llm.dtype, llm.model.max_len,
-                                  llm._load_aux)
-            self.proposers[method] = make_proposer(ctx)
-            return self.proposers[method]
-
-    def cap(self, seq, max_model_len: int) -> int:
-        """The most tokens this row may draft now (k_max, tokens left, context room)."""
-        if seq.spec.proposer is None or not seq.begun:
-            return 0
-        remaining = seq.params.max_tokens - len(seq.output_ids)
-        room = max_model_len - seq.num_tokens - 1  # a step emits up to k + 1 tokens
-        return max(0, min(seq.spec.k_max, remaining - 1, room))
-
-    def choose_k(self, seqs, caps: list[int]) -> int:
-        adaptive = [(s, c) for s, c in zip(seqs, caps) if c > 0 and not s.spec.fixed_k]
-        if not adaptive:
-            return 0
-        B = len(seqs)
-        best_k, best = 0, B / self.cost.estimate(B)
-        for K in range(1, max(c for _, c in adaptive) + 1):
-            gain = B - len(adaptive) + sum(expected_tokens(s.adaptive.acceptance, min(K, c)) for s, c in adaptive)
-            draft = sum(min(K, c) * s.spec.proposer.draft_cost_per_token for s, c in adaptive)
-            rate = gain / (self.cost.estimate(B * (K + 1)) + draft)
-            if rate > best * 1.02:
-                best_k, best = K, rate
-        return best_k
-
     def propose(self, seq, k: int, cap: int) -> Proposal:
         """Up to k drafted tokens for seq (cap: its limit; the blocks for them are already allocated)."""
         if cap <= 0:
