@@ -1,4 +1,4 @@
-"""The batch cost model and the choice of K: speculation backs off as the batch grows."""
+"""The batch cost model and the choice of K (speculation backs off as the batch grows); prefill packing."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -44,3 +44,17 @@ def test_expected_tokens_and_tree_path():
     assert expected_tokens(0.0, 4) == 1.0 and abs(expected_tokens(0.5, 2) - 1.75) < 1e-9
     tree = Proposal([10, 11, 12, 13, 14], parents=[-1, -1, 0, 0, 2])
     assert first_path(tree).tokens == [10, 12, 14] and first_path(tree).probs is None
+
+
+def test_prefill_chunks_are_packed_with_little_padding():
+    from specdec.engine.model_runner import pack_rows
+
+    class R:
+        def __init__(self, n):
+            self.n = n
+
+        def __len__(self):
+            return self.n
+
+    groups = pack_rows([R(n) for n in (30, 200, 8, 180, 6)])
+    assert [[len(r) for r in g] for g in groups] == [[200, 180], [30], [8, 6]]

@@ -21,7 +21,7 @@ from specdec.cache.paged_cache import PagedKVPool
 from specdec.config import ConfigError
 from specdec.engine.block_manager import BlockManager
 from specdec.engine.grammar import GrammarState
-from specdec.engine.model_runner import ModelRunner, Row
+from specdec.engine.model_runner import ModelRunner, Row, pack_rows
 from specdec.engine.scheduler import Scheduler, SchedulerConfig
 from specdec.engine.sequence import Sequence, SpecChoice
 from specdec.engine.speculation import Speculation, verify_rows
@@ -171,16 +171,18 @@ class Engine:
     def step(self) -> list[SeqOutput]:
         batch = self.scheduler.schedule()
         touched: list[Sequence] = []
-        for rows, decode in ((batch.prefill, False), (batch.decode, True)):
-            if rows:
-                t0 = time.perf_counter()
-                fwd = self.runner.run(rows, all_logits=decode, output_layers=self._feature_layers(rows))
-                if decode:
-                    self.spec.cost.observe(len(rows) * max(len(r) for r in rows), time.perf_counter() - t0)
-                    self.last_k = max(len(r.proposal) for r in rows)
-                for b, r in enumerate(rows):
-                    if self._process(r, self.runner.row_output(fwd, b, len(r))):
-                        touched.append(r.seq)
+        forwards = [(rows, False) for rows in pack_rows(batch.prefill)]
+        if batch.decode:
+            forwards.append((batch.decode, True))
+        for rows, decode in forwards:
+            t0 = time.perf_counter()
+            fwd = self.runner.run(rows, all_logits=decode, output_layers=self._feature_layers(rows))
+            if decode:
+                self.spec.cost.observe(len(rows) * max(len(r) for r in rows), time.perf_counter() - t0)
+                self.last_k = max(len(r.proposal) for r in rows)
+            for b, r in enumerate(rows):
+                if self._process(r, self.runner.row_output(fwd, b, len(r))):
+                    touched.append(r.seq)
         outs = [self._collect(s) for s in touched]
         for s in touched:
             if s.finished:

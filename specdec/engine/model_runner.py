@@ -36,6 +36,21 @@ class Row:
         return self.num_new + len(self.proposal)
 
 
+def pack_rows(rows: list[Row], max_waste: float = 0.25) -> list[list[Row]]:
+    """Group rows into forwards whose left-padding wastes at most `max_waste` of the computed rows.
+
+    E.g. chunk lengths [200, 180, 30, 8, 6]: [[200, 180], [30], [8, 6]] (padding 20, 0 and 2 rows).
+    A prefill forward is compute-bound, so splitting costs little while padding costs its full size."""
+    groups: list[list[Row]] = []
+    for r in sorted(rows, key=len, reverse=True):
+        cur = groups[-1] if groups else None
+        if cur and (len(cur) + 1) * len(cur[0]) <= (1 + max_waste) * (sum(map(len, cur)) + len(r)):
+            cur.append(r)
+        else:
+            groups.append([r])
+    return groups
+
+
 class ModelRunner:
     def __init__(self, model, pool: PagedKVPool):
         self.model = model

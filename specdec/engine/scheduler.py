@@ -1,11 +1,12 @@
 """Continuous batching: which sequences run this step, with how many tokens, and who is preempted.
 
-A step has up to two forwards (on a CPU a prefill chunk and a decode batch share nothing but the
-weights, and padding a 1-token decode row to a 256-token chunk would waste 255 rows):
+A step schedules two kinds of rows, run as separate forwards (padding a 1-token decode row to a
+256-token prefill chunk would waste 255 rows of compute):
   decode  every running sequence whose only uncomputed token is its newest, with its drafts;
-  prefill chunks of prompts (or of preempted sequences being recomputed), padded rows * longest
-          chunk <= max_num_batched_tokens; waiting sequences are admitted first-come first-served
-          while there are free sequence slots, tokens in the budget and KV blocks.
+  prefill chunks of prompts (or of preempted sequences being recomputed), at most
+          max_num_batched_tokens in all; waiting sequences are admitted first-come first-served
+          while there are free sequence slots, tokens in the budget and KV blocks. The engine packs
+          the chunks into forwards of similar lengths (specdec.engine.model_runner.pack_rows).
 When a decode row cannot get its blocks, its draft is dropped first, then the most recently
 admitted other sequence is preempted (blocks freed, recomputed later), then the row itself.
 """
@@ -106,23 +107,19 @@ class Scheduler:
     def _schedule_prefill(self) -> list[Row]:
         budget = self.config.max_num_batched_tokens
         rows: list[Row] = []
-        longest = 0
-
-        def room() -> int:  # the longest chunk one more row may have: (rows + 1) * longest <= budget
-            return budget // (len(rows) + 1) if longest <= budget // (len(rows) + 1) else 0
-
+        used = 0
         for seq in self.running:  # chunked prefills (and recomputations) already running
-            n = min(seq.num_uncomputed, room())
+            n = min(seq.num_uncomputed, budget - used)
             if seq.num_uncomputed > 1 and n > 0 and self.blocks.ensure(seq, seq.num_computed + n):
                 rows.append(Row(seq, n))
-                longest = max(longest, n)
-        while self.waiting and len(self.running) < self.config.max_num_seqs and room() > 0:
+                used += n
+        while self.waiting and len(self.running) < self.config.max_num_seqs and used < budget:
             seq = self.waiting[0]
             if not seq.block_table:
                 cached = self.blocks.match_prefix(seq)
                 if not seq.output_ids:
                     seq.num_cached_prompt = cached
-            n = min(seq.num_uncomputed, room())
+            n = min(seq.num_uncomputed, budget - used)
             need = self.blocks.blocks_for(seq.num_computed + n) - len(seq.block_table)
             reserve = len(self.running)  # one spare block per running sequence for its decode growth
             if need + reserve > self.blocks.num_free or not self.blocks.ensure(seq, seq.num_computed + n):
@@ -132,5 +129,5 @@ class Scheduler:
             seq.status = Status.RUNNING
             self.running.append(seq)
             rows.append(Row(seq, n))
-            longest = max(longest, n)
+            used += n
         return rows
