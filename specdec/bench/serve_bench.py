@@ -7,9 +7,10 @@ speculation off vs on, at a sweep of concurrencies (and request rates), with lat
 
 Workload (as vLLM's benchmark_serving): the first human turn of ShareGPT conversations is the prompt
 (chat template applied by the server), the first assistant turn's token count the output length
-(capped; `ignore_eos` so every request produces exactly that many), greedy. For each setting a server
-subprocess is started, warmed up, then driven at each concurrency (a semaphore) with Poisson arrivals
-at --request-rate (inf: all at once). Per request: TTFT, TPOT = (e2e - TTFT) / (tokens - 1), ITL =
+(capped; `ignore_eos` so every request produces exactly that many), greedy. A server subprocess per
+setting is started and warmed up; then, for each concurrency (a semaphore) and --request-rate
+(Poisson arrivals; inf: all at once), the settings are driven one after the other, so a change in the
+machine's load falls on both. Per request: TTFT, TPOT = (e2e - TTFT) / (tokens - 1), ITL =
 gaps between streamed chunks (a chunk may carry several tokens when drafts are accepted), e2e.
 Prints p50/p90/p99 and throughput; writes NAME.json, NAME.md and NAME.png (TPOT p50 and throughput
 vs concurrency) into --out.
@@ -237,34 +238,39 @@ def run_serve_bench(args) -> int:
     from specdec.model.loader import resolve_model
     from specdec.model.tokenizer import Tokenizer
 
+    load_start = os.getloadavg()[0]
     concs = [int(x) for x in str(args.concurrency).split(",") if x]
     rates = [float(x) for x in str(args.request_rate).split(",") if x]
     tok = Tokenizer(resolve_model(args.model, progress=False).directory)
     n_max = args.num_prompts or max(8, 2 * max(concs))
     work_all = sharegpt_workload(tok, n_max, args.max_prompt_tokens, args.max_output_tokens, args.seed)
     settings = ["server"] if args.url else [s for s in args.settings.split(",") if s]
+    servers: dict[str, tuple] = {}
     rows = []
-    for setting in settings:
-        proc, url = (None, args.url) if args.url else start_server(args, speculative=setting == "on")
-        try:
-            asyncio.run(drive(url, work_all[:1], 1, float("inf"), args.seed))  # warm-up (and cost profile)
-            for c in concs:
-                for rate in rates:
+    try:  # all settings' servers up at once, runs interleaved: load drift hits on and off alike
+        for setting in settings:
+            servers[setting] = (None, args.url) if args.url else start_server(args, speculative=setting == "on")
+            asyncio.run(drive(servers[setting][1], work_all[:1], 1, float("inf"), args.seed))  # warm-up
+        for c in concs:
+            for rate in rates:
+                for setting in settings:
                     work = work_all[:args.num_prompts or max(8, 2 * c)]
-                    res = asyncio.run(drive(url, work, c, rate, args.seed))
+                    res = asyncio.run(drive(servers[setting][1], work, c, rate, args.seed))
                     row = {"setting": setting, "concurrency": c, "rate": "inf" if rate == float("inf") else rate, **res}
                     rows.append(row)
                     print(f"{setting:>6} c={c:<3} rate={row['rate']:<5} {res['output_tok_s']:7.1f} tok/s  "
                           f"TTFT p50 {res['ttft_ms']['p50']} ms  TPOT p50 {res['tpot_ms']['p50']} ms  "
                           f"e2e p50 {res['e2e_ms']['p50']} ms  failed {res['failed']}", flush=True)
-        finally:
+    finally:
+        for proc, _ in servers.values():
             if proc is not None:
                 stop_server(proc)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": _cpu_name(), "cores": os.cpu_count(),
             "threads": args.threads or os.cpu_count(), "dtype": args.dtype, "model": args.model,
             "method": args.speculative_method, "k": args.num_speculative_tokens or "adaptive",
-            "load_avg": os.getloadavg()[0], "max_num_seqs": args.max_num_seqs}
+            "load_avg_start_end": [round(load_start, 2), round(os.getloadavg()[0], 2)],
+            "max_num_seqs": args.max_num_seqs}
     (args.out / f"{args.name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     (args.out / f"{args.name}.md").write_text(_table(rows) + "\n")
     print(_table(rows))

@@ -7,11 +7,12 @@ token rows. On a CPU c(N) is flat while the matmuls are memory-bound (small N) a
 once they are compute-bound, so speculation is nearly free at small batches and expensive at large
 ones. The rule (documented in docs/benchmarks/serving.md):
 
-    E_b(k)   = (1 - a_b^(k+1)) / (1 - a_b)                 tokens row b emits per pass (a_b: its EMA acceptance)
+    E_b(k)   = (1 - a_b^(k+1)) / (1 - a_b)                 tokens row b emits per pass (a_b: its EMA acceptance,
+                                                           an empty proposal counting as one rejected token)
     rate(K)  = sum_b E_b(min(K, cap_b)) / (c(B * (K+1)) + sum_b min(K, cap_b) * draft_cost_b)
     K        = argmax rate(K) over 0..k_max, kept only if > 1.02 x rate(0)
 
-c(N) is profiled at start (N = 1, 2, 4, ..., 64) and refined by an EMA of every decode pass.
+c(N) is profiled at start (N = 1, 2, 4, ..., 64); each decode pass rescales the curve (BatchCost).
 A request with a fixed num_speculative_tokens drafts exactly that many. A row that has not drafted
 for AdaptiveK.probe_interval steps drafts one token so its acceptance estimate stays current.
 """
@@ -33,12 +34,17 @@ PROFILE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
 class BatchCost:
-    """Seconds of a target forward over N token rows (B rows x T columns, padded)."""
+    """Seconds of a target forward over N token rows (B rows x T columns, padded).
+
+    The curve's shape comes from the profile; every decode pass rescales it (an EMA of measured /
+    predicted), which follows the growth of the contexts and the machine's load without letting one
+    noisy pass at one N distort the ratios c(B (K+1)) / c(B) that K is chosen from."""
 
     def __init__(self):
-        self.seconds: dict[int, float] = {}
+        self.seconds: dict[int, float] = {}  # N -> profiled seconds
+        self.scale = 1.0
 
-    def profile(self, model, sizes=PROFILE_SIZES, prefix_len: int = 32, repeats: int = 2) -> None:
+    def profile(self, model, sizes=PROFILE_SIZES, prefix_len: int = 32, repeats: int = 3) -> None:
         for n in sizes:
             cache = model.new_cache(prefix_len + 1, batch_size=n)
             cache.length = prefix_len  # attention over a short, zero prefix: the matmuls dominate
@@ -51,10 +57,15 @@ class BatchCost:
             self.seconds[n] = min(times)
 
     def observe(self, n: int, seconds: float) -> None:
-        old = self.seconds.get(n)
-        self.seconds[n] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        if not self.seconds:  # never profiled: the first pass anchors the curve
+            self.seconds[n] = seconds
+            return
+        self.scale = (1 - EMA) * self.scale + EMA * seconds / self._curve(n)
 
     def estimate(self, n: int) -> float:
+        return self._curve(n) * self.scale
+
+    def _curve(self, n: int) -> float:
         if n in self.seconds:
             return self.seconds[n]
         if not self.seconds:
@@ -165,7 +176,8 @@ class Speculation:
         tokens = proposal.tokens[:k]
         if seq.grammar is not None:
             tokens = tokens[:seq.grammar.cut(tokens)]
-        if not tokens:
+        if not tokens:  # asked for drafts, got none (no n-gram match, grammar cut): a slot that gained nothing
+            seq.adaptive.update(1, 0)
             return EMPTY
         seq.adaptive.plain_steps = 0
         probs = None if proposal.probs is None else proposal.probs[:len(tokens)]
