@@ -48,7 +48,7 @@ def test_greedy_equals_plain_tiny_other_schemes(tiny_dir, extra):
     d = tiny_dir("qwen2")  # q/k/v biases travel with the packed qkv
     plain, spec = llm(d), llm(d, {"method": "qdraft", "num_speculative_tokens": 3, "extra": extra})
     ids = plain.tokenizer.encode(PROMPTS[0])
-    assert spec.generate_one(ids, greedy(32)).token_ids == plain.generate_one(ids, greedy(32)).token_ids
+    assert spec.generate_one(ids, greedy(16)).token_ids == plain.generate_one(ids, greedy(16)).token_ids
 
 
 def test_drafter_from_a_quantized_directory(tiny_dir, tmp_path):
@@ -57,17 +57,17 @@ def test_drafter_from_a_quantized_directory(tiny_dir, tmp_path):
     qdir = save_quantized(quantize_model(load_model(d), scheme, None), d, tmp_path / "q4", scheme, None, "rtn")
     plain, spec = llm(d), llm(d, {"method": "qdraft", "model": str(qdir), "num_speculative_tokens": 4})
     ids = plain.tokenizer.encode(PROMPTS[1])
-    r = spec.generate_one(ids, greedy(32))
-    assert r.token_ids == plain.generate_one(ids, greedy(32)).token_ids
+    r = spec.generate_one(ids, greedy(16))
+    assert r.token_ids == plain.generate_one(ids, greedy(16)).token_ids
     assert r.metrics.num_draft_tokens > 0
 
 
 def test_sampling_returns_q_and_is_reproducible(tiny_dir):
     spec = llm(tiny_dir("llama"), {"method": "qdraft", "num_speculative_tokens": 3})
-    params = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True)
     ids = spec.tokenizer.encode(PROMPTS[0])
     a, b = spec.generate_one(ids, params), spec.generate_one(ids, params)
-    assert a.token_ids == b.token_ids and len(a.token_ids) == 24
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 12
     state = RequestState(ids, params, torch.Generator().manual_seed(0), [ids[-1]])
     spec.proposer.begin(state)
     prop = spec.proposer.propose(state, 3)

@@ -1,7 +1,8 @@
 """`specdec quantize`: write an int8/int4 weight-only copy of a model (RTN or AWQ) as a directory
 that every other command loads like any model.
 
-    specdec quantize smollm2-135m --scheme int8 --out ./smollm2-int8
+    specdec quantize smollm2-135m --scheme int8 --out ./smollm2-int8              (group size 128)
+    specdec quantize smollm2-135m --scheme int4 --out ./smollm2-int4              (group size 32)
     specdec quantize smollm2-135m --scheme int4 --method awq --group-size 128 --out ./smollm2-int4-awq
     specdec generate ./smollm2-int4-awq --prompt "Hello"
 """
@@ -23,7 +24,8 @@ def register(sub) -> None:
     p.add_argument("--scheme", choices=("int8", "int4"), default="int4")
     p.add_argument("--method", choices=("rtn", "awq"), default="rtn",
                    help="rtn: round to nearest; awq: activation-aware scales searched on calibration text")
-    p.add_argument("--group-size", type=int, default=128, help="weights per scale along the input dim (32..)")
+    p.add_argument("--group-size", type=int, default=None,
+                   help="weights per scale along the input dim, a multiple of 32 (default: int8 128, int4 32)")
     p.add_argument("--symmetric", action=argparse.BooleanOptionalAction, default=None,
                    help="zero-point-free groups (default: int8 symmetric, int4 asymmetric)")
     p.add_argument("--lm-head", choices=("int8", "int4", "none"), default="int8",
@@ -46,7 +48,8 @@ def run(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    scheme = QuantScheme.named(args.scheme, args.group_size, args.symmetric)
+    group = args.group_size or (128 if args.scheme == "int8" else 32)
+    scheme = QuantScheme.named(args.scheme, group, args.symmetric)
     head = None if args.lm_head == "none" else QuantScheme.named(args.lm_head, args.lm_head_group_size)
     if args.calib_tokens < 16:
         raise ConfigError("--calib-tokens must be at least 16")

@@ -13,10 +13,11 @@ Per request (state.draft):
     cache     the drafter's KV cache; invariant: it holds exactly token_ids[:cache.length]
     pending   (pre_len, fed): the cache held pre_len context tokens plus `fed` drafted ones
 Lazy catch-up: propose() first feeds every context token the drafter has not seen (the prompt on
-the first call, then the bonus/recovered token) in ONE forward, then drafts k tokens one by one:
-greedy requests take the argmax, sampling requests draw from q = warp(logits) with the request's
-generator and return q, so verification is exact. After verification the cache is rolled back to
-the accepted drafts, e.g. context [a b c], drafts [x y z] (x, y fed), 1 accepted -> keep [a b c x].
+the first call, then the bonus/recovered token) in ONE forward, then drafts k tokens one by one with
+draft_model's `draft_chain` (argmax for greedy requests; sampling requests draw from q = warp(logits)
+with the request's generator and return q, so verification is exact). After verification the cache
+is rolled back to the accepted drafts, e.g. context [a b c], drafts [x y z] (x, y fed), 1 accepted
+-> keep [a b c x].
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import time
 import torch
 
 from specdec.config import ConfigError
-from specdec.sampler import sample, warp
+from specdec.proposers.draft_model import draft_chain, time_one_step
 from specdec.spec.proposer import EMPTY, Proposal, Proposer, RequestState, TargetOutput, register_proposer
 
 COST_EMA = 0.3
@@ -61,18 +62,8 @@ class QDraftProposer(Proposer):
     def __init__(self, ctx):
         super().__init__(ctx)
         self.model = build_drafter(ctx)
-        self.draft_cost_per_token = self._time_one_step()
-
-    @torch.inference_mode()
-    def _time_one_step(self, repeats: int = 3) -> float:
-        cache = self.model.new_cache(16)
-        self.model(torch.zeros(1, 4, dtype=torch.long), torch.arange(4)[None], cache, num_logits=1)
-        times = []
-        for i in range(repeats):
-            t0 = time.perf_counter()
-            self.model(torch.zeros(1, 1, dtype=torch.long), torch.tensor([[4 + i]]), cache)
-            times.append(time.perf_counter() - t0)
-        return sorted(times)[len(times) // 2]
+        self.threshold = ctx.config.draft_confidence_threshold
+        self.draft_cost_per_token = time_one_step(self.model)
 
     def begin(self, state: RequestState, prefill: TargetOutput | None = None) -> None:
         cap = len(state.prompt_ids) + state.params.max_tokens + self.ctx.config.k_max + 1
@@ -91,25 +82,17 @@ class QDraftProposer(Proposer):
         if cache is None or len(ids) + k > cache.max_len:
             return EMPTY  # the drafter's context is full: the target goes on alone
         t0 = time.perf_counter()
+        if cache.length >= len(ids):  # never expected; keep the invariant (the last token is fed)
+            cache.rollback(len(ids) - 1)
         pre_len, behind = len(ids), len(ids) - cache.length
         logits = self._forward(cache, ids[cache.length:])  # lazy catch-up, one forward
         if behind > 2:  # a prompt's prefill is not a per-token drafting cost
             t0 = time.perf_counter()
-        tokens, qs = [], []
-        for i in range(k):
-            if state.params.greedy:
-                tok = int(logits.argmax())
-            else:
-                q = warp(logits[None], state.params)[0]  # [V]
-                tok = sample(q, state.generator)
-                qs.append(q)
-            tokens.append(tok)
-            if i < k - 1:
-                logits = self._forward(cache, [tok])
+        proposal = draft_chain(logits, lambda tok: self._forward(cache, [tok]), state, k, self.threshold)
         state.draft["pending"] = (pre_len, cache.length - pre_len)
-        per_token = (time.perf_counter() - t0) / len(tokens)
+        per_token = (time.perf_counter() - t0) / len(proposal.tokens)
         self.draft_cost_per_token = (1 - COST_EMA) * self.draft_cost_per_token + COST_EMA * per_token
-        return Proposal(tokens, torch.stack(qs) if qs else None)
+        return proposal
 
     def on_verified(self, state: RequestState, proposal: Proposal, num_accepted: int,
                     target: TargetOutput | None = None) -> None:
