@@ -15,10 +15,10 @@ def cpu_like_cost() -> BatchCost:
     return cost
 
 
-def rows(batch: int, acceptance: float, cap: int = 8):
+def rows(batch: int, acceptance: float, cap: int = 8, draft_yield: float = 1.0):
     proposer = SimpleNamespace(draft_cost_per_token=0.0)
-    seqs = [SimpleNamespace(adaptive=SimpleNamespace(acceptance=acceptance), spec=SimpleNamespace(proposer=proposer, fixed_k=False))
-            for _ in range(batch)]
+    seqs = [SimpleNamespace(adaptive=SimpleNamespace(acceptance=acceptance), draft_yield=draft_yield,
+                            spec=SimpleNamespace(proposer=proposer, fixed_k=False)) for _ in range(batch)]
     return seqs, [cap] * batch
 
 
@@ -31,13 +31,19 @@ def test_cost_interpolates_and_extrapolates():
 
 def test_k_backs_off_as_the_batch_grows():
     spec = Speculation.__new__(Speculation)
-    spec.cost = cpu_like_cost()
+    spec.cost, spec.plain_batches = cpu_like_cost(), 0
     ks = [spec.choose_k(*rows(b, acceptance=0.7)) for b in (1, 2, 4, 8, 16, 32)]
     assert ks[0] >= 4 and ks == sorted(ks, reverse=True) and ks[-1] == 0
     # a poor drafter gets shorter drafts at the same batch size
     assert spec.choose_k(*rows(4, acceptance=0.2)) < spec.choose_k(*rows(4, acceptance=0.8))
     # rows that may not draft (cap 0) never make the batch speculate
     assert spec.choose_k(*rows(4, acceptance=0.9, cap=0)) == 0
+    # alone, a row that rarely has a draft still speculates (an empty draft costs nothing) ...
+    assert spec.choose_k(*rows(1, acceptance=0.5, draft_yield=0.1)) >= 1
+    # ... but in a large batch its rare drafts would pad every row: off
+    assert spec.choose_k(*rows(16, acceptance=0.5, draft_yield=0.1)) == 0
+    # a long run of plain batches is broken by one probe of the whole batch
+    assert [spec.choose_k(*rows(32, acceptance=0.1)) for _ in range(64)].count(1) == 2
 
 
 def test_expected_tokens_and_tree_path():

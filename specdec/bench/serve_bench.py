@@ -9,8 +9,8 @@ Workload (as vLLM's benchmark_serving): the first human turn of ShareGPT convers
 (chat template applied by the server), the first assistant turn's token count the output length
 (capped; `ignore_eos` so every request produces exactly that many), greedy. A server subprocess per
 setting is started and warmed up; then, for each concurrency (a semaphore) and --request-rate
-(Poisson arrivals; inf: all at once), the settings are driven one after the other, so a change in the
-machine's load falls on both. Per request: TTFT, TPOT = (e2e - TTFT) / (tokens - 1), ITL =
+(Poisson arrivals; inf: all at once), the requests go in rounds of max(concurrency, 2) and the
+settings take turns per round in ABBA order, so a drift in the machine's load falls on both. Per request: TTFT, TPOT = (e2e - TTFT) / (tokens - 1), ITL =
 gaps between streamed chunks (a chunk may carry several tokens when drafts are accepted), e2e.
 Prints p50/p90/p99 and throughput; writes NAME.json, NAME.md and NAME.png (TPOT p50 and throughput
 vs concurrency) into --out.
@@ -116,7 +116,8 @@ async def _one(client, url: str, prompt: str, max_tokens: int) -> dict:
             "tpot": (e2e - ttft) / (tokens - 1) if tokens > 1 else None, "spec": spec}
 
 
-async def drive(url: str, work: list[tuple[str, int]], concurrency: int, rate: float, seed: int) -> dict:
+async def drive(url: str, work: list[tuple[str, int]], concurrency: int, rate: float, seed: int) -> tuple[list, float]:
+    """Send the work (a semaphore of `concurrency`, Poisson arrivals at `rate`); per-request results, seconds."""
     import httpx
 
     sem = asyncio.Semaphore(concurrency)
@@ -134,8 +135,22 @@ async def drive(url: str, work: list[tuple[str, int]], concurrency: int, rate: f
             if rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - t0
-    return summarize(results, duration)
+    return results, time.perf_counter() - t0
+
+
+def paired_runs(urls: dict[str, str], work: list[tuple[str, int]], concurrency: int, rate: float,
+                seed: int) -> dict[str, dict]:
+    """The work in rounds of max(concurrency, 2) requests; settings alternate per round in ABBA order, so
+    a drift in the machine's load (other jobs) falls on every setting alike."""
+    size = max(concurrency, 2)
+    rounds = [work[i:i + size] for i in range(0, len(work), size)]
+    got = {name: ([], 0.0) for name in urls}
+    for i, chunk in enumerate(rounds):
+        order = list(urls) if i % 4 in (0, 3) else list(reversed(urls))
+        for name in order:
+            results, seconds = asyncio.run(drive(urls[name], chunk, concurrency, rate, seed + i))
+            got[name] = (got[name][0] + results, got[name][1] + seconds)
+    return {name: summarize(results, seconds) for name, (results, seconds) in got.items()}
 
 
 def _pcts(xs: list[float]) -> dict:
@@ -239,6 +254,7 @@ def run_serve_bench(args) -> int:
     from specdec.model.tokenizer import Tokenizer
 
     load_start = os.getloadavg()[0]
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below: stop the servers
     concs = [int(x) for x in str(args.concurrency).split(",") if x]
     rates = [float(x) for x in str(args.request_rate).split(",") if x]
     tok = Tokenizer(resolve_model(args.model, progress=False).directory)
@@ -247,15 +263,15 @@ def run_serve_bench(args) -> int:
     settings = ["server"] if args.url else [s for s in args.settings.split(",") if s]
     servers: dict[str, tuple] = {}
     rows = []
-    try:  # all settings' servers up at once, runs interleaved: load drift hits on and off alike
+    try:
         for setting in settings:
             servers[setting] = (None, args.url) if args.url else start_server(args, speculative=setting == "on")
             asyncio.run(drive(servers[setting][1], work_all[:1], 1, float("inf"), args.seed))  # warm-up
+        urls = {name: url for name, (_, url) in servers.items()}
         for c in concs:
             for rate in rates:
-                for setting in settings:
-                    work = work_all[:args.num_prompts or max(8, 2 * c)]
-                    res = asyncio.run(drive(servers[setting][1], work, c, rate, args.seed))
+                work = work_all[:args.num_prompts or max(8, 2 * c)]
+                for setting, res in paired_runs(urls, work, c, rate, args.seed).items():
                     row = {"setting": setting, "concurrency": c, "rate": "inf" if rate == float("inf") else rate, **res}
                     rows.append(row)
                     print(f"{setting:>6} c={c:<3} rate={row['rate']:<5} {res['output_tok_s']:7.1f} tok/s  "

@@ -61,9 +61,10 @@ class Sequence:
     num_preemptions: int = 0
     begun: bool = False  # proposer.begin() called
     prefill_parts: list = field(default_factory=list)  # ForwardOutput chunks until begin()
-    # EMA of this row's per-position acceptance, and its count of plain steps (probing); the batch's
-    # K is chosen from these by specdec.engine.speculation, not by AdaptiveK.choose
+    # EMA of this row's per-position acceptance (AdaptiveK.update); the batch's K is chosen from it by
+    # specdec.engine.speculation, not by AdaptiveK.choose
     adaptive: AdaptiveK = field(default_factory=lambda: AdaptiveK(0, None))
+    draft_yield: float = 1.0  # EMA of "the proposer had a draft when asked"
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
     # per output token: True when it was a drafted token the target accepted
     token_from_draft: list[bool] = field(default_factory=list)

@@ -7,17 +7,21 @@ token rows. On a CPU c(N) is flat while the matmuls are memory-bound (small N) a
 once they are compute-bound, so speculation is nearly free at small batches and expensive at large
 ones. The rule (documented in docs/benchmarks/serving.md):
 
-    E_b(k)   = (1 - a_b^(k+1)) / (1 - a_b)                 tokens row b emits per pass (a_b: its EMA acceptance,
-                                                           an empty proposal counting as one rejected token)
-    rate(K)  = sum_b E_b(min(K, cap_b)) / (c(B * (K+1)) + sum_b min(K, cap_b) * draft_cost_b)
+    E_b(k)   = (1 - a_b^(k+1)) / (1 - a_b)           tokens row b emits per pass when it drafts (a_b: EMA acceptance)
+    y_b      = EMA of "row b had a draft when asked"   (n-gram lookups often find nothing: no draft, no cost)
+    P0       = prod_b (1 - y_b)                        no row drafts: the pass stays a plain one, c(B)
+    rate(K)  = (B + sum_b y_b (E_b(min(K, cap_b)) - 1))
+               / ((1 - P0) (c(B (K+1)) + sum_b min(K, cap_b) draft_cost_b) + P0 c(B))
     K        = argmax rate(K) over 0..k_max, kept only if > 1.02 x rate(0)
 
 c(N) is profiled at start (N = 1, 2, 4, ..., 64); each decode pass rescales the curve (BatchCost).
-A request with a fixed num_speculative_tokens drafts exactly that many. A row that has not drafted
-for AdaptiveK.probe_interval steps drafts one token so its acceptance estimate stays current.
+A request with a fixed num_speculative_tokens drafts exactly that many. After PROBE_INTERVAL decode
+batches in a row with K = 0 the whole batch drafts one token once, so the acceptance estimates stay
+current (probing row by row would pad nearly every pass of a large batch).
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -30,6 +34,7 @@ from specdec.spec.rejection import Verdict, verify_greedy, verify_sampling
 from specdec.sampler import warp
 
 EMA = 0.3
+PROBE_INTERVAL = 32  # plain batches between two probes
 PROFILE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -116,6 +121,7 @@ class Speculation:
             self.proposers[llm.proposer.name] = llm.proposer
         self.cost = BatchCost()
         self.pool = None  # the engine's PagedKVPool
+        self.plain_batches = 0  # decode batches in a row that chose K = 0
         self._lock = threading.Lock()
 
     def proposer(self, method: str):
@@ -147,27 +153,28 @@ class Speculation:
         if not drafting:
             return 0
         B = len(seqs)
+        p_none = math.prod(1.0 - s.draft_yield for s, _ in drafting)  # no row drafts: a plain pass
         best_k, best = 0, B / self.cost.estimate(B)
         for K in range(1, max(c for _, c in drafting) + 1):
-            gain = B - len(drafting) + sum(expected_tokens(s.adaptive.acceptance, min(K, c)) for s, c in drafting)
+            gain = B + sum(s.draft_yield * (expected_tokens(s.adaptive.acceptance, min(K, c)) - 1)
+                           for s, c in drafting)
             draft = sum(min(K, c) * s.spec.proposer.draft_cost_per_token for s, c in drafting)
-            rate = gain / (self.cost.estimate(B * (K + 1)) + draft)
+            cost = (1 - p_none) * (self.cost.estimate(B * (K + 1)) + draft) + p_none * self.cost.estimate(B)
+            rate = gain / cost
             if rate > best * 1.02:
                 best_k, best = K, rate
+        self.plain_batches = self.plain_batches + 1 if best_k == 0 else 0
+        if best_k == 0 and self.plain_batches % PROBE_INTERVAL == 0:
+            return 1  # probe, the whole batch at once: re-measure acceptance at 1/PROBE_INTERVAL of one pass
         return best_k
 
     def propose(self, seq, k: int, cap: int) -> Proposal:
         """Up to k drafted tokens for seq (cap: its limit; the blocks for them are already allocated)."""
         if cap <= 0:
             return EMPTY
-        if seq.spec.fixed_k:
-            k = cap
-        elif k == 0:
-            seq.adaptive.plain_steps += 1
-            if seq.adaptive.plain_steps % seq.adaptive.probe_interval:
-                return EMPTY
-            k = 1  # probe: re-measure this row's acceptance
-        k = min(k, cap)
+        k = cap if seq.spec.fixed_k else min(k, cap)
+        if k == 0:
+            return EMPTY
         if self.pool is not None:  # self-speculation (layerskip) drafts into the sequence's own blocks
             seq.state.draft["target_cache"] = SeqKV(self.pool, seq.block_table, seq.num_computed)
         proposal = seq.spec.proposer.propose(seq.state, k)
@@ -176,9 +183,8 @@ class Speculation:
         tokens = proposal.tokens[:k]
         if seq.grammar is not None:
             tokens = tokens[:seq.grammar.cut(tokens)]
-        if not tokens:  # asked for drafts, got none (no n-gram match, grammar cut): a slot that gained nothing
-            seq.adaptive.update(1, 0)
+        seq.draft_yield = (1 - EMA) * seq.draft_yield + EMA * bool(tokens)
+        if not tokens:
             return EMPTY
-        seq.adaptive.plain_steps = 0
         probs = None if proposal.probs is None else proposal.probs[:len(tokens)]
         return Proposal(list(tokens), probs)
