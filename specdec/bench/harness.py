@@ -61,6 +61,9 @@ class SystemStatus:
     describe: dict = field(default_factory=dict)
 
 
+RUN_ERRORS = (ConfigError, FileNotFoundError, ImportError, RuntimeError, ValueError, OSError)
+
+
 def _rotated(items: list, shift: int) -> list:
     if not items:
         return items
@@ -77,7 +80,7 @@ def setup_systems(systems: list[System], warmup_ids: list[int], log=print) -> tu
         try:
             s.setup()
             s.generate(warmup_ids, 8)  # first-call allocations, cost profiles, drafter calibration
-        except (ConfigError, FileNotFoundError, ImportError, RuntimeError, ValueError, OSError) as e:
+        except RUN_ERRORS as e:
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             log(f"  skip {s.name}: {msg}")
             status.append(SystemStatus(s.name, False, note=msg, describe=s.describe()))
@@ -103,11 +106,15 @@ def _record(g: Generated, repeat: int, prompt, idx: int, system: System, mem: Pe
 
 
 def run_interleaved(systems: list[System], prompts: list, max_tokens: int, repeats: int, phase: str = "main",
-                    log=print, measure_prefill: bool = True) -> list[RunRecord]:
+                    log=print, measure_prefill: bool = True,
+                    failed: dict[str, str] | None = None) -> list[RunRecord]:
     """repeats x prompts x systems, systems in a rotating order. Peers' prefill is timed once per
-    prompt (a 1-token generation) so their decode-only rate can be derived."""
+    prompt (a 1-token generation) so their decode-only rate can be derived. A system that raises is
+    dropped (its records too, so every remaining system covers the same prompts) and its error is put
+    in `failed`."""
     records: list[RunRecord] = []
     prefill: dict[tuple[str, int], float] = {}
+    failed = {} if failed is None else failed
     total = repeats * len(prompts)
     for r in range(repeats):
         if r > 0:
@@ -115,15 +122,22 @@ def run_interleaved(systems: list[System], prompts: list, max_tokens: int, repea
                 s.new_repeat()
         for i, p in enumerate(prompts):
             for s in _rotated(systems, r + i):
-                if measure_prefill and r == 0 and s.family != "specdec":
-                    prefill[(s.name, i)] = s.prefill_seconds(p.token_ids)
-                with PeakRSS() as mem:
-                    g = s.generate(p.token_ids, max_tokens)
+                if s.name in failed:
+                    continue
+                try:
+                    if measure_prefill and r == 0 and s.family != "specdec":
+                        prefill[(s.name, i)] = s.prefill_seconds(p.token_ids)
+                    with PeakRSS() as mem:
+                        g = s.generate(p.token_ids, max_tokens)
+                except RUN_ERRORS as e:
+                    failed[s.name] = f"failed on a {p.category} prompt: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                    log(f"  drop {s.name}: {failed[s.name]}")
+                    continue
                 records.append(_record(g, r, p, i, s, mem, phase, prefill.get((s.name, i))))
             done = r * len(prompts) + i + 1
             if log and (done % max(1, total // 10) == 0 or done == total):
                 log(f"  {phase}: {done}/{total} prompt runs")
-    return records
+    return [rec for rec in records if rec.system not in failed]
 
 
 def records_to_dicts(records: list[RunRecord]) -> list[dict]:
@@ -286,11 +300,18 @@ def run_dtype(cfg: BenchConfig, dtype_name: str, prompts: list | None, log=print
     systems, status = setup_systems(ours + peers, warm, log)
     if BASELINE not in {s.name for s in systems}:
         raise ConfigError("plain decoding failed to run; nothing to compare against")
-    records = run_interleaved(systems, prompts, cfg.max_tokens, cfg.repeats, "main", log)
+    failed: dict[str, str] = {}
+    records = run_interleaved(systems, prompts, cfg.max_tokens, cfg.repeats, "main", log, failed=failed)
+    if BASELINE in failed:
+        raise ConfigError(f"plain decoding {failed[BASELINE]}")
+    for st in status:
+        if st.name in failed:
+            st.ok, st.note = False, failed[st.name]
     for s in peers:
         s.close()
     sweep: list[RunRecord] = []
     ready_methods = tuple(s.method for s in systems if s.family == "specdec" and s.method != "plain"
+                          and s.name not in failed
                           and (cfg.sweep_methods is None or s.method in cfg.sweep_methods))
     if cfg.sweep_ks and ready_methods:
         firsts = {c: next((p for p in prompts if p.category == c), None) for c in cfg.sweep_categories}

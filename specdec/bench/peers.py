@@ -123,8 +123,11 @@ class LlamaCppSystem(System):
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
             draft = LlamaPromptLookupDecoding(max_ngram_size=2, num_pred_tokens=10)
         path = gguf_at_precision(self.src, self.precision) if self.convert else self.src
+        # logits_all with a draft model: llama-cpp-python keeps logits of every row then anyway, but sizes
+        # its buffer from the argument (n_batch rows), which overflows past 512 tokens
         self.llm = Llama(model_path=str(path), n_ctx=self.n_ctx, n_threads=self.threads,
-                         n_threads_batch=self.threads, n_batch=512, seed=0, verbose=False, draft_model=draft)
+                         n_threads_batch=self.threads, n_batch=512, seed=0, verbose=False, draft_model=draft,
+                         logits_all=draft is not None)
         self.eos_ids.add(self.llm.token_eos())
         inner = self.llm.eval
 
