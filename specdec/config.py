@@ -118,7 +118,7 @@ class SpeculativeConfig:
     suffix_decoding_min_token_prob: float = 0.1
     # learned heads (names as SGLang's --speculative-num-steps / -eagle-topk / -num-draft-tokens):
     # tree depth, children per expanded node, tokens verified per step counting the root (topk 1: a chain)
-    num_steps: int = 4
+    num_steps: int = 3
     eagle_topk: int = 1
     num_draft_tokens: int | None = None
     extra: dict = field(default_factory=dict)

@@ -1,0 +1,147 @@
+"""`specdec train`: data for learned drafters and the training of Medusa / EAGLE / EAGLE-3 heads and
+of distilled draft models. Every stage is seeded and resumable (rerun the same command).
+
+    specdec train data smollm2-135m --out runs/data --num-prompts 960 --max-new-tokens 128
+    specdec train data smollm2-135m --out runs/data_tf --teacher-forced 1024
+    specdec train eagle3 smollm2-135m --data runs/data --data runs/data_tf --out runs/eagle3
+    specdec train medusa smollm2-135m --data runs/data --out runs/medusa
+    specdec train draft-model smollm2-135m --draft drafts/smollm2-8l --data runs/data --out runs/draft
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+KINDS = ("medusa", "eagle", "eagle3")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("train", help="train learned drafters (data, medusa, eagle, eagle3, draft-model)")
+    tsub = p.add_subparsers(dest="stage", required=True, metavar="STAGE")
+    d = tsub.add_parser("data", help="regenerate ShareGPT answers with the target and store its features")
+    _common(d)
+    d.add_argument("--num-prompts", type=int, default=960)
+    d.add_argument("--num-heldout", type=int, default=32)
+    d.add_argument("--max-prompt-tokens", type=int, default=192)
+    d.add_argument("--max-new-tokens", type=int, default=128)
+    d.add_argument("--batch-size", type=int, default=48)
+    d.add_argument("--max-batches", type=int, default=None, help="stop after N train batches (rerun to extend)")
+    d.add_argument("--teacher-forced", type=int, default=0, metavar="N",
+                   help="instead: N ShareGPT answers as they are (one target pass each, no generation)")
+    d.set_defaults(func=run_data)
+    for kind in KINDS:
+        h = tsub.add_parser(kind, help=f"train a {kind} head on stored features")
+        _common(h)
+        _train_args(h)
+        h.set_defaults(func=run_head, kind=kind)
+    dm = tsub.add_parser("draft-model", help="distill a small draft model (e.g. a truncated copy) on target data")
+    _common(dm)
+    dm.add_argument("--data", action="append", required=True)
+    dm.add_argument("--draft", type=Path, default=None, help="draft model dir (default: make one from --layers)")
+    dm.add_argument("--layers", default="0,1,2,3,29", help="target layers of the truncated copy when --draft is absent")
+    dm.add_argument("--epochs", type=float, default=1.0)
+    dm.add_argument("--lr", type=float, default=1e-4)
+    dm.set_defaults(func=run_distill)
+
+
+def _common(p) -> None:
+    p.add_argument("model", nargs="?", default="smollm2-135m", help="the target model")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: the machine is shared)")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def _train_args(p) -> None:
+    p.add_argument("--data", action="append", required=True, help="dataset dir from `train data` (repeatable)")
+    p.add_argument("--epochs", type=float, default=2.0)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=10, help="warmup steps")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--ttt-steps", type=int, default=2, help="training-time-test unroll depth (eagle, eagle3)")
+    p.add_argument("--draft-vocab-size", type=int, default=4096, help="0: the full vocabulary")
+    p.add_argument("--intermediate-size", type=int, default=0, help="head MLP width (0: the target's)")
+    p.add_argument("--medusa-heads", type=int, default=4)
+    p.add_argument("--max-train-seqs", type=int, default=None)
+    p.add_argument("--eval-depth", type=int, default=5)
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--ckpt-every", type=int, default=10)
+    p.add_argument("--save-dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+
+
+def _hardware() -> dict:
+    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "threads": torch.get_num_threads(), "torch": torch.__version__}
+
+
+def run_data(args) -> int:
+    torch.set_num_threads(args.threads)
+    from specdec.train.data import DataSpec, build_dataset, build_teacher_forced
+
+    if args.teacher_forced:
+        stats = build_teacher_forced(args.model, args.out, args.teacher_forced, progress=not args.no_progress)
+    else:
+        spec = DataSpec(args.num_prompts, args.num_heldout, args.max_prompt_tokens, args.max_new_tokens,
+                        args.batch_size, args.seed, max_batches=args.max_batches)
+        stats = build_dataset(args.model, args.out, spec, progress=not args.no_progress)
+    print(json.dumps(stats, indent=2, default=str))
+    return 0
+
+
+def run_head(args) -> int:
+    torch.set_num_threads(args.threads)
+    from specdec.llm import load_target
+    from specdec.train.trainer import TrainSpec, Trainer, chain_acceptance, medusa_rank_accuracy
+
+    _, target, _ = load_target(args.model, "float32", None, progress=not args.no_progress)
+    spec = TrainSpec(kind=args.kind, data=tuple(args.data), out=str(args.out), epochs=args.epochs, lr=args.lr, warmup=args.warmup,
+                     batch_size=args.batch_size, ttt_steps=args.ttt_steps, draft_vocab_size=args.draft_vocab_size,
+                     intermediate_size=args.intermediate_size, medusa_heads=args.medusa_heads, seed=args.seed,
+                     eval_every=args.eval_every, ckpt_every=args.ckpt_every, max_train_seqs=args.max_train_seqs, save_dtype=args.save_dtype)
+    trainer = Trainer(spec, target, progress=not args.no_progress)
+    held = trainer.heldout
+    depth = min(args.eval_depth, args.medusa_heads) if args.kind == "medusa" else args.eval_depth
+
+    def evaluate(t):
+        return chain_acceptance(t.head, target, held, depth, t.aux_layers) if held else {}
+
+    t0 = time.perf_counter()
+    stats = trainer.run(evaluate)
+    final = evaluate(trainer)
+    if args.kind == "medusa" and held:
+        from dataclasses import replace
+        acc = medusa_rank_accuracy(trainer.head, target, held)
+        trainer.head.cfg = replace(trainer.head.cfg, medusa_accuracy=tuple(tuple(round(a, 4) for a in r) for r in acc))
+    report = {"kind": args.kind, "train_sequences": len(trainer.train),
+              "train_tokens_per_epoch": sum(len(s.tokens) for s in trainer.train),
+              "steps": trainer.total_steps, "wall_seconds_this_run": round(time.perf_counter() - t0, 1),
+              **stats, "heldout": final, "hardware": _hardware()}
+    path = trainer.export(report)
+    (args.out / "train_report.json").write_text(json.dumps(report, indent=2, default=str))
+    print(json.dumps({"head": str(path), **report}, indent=2, default=str))
+    return 0
+
+
+def run_distill(args) -> int:
+    torch.set_num_threads(args.threads)
+    from specdec.llm import load_target
+    from specdec.model.loader import load_model, save_model_dir
+    from specdec.train.distill import distill
+
+    source, target, _ = load_target(args.model, "float32", None, progress=not args.no_progress)
+    draft_dir = args.draft
+    if draft_dir is None:
+        draft_dir = args.out / "init"
+        save_model_dir(target, source.directory, draft_dir, [int(x) for x in args.layers.split(",")])
+    draft = load_model(draft_dir, torch.float32)
+    report = distill(target, draft, args.data, args.out, args.epochs, args.lr, seed=args.seed,
+                     progress=not args.no_progress)
+    save_model_dir(draft, draft_dir, args.out / "model")
+    report["model"] = str(args.out / "model")
+    print(json.dumps(report, indent=2))
+    return 0

@@ -1,0 +1,199 @@
+"""EAGLE drafting: feature-level autoregression with a one-layer head (EAGLE-1 "eagle", EAGLE-3
+"eagle3"), as a chain (eagle_topk = 1) or an EAGLE-2 dynamic tree (eagle_topk > 1).
+
+Draft state per request (state.draft): its KV cache over the committed positions 0..c-1, where row
+p was computed from the target's feature f_p and the embedding of token x_{p+1}; `g`, the draft's
+output at position c-1 (it predicts the token after the last emitted one).
+    on_verified: roll the draft cache back to c, run the rows the target just accepted (their
+                 features and next tokens) through the head, causally: cache c -> c + accepted + 1.
+    propose:     depth 1 = top-k of logits(g). Each further depth forwards the frontier nodes (input:
+                 the parent's output + the node's embedding, position c + depth - 1, attending to
+                 the committed prefix and its ancestors) and scores their top-k children by the
+                 cumulative log-probability. EAGLE-2: only the best eagle_topk nodes of a depth are
+                 expanded; after num_steps depths all nodes are reranked and the best
+                 num_draft_tokens - 1 are verified (parents score >= children: the cut is a tree).
+E.g. eagle_topk 2, num_steps 3, num_draft_tokens 5: depth 1 {a, b}; forward a, b -> 4 children, keep
+the best 2 {ab, aa}; forward them -> 4 grandchildren; rerank all 10 nodes, verify the best 4.
+Greedy and tree proposals are deterministic (verified as one-hot drafts); a sampled chain returns q.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from specdec.config import ConfigError
+from specdec.proposers.heads import DraftKV, load_head
+from specdec.sampler import sample, warp
+from specdec.spec.proposer import EMPTY, Proposal, Proposer, RequestState, TargetOutput, register_proposer
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+
+
+def default_head(kind: str, target_cfg) -> Path:
+    """The shipped head of `kind` trained for this target (matched by architecture), if any."""
+    import json
+
+    for d in sorted(ASSETS.glob(f"*-{kind}")):
+        try:
+            sd = json.loads((d / "config.json").read_text())["specdec"]
+        except (OSError, KeyError, ValueError):
+            continue
+        t = sd.get("training", {}).get("target_config", {})
+        if (sd.get("kind") == kind and sd.get("hidden_size") == target_cfg.hidden_size
+                and sd.get("vocab_size") == target_cfg.vocab_size
+                and t.get("num_hidden_layers") == target_cfg.num_hidden_layers):
+            return d
+    raise ConfigError(f"no shipped {kind} head for this model; train one (`specdec train {kind}`) and pass "
+                      f"its directory as the speculative model")
+
+
+class _EagleBase(Proposer):
+    kind = "eagle"
+    deterministic = False
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        cfg = ctx.config
+        path = Path(cfg.model) if cfg.model else default_head(self.kind, ctx.target.config)
+        self.head = load_head(path, ctx.dtype)
+        if self.head.cfg.kind != self.kind:
+            raise ConfigError(f"{path} is a {self.head.cfg.kind} head, not {self.kind}")
+        tc = ctx.target.config
+        if (self.head.cfg.hidden_size, self.head.cfg.vocab_size) != (tc.hidden_size, tc.vocab_size):
+            raise ConfigError(f"{path}: head was trained for hidden {self.head.cfg.hidden_size} / vocab "
+                              f"{self.head.cfg.vocab_size}, the target has {tc.hidden_size} / {tc.vocab_size}")
+        self.feature_layers = tuple(self.head.cfg.aux_layers)
+        self.embed = ctx.target.embed.weight  # [V, H]
+        self.lm_head = ctx.target.lm_head.weight
+        self.draft_ids = self.head.draft_ids  # [Vd] target id per draft id
+        self.num_steps, self.topk = cfg.num_steps, cfg.eagle_topk
+        self.budget = cfg.num_draft_tokens - 1  # drafted nodes (SGLang counts the root token too)
+
+    # -- target features -> committed draft rows -------------------------------------------------
+    def _features(self, fwd, rows: list[int]) -> torch.Tensor:
+        """[n, H] (eagle) or [n, 3H] (eagle3) target features of the given input rows."""
+        if self.kind == "eagle3":
+            return torch.cat([fwd.layer_hidden[l][0, rows] for l in self.feature_layers], dim=-1)
+        return fwd.hidden[0, rows]
+
+    def _commit(self, state: RequestState, feats: torch.Tensor, next_tokens: list[int]) -> None:
+        st = state.draft
+        cache: DraftKV = st["cache"]
+        cache.length = st["len"]  # forget the speculative rows of the last proposal
+        n = len(next_tokens)
+        emb = self.embed[torch.tensor(next_tokens)][None]  # [1, n, H]
+        hidden = self.head.fuse(feats[None].to(emb.dtype), emb)
+        pos = torch.arange(st["len"], st["len"] + n)[None]
+        out = self.head.forward_layer(emb, hidden, pos, cache)
+        st["len"], st["g"] = cache.length, out[:, -1:]
+
+    def begin(self, state: RequestState, prefill: TargetOutput | None = None) -> None:
+        n = len(state.prompt_ids)
+        st = state.draft
+        st["cache"] = DraftKV(self.head.cfg, self.ctx.max_len + self.budget + 2, self.embed.dtype)
+        st["len"] = 0
+        with torch.inference_mode():
+            self._commit(state, self._features(prefill.forward, prefill.accepted_rows),
+                         state.token_ids[1:n + 1])
+
+    def on_verified(self, state: RequestState, proposal: Proposal, num_accepted: int,
+                    target: TargetOutput | None = None) -> None:
+        rows = target.accepted_rows
+        nxt = state.token_ids[-len(rows):]  # accepted drafts + the recovered/bonus token
+        if len(nxt) < len(rows) or "cache" not in state.draft:
+            return  # the request stopped inside the block: it ends here
+        with torch.inference_mode():
+            self._commit(state, self._features(target.forward, rows), nxt)
+
+    # -- drafting -------------------------------------------------------------------------------
+    def _logprobs(self, out: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(self.head.logits(out, self.lm_head).float(), dim=-1)  # [N, Vd]
+
+    def _forward_nodes(self, state, tokens: list[int], parent_out: torch.Tensor, depths: list[int],
+                       mask: torch.Tensor | None) -> torch.Tensor:
+        """tokens: target ids of the nodes; parent_out [m, H]; returns their outputs [m, H]."""
+        emb = self.embed[torch.tensor(tokens)][None]  # [1, m, H]
+        hidden = self.head.step_input(emb, parent_out[None])
+        pos = (state.draft["len"] + torch.tensor(depths) - 1)[None]
+        return self.head.forward_layer(emb, hidden, pos, state.draft["cache"], mask)[0]
+
+    @torch.inference_mode()
+    def propose(self, state: RequestState, k: int) -> Proposal:
+        if "g" not in state.draft:
+            return EMPTY
+        state.draft["cache"].length = state.draft["len"]
+        if self.topk == 1 or min(k, self.budget) <= 1:
+            return self._chain(state, min(k, self.num_steps))
+        return self._tree(state, min(k, self.budget))
+
+    def _chain(self, state: RequestState, k: int) -> Proposal:
+        params, g = state.params, state.draft["g"][0]  # [1, H]
+        tokens, probs = [], []
+        for d in range(1, k + 1):
+            logits = self.head.logits(g, self.lm_head).float()[0]  # [Vd]
+            if params.greedy:
+                tok = int(self.draft_ids[int(logits.argmax())])
+            else:  # q over the full vocabulary, warped exactly as the target's p
+                full = torch.full((self.embed.shape[0],), float("-inf"))
+                full[self.draft_ids] = logits
+                q = warp(full[None], params)[0]
+                tok = sample(q, state.generator)
+                probs.append(q)
+            tokens.append(tok)
+            if d < k:
+                g = self._forward_nodes(state, [tok], g, [d], None)
+        return Proposal(tokens, torch.stack(probs) if probs else None)
+
+    def _tree(self, state: RequestState, budget: int) -> Proposal:
+        K, c = self.topk, state.draft["len"]
+        lp = self._logprobs(state.draft["g"][0])[0]  # [Vd]
+        top = lp.topk(K)
+        # node lists: target token, parent node (-1 root), cumulative log-prob, depth
+        tok = [int(self.draft_ids[i]) for i in top.indices]
+        par, val, dep = [-1] * K, top.values.tolist(), [1] * K
+        frontier, outs, slot = list(range(K)), {-1: state.draft["g"][0, 0]}, {}
+        for depth in range(2, self.num_steps + 1):
+            # forward the frontier: each row sees the prefix, its forwarded ancestors and itself
+            m, base = len(frontier), state.draft["cache"].length
+            mask = torch.zeros(m, base + m, dtype=torch.bool)
+            mask[:, :c] = True
+            for i, nd in enumerate(frontier):
+                a = par[nd]
+                while a != -1:
+                    mask[i, slot[a]] = True
+                    a = par[a]
+                mask[i, base + i] = True
+                slot[nd] = base + i
+            out = self._forward_nodes(state, [tok[n] for n in frontier],
+                                      torch.stack([outs[par[n]] for n in frontier]), [dep[n] for n in frontier], mask)
+            for i, nd in enumerate(frontier):
+                outs[nd] = out[i]
+            lp = self._logprobs(out)  # [m, Vd]
+            cand = (torch.tensor([val[n] for n in frontier])[:, None] + lp).topk(K, dim=-1)  # [m, K]
+            new = []
+            for i, nd in enumerate(frontier):
+                for v, j in zip(cand.values[i].tolist(), cand.indices[i].tolist()):
+                    tok.append(int(self.draft_ids[j]))
+                    par.append(nd)
+                    val.append(v)
+                    dep.append(depth)
+                    new.append(len(tok) - 1)
+            frontier = sorted(new, key=lambda n: -val[n])[:K]
+        # rerank: stable sort keeps a parent ahead of an equal-valued child, so the cut is a tree
+        keep = sorted(sorted(range(len(tok)), key=lambda n: -val[n])[:budget])
+        index = {n: i for i, n in enumerate(keep)}
+        return Proposal([tok[n] for n in keep], None, [index[par[n]] if par[n] != -1 else -1 for n in keep])
+
+    def end(self, state: RequestState) -> None:
+        state.draft.clear()
+
+
+@register_proposer("eagle")
+class EagleProposer(_EagleBase):
+    kind = "eagle"
+
+
+@register_proposer("eagle3")
+class Eagle3Proposer(_EagleBase):
+    kind = "eagle3"

@@ -1,0 +1,312 @@
+"""Learned draft heads as small torch modules, stored in the layouts vLLM and SGLang read.
+
+    EAGLE-1 ("eagle"):  x = fc([embed(x_{t+1}); f_t]) (2H -> H), one decoder layer without input norm,
+                        output o_t ~ f_{t+1}; logits = target LM head(o_t). Keys: fc.weight, layers.0.*
+    EAGLE-3 ("eagle3"): h = fc([low; mid; high]) (3H -> H) at step 0, the draft's own output o later;
+                        a = [input_layernorm(embed); hidden_norm(h)] (2H) -> attention (q/k/v from 2H),
+                        residual h; logits over a reduced draft vocabulary = lm_head(norm(o));
+                        draft id i is target id i + d2t[i]; t2d[v] marks target ids in the draft vocab.
+                        Keys: fc.weight, midlayer.*, norm.weight, lm_head.weight, d2t, t2d
+    Medusa ("medusa"):  head i: h + SiLU(W_i h + b_i), then the target LM head: token t+i+2.
+                        Keys: blocks.<i>.layers.0.{weight,bias}; token_map (vLLM's reduced vocabulary)
+The target's embedding and LM head are shared, not stored (vLLM and SGLang share them too when a
+checkpoint omits them); `token_map` restricts the shared LM head to a frequent-token draft vocabulary.
+A head directory = config.json (HF fields + "specdec": our fields) + model.safetensors.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from specdec.config import ConfigError
+from specdec.model.layers import Rotary, apply_rotary
+
+HEAD_KINDS = ("medusa", "eagle", "eagle3")
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    kind: str
+    hidden_size: int
+    vocab_size: int
+    intermediate_size: int = 0
+    num_attention_heads: int = 0
+    num_key_value_heads: int = 0
+    head_dim: int = 0
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 4096
+    draft_vocab_size: int = 0  # 0: the full vocabulary
+    aux_layers: tuple[int, ...] = ()  # eagle3: target layers (ours: outputs of these layers)
+    medusa_num_heads: int = 0
+    medusa_accuracy: tuple[tuple[float, ...], ...] = ()  # [head][rank] held-out top-rank accuracy
+    target: str = ""
+    training: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.kind not in HEAD_KINDS:
+            raise ConfigError(f"unknown head kind {self.kind!r}; one of {', '.join(HEAD_KINDS)}")
+
+    @classmethod
+    def for_target(cls, kind: str, mcfg, draft_vocab_size: int = 0, medusa_num_heads: int = 4,
+                   aux_layers: tuple[int, ...] = (), target: str = "") -> "HeadConfig":
+        return cls(kind, mcfg.hidden_size, mcfg.vocab_size, mcfg.intermediate_size, mcfg.num_attention_heads,
+                   mcfg.num_key_value_heads, mcfg.head_dim, mcfg.rms_norm_eps, mcfg.rope_theta, mcfg.rope_scaling,
+                   mcfg.max_position_embeddings, draft_vocab_size, tuple(aux_layers),
+                   medusa_num_heads if kind == "medusa" else 0, (), target)
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self, cfg: HeadConfig, in_dim: int):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = torch.nn.Linear(in_dim, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = torch.nn.Linear(in_dim, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = torch.nn.Linear(in_dim, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = torch.nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def qkv(self, x, cos, sin):
+        # x: [B, T, in] -> q [B, Hq, T, D], k, v [B, Hkv, T, D] (rotary applied)
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def attend(self, q, k, v, mask):
+        # k, v: [B, Hkv, S, D]; mask [T, S] bool -> [B, T, H]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        B, _, T, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self, cfg: HeadConfig):
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = torch.nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = torch.nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _RMSNorm(torch.nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+class EagleLayer(torch.nn.Module):
+    """The draft decoder layer. eagle3: attention over [norm(embed); norm(hidden)] (2H);
+    eagle: input already fused by fc (H), no input norm (as upstream EAGLE-1)."""
+
+    def __init__(self, cfg: HeadConfig):
+        super().__init__()
+        self.eagle3 = cfg.kind == "eagle3"
+        H = cfg.hidden_size
+        self.self_attn = _Attention(cfg, 2 * H if self.eagle3 else H)
+        self.mlp = _MLP(cfg)
+        self.post_attention_layernorm = _RMSNorm(H, cfg.rms_norm_eps)
+        if self.eagle3:
+            self.input_layernorm = _RMSNorm(H, cfg.rms_norm_eps)
+            self.hidden_norm = _RMSNorm(H, cfg.rms_norm_eps)
+
+    def attn_input(self, embeds, hidden):
+        # embeds, hidden: [B, T, H] -> (attention input, residual)
+        if self.eagle3:
+            return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1), hidden
+        return hidden, hidden
+
+    def finish(self, residual, attn_out):
+        x = residual + attn_out
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class EagleHead(torch.nn.Module):
+    """EAGLE-1 / EAGLE-3 draft head. The target's embedding (and, for EAGLE-1, LM head) are passed in."""
+
+    def __init__(self, cfg: HeadConfig):
+        super().__init__()
+        self.cfg = cfg
+        H = cfg.hidden_size
+        n_feat = 3 if cfg.kind == "eagle3" else 2
+        self.fc = torch.nn.Linear(n_feat * H, H, bias=False)
+        layer = EagleLayer(cfg)
+        if cfg.kind == "eagle3":
+            self.midlayer = layer
+            self.norm = _RMSNorm(H, cfg.rms_norm_eps)
+            self.lm_head = torch.nn.Linear(H, cfg.draft_vocab_size or cfg.vocab_size, bias=False)
+        else:
+            self.layers = torch.nn.ModuleList([layer])
+        V = cfg.vocab_size
+        Vd = cfg.draft_vocab_size or V
+        self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.long))  # draft id i -> target id i + d2t[i]
+        self.register_buffer("t2d", torch.ones(V, dtype=torch.bool) if Vd == V else torch.zeros(V, dtype=torch.bool))
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+
+    @property
+    def layer(self) -> EagleLayer:
+        return self.midlayer if self.cfg.kind == "eagle3" else self.layers[0]
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        """[Vd] target token id of each draft id."""
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    def set_vocab(self, draft_ids: torch.Tensor) -> None:
+        """draft_ids [Vd] ascending target ids -> d2t offsets and t2d mask."""
+        self.d2t.copy_(draft_ids - torch.arange(draft_ids.numel()))
+        self.t2d.zero_()
+        self.t2d[draft_ids] = True
+
+    def fuse(self, feats: torch.Tensor, embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Step-0 hidden from target features. eagle3: feats [B, T, 3H] (low, mid, high);
+        eagle: feats [B, T, H] (final normed state), fused with the next token's embedding."""
+        if self.cfg.kind == "eagle3":
+            return self.fc(feats)
+        return self.fc(torch.cat([embeds, feats], dim=-1))
+
+    def step_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden of a later step (the draft's own output) for EAGLE-1 goes through fc again."""
+        return hidden if self.cfg.kind == "eagle3" else self.fc(torch.cat([embeds, hidden], dim=-1))
+
+    def forward_layer(self, embeds, hidden, positions, cache: "DraftKV | None" = None, mask=None):
+        """embeds, hidden: [B, T, H]; positions [B, T]; cache: the draft's KV cache (the new keys are
+        appended) or None (attend among these T only); mask [T, S + T] bool (None: causal / T == 1).
+        Returns the output [B, T, H] (pre-norm; the next step's hidden)."""
+        layer = self.layer
+        x, residual = layer.attn_input(embeds, hidden)
+        cos, sin = self.rotary(positions, x.dtype)
+        q, k, v = layer.self_attn.qkv(x, cos, sin)
+        if cache is not None:
+            k, v = cache.append(k, v)
+        if mask is None and q.shape[2] > 1:
+            S, T = k.shape[2], q.shape[2]
+            mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+        return layer.finish(residual, layer.self_attn.attend(q, k, v, mask))
+
+    def logits(self, out: torch.Tensor, target_lm_head: torch.Tensor | None = None) -> torch.Tensor:
+        """[.., H] -> [.., Vd] draft-vocabulary logits (eagle: rows of the target LM head)."""
+        if self.cfg.kind == "eagle3":
+            return self.lm_head(self.norm(out))
+        w = target_lm_head if self.cfg.draft_vocab_size == 0 else target_lm_head[self.draft_ids]
+        return out @ w.t()
+
+
+class DraftKV:
+    """The drafter's own KV cache for one request: [1, Hkv, max_len, D]; `length` committed + speculative."""
+
+    def __init__(self, cfg: HeadConfig, max_len: int, dtype: torch.dtype):
+        self.k = torch.zeros(1, cfg.num_key_value_heads, max_len, cfg.head_dim, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+        self.length = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.length + k.shape[2]
+        if end > self.k.shape[2]:
+            raise ValueError(f"draft KV cache overflow: {end} > {self.k.shape[2]}")
+        self.k[:, :, self.length:end] = k
+        self.v[:, :, self.length:end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class MedusaHead(torch.nn.Module):
+    """K residual blocks on the last hidden state; logits through the (restricted) target LM head."""
+
+    def __init__(self, cfg: HeadConfig):
+        super().__init__()
+        self.cfg = cfg
+        H = cfg.hidden_size
+        self.blocks = torch.nn.ModuleList(_ResBlock(H) for _ in range(cfg.medusa_num_heads))
+        Vd = cfg.draft_vocab_size or cfg.vocab_size
+        self.register_buffer("token_map", torch.arange(Vd, dtype=torch.long))  # draft id -> target id
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        return self.token_map
+
+    def set_vocab(self, draft_ids: torch.Tensor) -> None:
+        self.token_map.copy_(draft_ids)
+
+    def forward(self, h: torch.Tensor, target_lm_head: torch.Tensor) -> torch.Tensor:
+        """h [N, H] -> logits [K, N, Vd]."""
+        w = target_lm_head if self.cfg.draft_vocab_size == 0 else target_lm_head[self.token_map]
+        return torch.stack([blk(h) @ w.t() for blk in self.blocks])
+
+
+class _ResBlock(torch.nn.Module):
+    def __init__(self, H: int):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(H, H, bias=True)])
+        torch.nn.init.zeros_(self.layers[0].weight)  # Medusa: start as the identity (head = next-token head)
+        torch.nn.init.zeros_(self.layers[0].bias)
+
+    def forward(self, x):
+        for lin in self.layers:
+            x = x + F.silu(lin(x))
+        return x
+
+
+def make_head(cfg: HeadConfig) -> torch.nn.Module:
+    return MedusaHead(cfg) if cfg.kind == "medusa" else EagleHead(cfg)
+
+
+def save_head(head: torch.nn.Module, out: Path, dtype: torch.dtype = torch.float32) -> Path:
+    """Write config.json + model.safetensors (upstream key names, shared tensors left out)."""
+    from specdec.train.export import hf_config  # the HF/vLLM/SGLang config fields live with the exporter
+
+    out.mkdir(parents=True, exist_ok=True)
+    sd = {k: (v.to(dtype) if v.is_floating_point() else v).detach().contiguous().clone()
+          for k, v in head.state_dict().items() if not k.startswith("rotary.")}
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = hf_config(head.cfg, dtype)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def load_head(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    path = Path(path)
+    try:
+        raw = json.loads((path / "config.json").read_text())
+        sd = load_file(str(path / "model.safetensors"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot read draft head {path}: {e}") from None
+    if "specdec" not in raw:
+        raise ConfigError(f"{path}: not a specdec head (config.json has no 'specdec' section); "
+                          "heads from other tools: `specdec export --import`")
+    cfg = head_config_from_dict(raw["specdec"])
+    head = make_head(cfg)
+    missing, unexpected = head.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()},
+                                               strict=False)
+    missing = [m for m in missing if not m.startswith("rotary.")]
+    if missing or unexpected:
+        raise ConfigError(f"{path}: head weights do not match its config (missing {missing[:3]}, "
+                          f"unexpected {unexpected[:3]})")
+    return head.to(dtype).eval().requires_grad_(False)
+
+
+def head_config_from_dict(d: dict) -> HeadConfig:
+    d = dict(d)
+    d["aux_layers"] = tuple(d.get("aux_layers", ()))
+    d["medusa_accuracy"] = tuple(tuple(r) for r in d.get("medusa_accuracy", ()))
+    return HeadConfig(**d)
+
+
+def head_config_dict(cfg: HeadConfig) -> dict:
+    d = asdict(cfg)
+    d["aux_layers"] = list(cfg.aux_layers)
+    d["medusa_accuracy"] = [list(r) for r in cfg.medusa_accuracy]
+    return d

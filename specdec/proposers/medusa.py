@@ -1,0 +1,79 @@
+"""Medusa-1 drafting: K heads on the target's last hidden state, a static candidate tree.
+
+The hidden state h of the last accepted row (its LM head gave the bonus token, the root of the next
+tree) feeds head i, whose top tokens guess the token i + 1 places after the root. The static tree
+is a set of paths (r_1, .., r_d): "rank r_1 of head 1, then rank r_2 of head 2, ...", chosen from
+the heads' measured held-out accuracy acc[i][r] (stored with the head): a path's value is the
+product of its ranks' accuracies, and the best num_draft_tokens - 1 paths are kept (a prefix of
+a path is at least as likely as the path, so the cut is a tree), as Medusa picks its choices.
+E.g. acc = [[.6, .1], [.4, .1]], 3 nodes: (0,) .6, (0, 0) .24, (1,) .1 -> parents [-1, 0, -1].
+"""
+from __future__ import annotations
+
+import heapq
+from pathlib import Path
+
+import torch
+
+from specdec.config import ConfigError
+from specdec.proposers.eagle import default_head
+from specdec.proposers.heads import load_head
+from specdec.spec.proposer import EMPTY, Proposal, Proposer, RequestState, TargetOutput, register_proposer
+
+
+def static_tree(acc: list[list[float]], num_nodes: int, max_rank: int = 10) -> list[tuple[int, ...]]:
+    """The num_nodes most likely paths, in topological order (a path after its prefix)."""
+    heap = [(-acc[0][r], (r,)) for r in range(min(max_rank, len(acc[0])))]
+    heapq.heapify(heap)
+    chosen: list[tuple[float, tuple[int, ...]]] = []
+    while heap and len(chosen) < num_nodes:
+        neg, path = heapq.heappop(heap)
+        chosen.append((neg, path))
+        d = len(path)
+        if d < len(acc):
+            for r in range(min(max_rank, len(acc[d]))):
+                heapq.heappush(heap, (neg * acc[d][r], path + (r,)))
+    return sorted((p for _, p in chosen), key=lambda p: (len(p), p))
+
+
+def tree_parents(paths: list[tuple[int, ...]]) -> list[int]:
+    index = {p: i for i, p in enumerate(paths)}
+    return [index[p[:-1]] if len(p) > 1 else -1 for p in paths]
+
+
+@register_proposer("medusa")
+class MedusaProposer(Proposer):
+    deterministic = True
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        cfg = ctx.config
+        path = Path(cfg.model) if cfg.model else default_head("medusa", ctx.target.config)
+        self.head = load_head(path, ctx.dtype)
+        if self.head.cfg.kind != "medusa":
+            raise ConfigError(f"{path} is a {self.head.cfg.kind} head, not medusa")
+        self.lm_head = ctx.target.lm_head.weight
+        K = self.head.cfg.medusa_num_heads
+        acc = [list(r) for r in self.head.cfg.medusa_accuracy] or [[0.5 ** (i + 1) * 0.5 ** r for r in range(10)]
+                                                                   for i in range(K)]
+        self.paths = static_tree(acc, cfg.num_draft_tokens - 1)
+        self.parents = tree_parents(self.paths)
+        self.max_rank = 1 + max(max(p) for p in self.paths)
+        self.draft_ids = self.head.draft_ids
+
+    def begin(self, state: RequestState, prefill: TargetOutput | None = None) -> None:
+        state.draft["h"] = prefill.forward.hidden[0, -1]
+
+    def on_verified(self, state, proposal, num_accepted, target=None) -> None:
+        state.draft["h"] = target.forward.hidden[0, target.accepted_rows[-1]]
+
+    @torch.inference_mode()
+    def propose(self, state: RequestState, k: int) -> Proposal:
+        h = state.draft.get("h")
+        if h is None:
+            return EMPTY
+        logits = self.head(h[None].to(self.lm_head.dtype), self.lm_head)[:, 0]  # [K, Vd]
+        top = self.draft_ids[logits.topk(self.max_rank, dim=-1).indices].tolist()  # [K, ranks] target ids
+        n = min(k, len(self.paths))
+        paths = self.paths[:n]  # topological order: any prefix of the list is a tree
+        return Proposal([top[len(p) - 1][p[-1]] for p in paths], None, self.parents[:n])

@@ -1,0 +1,112 @@
+"""Draft-model distillation: fine-tune a small draft (e.g. a layer-truncated copy of the target) on
+target-generated data, with KL(target || draft) over the frequent-token draft vocabulary.
+
+    specdec train draft-model --data runs/data --layers 0,1,2,3,29 --out runs/draft
+
+Only the decoder layers and the final norm train (the embedding is tied to the LM head and stays
+frozen). Acceptance before/after is the greedy chain acceptance on held-out target outputs: from
+every assistant position, how many consecutive draft argmax tokens equal the target's tokens.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specdec.model.layers import apply_rotary
+from specdec.train.features import Shard, read_split, token_counts
+
+
+def train_forward(model, ids: torch.Tensor) -> torch.Tensor:
+    """Autograd-friendly forward of our LlamaModel (its own forward runs in inference mode).
+    ids [B, T] -> final normed hidden [B, T, H]."""
+    B, T = ids.shape
+    x = model.embed(ids)
+    cos, sin = model.rotary(torch.arange(T)[None].expand(B, T), x.dtype)
+    for L in model.layers:
+        h = L.input_norm(x)
+        q, k, v = F.linear(h, L.qkv.weight, L.qkv.bias).split(L.split, dim=-1)
+        q = q.view(B, T, L.n_heads, L.head_dim).transpose(1, 2)
+        k = k.view(B, T, L.n_kv, L.head_dim).transpose(1, 2)
+        v = v.view(B, T, L.n_kv, L.head_dim).transpose(1, 2)
+        if L.q_norm is not None:
+            q, k = L.q_norm(q), L.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        x = x + F.linear(a.transpose(1, 2).reshape(B, T, -1), L.o_proj.weight)
+        gate, up = F.linear(L.post_norm(x), L.gate_up.weight).chunk(2, dim=-1)
+        x = x + F.linear(F.silu(gate) * up, L.down.weight)
+    return model.norm(x)
+
+
+@torch.no_grad()
+def chain_acceptance_draft(draft, seqs: list[Shard.Sequence], depth: int) -> dict:
+    """Greedy chain acceptance of a draft model on held-out target outputs (teacher forcing)."""
+    hits, starts = [0] * depth, 0
+    for s in seqs:
+        ids = torch.tensor([s.tokens])
+        pred = (train_forward(draft, ids) @ draft.lm_head.weight.t()).argmax(-1)[0]  # [N]: guess of x_{p+1}
+        tok = ids[0]
+        match = torch.zeros(len(tok), dtype=torch.bool)
+        match[1:] = pred[:-1] == tok[1:]
+        mask = s.loss_mask
+        for p in range(s.prompt_len, len(tok)):  # the draft starts after the last emitted token p - 1
+            starts += 1
+            for j in range(min(depth, len(tok) - p)):
+                if not (match[p + j] and mask[p + j]):
+                    break
+                hits[j] += 1
+    rate = [h / max(starts, 1) for h in hits]
+    return {"tau": 1 + sum(rate), "acceptance_by_position": [round(r, 4) for r in rate]}
+
+
+def distill(target, draft, data_dirs: list[str], out: Path, epochs: float = 1.0, lr: float = 1e-4,
+            draft_vocab_size: int = 8192, max_len: int = 384, seed: int = 0, depth: int = 5,
+            progress: bool = True) -> dict:
+    from tqdm import tqdm
+
+    torch.manual_seed(seed)
+    train = [s for d in data_dirs for s in read_split(Path(d) / "train")]
+    held = [s for d in data_dirs for s in read_split(Path(d) / "heldout")]
+    counts = token_counts(train, target.config.vocab_size).float()
+    ids_d = counts.topk(draft_vocab_size).indices.sort().values
+    lm_t = target.lm_head.weight.detach()[ids_d]
+    for p in draft.parameters():
+        p.requires_grad_(False)
+    params = [p for L in draft.layers for p in L.parameters()] + list(draft.norm.parameters())
+    for p in params:
+        p.requires_grad_(True)
+    before = chain_acceptance_draft(draft, held, depth)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    total = max(1, int(epochs * len(train)))
+    order = [i % len(train) for i in range(total)]
+    random.Random(seed).shuffle(order)
+    t0, seen = time.perf_counter(), 0
+    for step, i in enumerate(tqdm(order, desc="distill draft", disable=not progress)):
+        s = train[i]
+        n = min(len(s.tokens), max_len)
+        for g in opt.param_groups:
+            g["lr"] = lr * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / total))
+        h = train_forward(draft, torch.tensor([s.tokens[:n]]))[0, :n - 1]  # predicts x_{p+1}
+        t_prob = torch.softmax(s.hidden[:n - 1].float() @ lm_t.t(), -1)  # the target at p
+        loss_tok = -(t_prob * torch.log_softmax(h @ draft.lm_head.weight[ids_d].t(), -1)).sum(-1)
+        w = s.loss_mask[1:n].float()
+        loss = (loss_tok * w).sum() / w.sum().clamp_min(1)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        seen += n
+    for p in draft.parameters():
+        p.requires_grad_(False)
+    after = chain_acceptance_draft(draft, held, depth)
+    report = {"before": before, "after": after, "train_tokens": seen, "seconds": round(time.perf_counter() - t0, 1),
+              "sequences": len(train), "epochs": epochs}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "distill_report.json").write_text(json.dumps(report, indent=2))
+    return report

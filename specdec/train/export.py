@@ -1,0 +1,149 @@
+"""Interchange: draft heads in the checkpoint layouts vLLM and SGLang load, and the serve command line.
+
+    specdec export specdec/assets/smollm2-135m-eagle3 --format sglang --out /tmp/sg-head
+
+Layouts (key names as the upstream loaders read them: vLLM llama_eagle.py / llama_eagle3.py / medusa.py,
+SGLang llama_eagle.py / llama_eagle3.py):
+  EAGLE-1  config.json architectures ["LlamaForCausalLM"], num_hidden_layers 1 (both engines turn it into
+           their EAGLE draft class); fc.weight [H, 2H] over [embed; hidden]; layers.0.self_attn.{q,k,v,o}_proj,
+           layers.0.mlp.{gate,up,down}_proj, layers.0.post_attention_layernorm (no input norm).
+  EAGLE-3  architectures ["LlamaForCausalLMEagle3"], draft_vocab_size, eagle_config.
+           eagle_aux_hidden_state_layer_ids (vLLM's convention: the INPUT of those target layers, i.e.
+           our output layer + 1); fc.weight [H, 3H]; midlayer.{input_layernorm, hidden_norm,
+           post_attention_layernorm}, midlayer.self_attn.* (q/k/v [., 2H]), midlayer.mlp.*, norm.weight,
+           lm_head.weight [Vd, H], d2t [Vd] (target id = i + d2t[i]), t2d [V] bool.
+  Medusa   architectures ["MedusaModel"], model_type "medusa", num_heads, num_hidden_layers,
+           truncated_vocab_size, medusa_fc_bias, original_lm_head; blocks.<i>.layers.0.{weight,bias},
+           lm_heads.0.weight (the target LM head, shared), token_map [truncated_vocab_size] (vLLM only;
+           SGLang serves no Medusa).
+The embedding (and EAGLE-1's LM head) are left out: both engines share the target's when absent.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from specdec.config import ConfigError
+
+FORMATS = ("vllm", "sglang")
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def hf_config(cfg, dtype: torch.dtype = torch.float32) -> dict:
+    """config.json of a head: the HF fields the engines read plus our own section."""
+    from specdec.proposers.heads import head_config_dict
+
+    common = {"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size, "torch_dtype": _DTYPE_NAMES[dtype]}
+    if cfg.kind == "medusa":
+        hf = {"architectures": ["MedusaModel"], "model_type": "medusa", "num_heads": cfg.medusa_num_heads,
+              "num_hidden_layers": 1, "truncated_vocab_size": cfg.draft_vocab_size or cfg.vocab_size,
+              "medusa_fc_bias": True, "original_lm_head": True, **common}
+    else:
+        hf = {"architectures": ["LlamaForCausalLMEagle3" if cfg.kind == "eagle3" else "LlamaForCausalLM"],
+              "model_type": "llama", "num_hidden_layers": 1, "intermediate_size": cfg.intermediate_size,
+              "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+              "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.rms_norm_eps,
+              "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling,
+              "max_position_embeddings": cfg.max_position_embeddings, "tie_word_embeddings": False,
+              "attention_bias": False, "mlp_bias": False, **common}
+        if cfg.kind == "eagle3":
+            hf["draft_vocab_size"] = cfg.draft_vocab_size or cfg.vocab_size
+            hf["target_hidden_size"] = cfg.hidden_size
+            hf["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [l + 1 for l in cfg.aux_layers],
+                                  "use_aux_hidden_state": True}
+    hf["specdec"] = head_config_dict(cfg)
+    return hf
+
+
+def import_head(path: Path, target_config) -> "torch.nn.Module":
+    """Load an upstream EAGLE / EAGLE-3 / Medusa checkpoint (no 'specdec' section) for `target_config`."""
+    from specdec.proposers.heads import HeadConfig, make_head
+
+    raw = json.loads((path / "config.json").read_text())
+    sd = {k: v for k, v in load_file(str(path / "model.safetensors")).items()}
+    arch = (raw.get("architectures") or [""])[0]
+    if raw.get("model_type") == "medusa" or arch.startswith("Medusa"):
+        kind = "medusa"
+    elif "Eagle3" in arch:
+        kind = "eagle3"
+    else:
+        kind = "eagle"
+    aux = tuple(l - 1 for l in (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids", ()))
+    if kind == "eagle3" and not aux:
+        L = target_config.num_hidden_layers
+        aux = (1, L // 2 - 1, L - 4)  # vLLM's default (2, L//2, L-3), as outputs of the layer before
+    vocab = raw.get("vocab_size", target_config.vocab_size)
+    dv = raw.get("draft_vocab_size") if kind == "eagle3" else raw.get("truncated_vocab_size")
+    cfg = HeadConfig.for_target(kind, target_config, 0 if dv in (None, vocab) else dv,
+                                raw.get("num_heads", raw.get("medusa_num_heads", 0)), aux)
+    head = make_head(cfg)
+    if kind == "medusa":
+        sd = {k.replace("medusa_heads.", ""): v for k, v in sd.items() if not k.startswith("lm_head")}
+        sd = {k: v for k, v in sd.items() if not k.startswith("lm_heads.")}
+        if "token_map" not in sd:
+            sd["token_map"] = head.token_map
+    else:
+        sd = {k: v for k, v in sd.items() if not k.startswith(("embed_tokens.", "layers.0.input_layernorm"))
+              and not (kind == "eagle" and k.startswith("lm_head"))}
+        if "d2t" not in sd:
+            sd["d2t"], sd["t2d"] = head.d2t, head.t2d
+        sd["t2d"] = sd["t2d"].bool()
+    head.load_state_dict(sd, strict=False)
+    return head.eval()
+
+
+def export_head(head_dir: Path, fmt: str, out: Path, target_dir: Path, num_speculative_tokens: int = 5,
+                num_steps: int = 5, eagle_topk: int = 4, num_draft_tokens: int = 8) -> str:
+    """Write the head in `fmt`'s layout under `out`; returns the serve command line."""
+    from specdec.proposers.heads import load_head
+
+    if fmt not in FORMATS:
+        raise ConfigError(f"unknown export format {fmt!r}; one of {', '.join(FORMATS)}")
+    head = load_head(head_dir)
+    cfg = head.cfg
+    if cfg.kind == "medusa" and fmt == "sglang":
+        raise ConfigError("SGLang serves no Medusa heads; export Medusa with --format vllm")
+    out.mkdir(parents=True, exist_ok=True)
+    sd = load_file(str(head_dir / "model.safetensors"))
+    raw = json.loads((head_dir / "config.json").read_text())
+    dtype = {v: k for k, v in _DTYPE_NAMES.items()}[raw.get("torch_dtype", "float32")]
+    extra_args: list[str] = []
+    if cfg.kind == "eagle":  # upstream EAGLE-1 checkpoints have no vocabulary maps
+        sd = {k: v for k, v in sd.items() if k not in ("d2t", "t2d")}
+    if cfg.kind == "medusa":  # vLLM slices the shared LM head down to token_map itself
+        sd["lm_heads.0.weight"] = _target_lm_head(target_dir).to(dtype)
+    if cfg.kind == "eagle" and cfg.draft_vocab_size and fmt == "sglang":
+        torch.save(head.draft_ids.clone(), out / "hot_token_ids.pt")  # FR-Spec style token map
+        extra_args = ["--speculative-token-map", str(out / "hot_token_ids.pt")]
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(raw, indent=2))
+    for name in ("README.md",):
+        if (head_dir / name).exists():
+            shutil.copy(head_dir / name, out / name)
+    return serve_command(fmt, cfg.kind, str(target_dir), str(out), num_speculative_tokens, num_steps, eagle_topk,
+                         num_draft_tokens, extra_args)
+
+
+def serve_command(fmt: str, kind: str, target: str, head: str, k: int, num_steps: int, topk: int,
+                  num_draft_tokens: int, extra_args: list[str] = ()) -> str:
+    if fmt == "vllm":
+        spec = json.dumps({"method": kind, "model": head, "num_speculative_tokens": k})
+        return f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(spec)}"
+    algo = {"eagle": "EAGLE", "eagle3": "EAGLE3"}[kind]
+    args = ["python", "-m", "sglang.launch_server", "--model-path", target, "--speculative-algorithm", algo,
+            "--speculative-draft-model-path", head, "--speculative-num-steps", str(num_steps),
+            "--speculative-eagle-topk", str(topk), "--speculative-num-draft-tokens", str(num_draft_tokens),
+            *extra_args]
+    return " ".join(shlex.quote(a) for a in args)
+
+
+def _target_lm_head(target_dir: Path) -> torch.Tensor:
+    from specdec.model.loader import _read_hf_tensors
+
+    t = _read_hf_tensors(target_dir)
+    return t.get("lm_head.weight", t["model.embed_tokens.weight"])

@@ -1,0 +1,92 @@
+"""The target's hidden states on disk (safetensors shards) or computed on the fly.
+
+Shard layout (one file per generation batch, S sequences, N tokens in all):
+    tokens       int32   [N]          prompt + response ids, sequences back to back
+    offsets      int64   [S + 1]      token offsets: sequence s is tokens[offsets[s]:offsets[s+1]]
+    prompt_lens  int64   [S]          the first prompt_lens[s] tokens are the prompt (no loss there)
+    hidden       float16 [N - S, H]   final normed hidden state of every position but each sequence's
+                                      last (sequence s: rows offsets[s] - s .. offsets[s+1] - s - 1)
+    aux.<l>      float16 [N - S, H]   output of target layer l (EAGLE-3 low/mid/high), same rows
+E.g. two sequences of 4 and 3 tokens: offsets [0, 4, 7], feature rows [0..3) and [3..5).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+
+@dataclass
+class Shard:
+    @dataclass
+    class Sequence:
+        tokens: list[int]  # [n]
+        prompt_len: int
+        hidden: torch.Tensor  # [n - 1, H]
+        aux: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [n - 1, H]
+
+        @property
+        def loss_mask(self) -> torch.Tensor:
+            """[n] True at assistant (response) tokens."""
+            m = torch.zeros(len(self.tokens), dtype=torch.bool)
+            m[self.prompt_len:] = True
+            return m
+
+    sequences: list[Sequence]
+
+
+def write_shard(path: Path, seqs: list[Shard.Sequence]) -> None:
+    lens = torch.tensor([len(s.tokens) for s in seqs])
+    tensors = {
+        "tokens": torch.tensor([t for s in seqs for t in s.tokens], dtype=torch.int32),
+        "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]),
+        "prompt_lens": torch.tensor([s.prompt_len for s in seqs], dtype=torch.long),
+        "hidden": torch.cat([s.hidden for s in seqs]).half().contiguous(),
+    }
+    for layer in seqs[0].aux:
+        tensors[f"aux.{layer}"] = torch.cat([s.aux[layer] for s in seqs]).half().contiguous()
+    tmp = path.with_suffix(".tmp")
+    save_file(tensors, str(tmp))
+    tmp.replace(path)  # a killed run never leaves a half-written shard behind
+
+
+def read_shard(path: Path) -> list[Shard.Sequence]:
+    t = load_file(str(path))
+    off, seqs = t["offsets"].tolist(), []
+    aux_keys = [k for k in t if k.startswith("aux.")]
+    for s in range(len(off) - 1):
+        a, b = off[s], off[s + 1]
+        rows = slice(a - s, b - s - 1)
+        seqs.append(Shard.Sequence(t["tokens"][a:b].tolist(), int(t["prompt_lens"][s]), t["hidden"][rows],
+                                   {int(k[4:]): t[k][rows] for k in aux_keys}))
+    return seqs
+
+
+def read_split(directory: Path, limit: int | None = None) -> list[Shard.Sequence]:
+    seqs: list[Shard.Sequence] = []
+    for path in sorted(directory.glob("shard-*.safetensors")):
+        seqs.extend(read_shard(path))
+        if limit is not None and len(seqs) >= limit:
+            return seqs[:limit]
+    return seqs
+
+
+@torch.inference_mode()
+def compute_features(model, tokens: list[int], prompt_len: int, aux_layers: tuple[int, ...] = ()) -> Shard.Sequence:
+    """Online mode: one target pass with our engine gives the same features as the shards."""
+    n = len(tokens)
+    cache = model.new_cache(n)
+    out = model(torch.tensor([tokens]), torch.arange(n)[None], cache, num_logits=1, output_layers=aux_layers)
+    return Shard.Sequence(list(tokens), prompt_len, out.hidden[0, :n - 1].float(),
+                          {l: out.layer_hidden[l][0, :n - 1].float() for l in aux_layers})
+
+
+def token_counts(seqs: list[Shard.Sequence], vocab_size: int, response_only: bool = True) -> torch.Tensor:
+    """[V] how often each token occurs (for the reduced draft vocabulary)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for s in seqs:
+        ids = torch.tensor(s.tokens[s.prompt_len:] if response_only else s.tokens)
+        counts += torch.bincount(ids, minlength=vocab_size)
+    return counts

@@ -1,0 +1,349 @@
+"""Training of draft heads (Medusa-1, EAGLE-1, EAGLE-3) on precomputed target features.
+
+    specdec train eagle3 --data runs/data --out runs/eagle3 --epochs 3 --draft-vocab-size 4096
+
+Notation per sequence (tokens x_0..x_{N-1}, feature rows 0..M-1 with M = N - 1, see features.py):
+  EAGLE step 0 at position p: input (feature f_p, embedding of x_{p+1}), output o_0[p] predicts x_{p+2};
+  target distribution = softmax of the target's logits at p + 1 restricted to the draft vocabulary;
+  loss only where x_{p+2} is an assistant token.
+  Training-time test (EAGLE-3, also used for EAGLE-1 here): step j at position p takes o_{j-1}[p-1] as
+  its hidden and attends to step-0 keys at positions <= p - j plus step-i keys at p - j + i (i = 1..j),
+  exactly what a chain draft at depth j sees at inference (committed prefix + its own ancestors).
+  EAGLE-1 adds smooth-L1 feature regression o_j[p] ~ f_{p+1} (weight 1, token loss weight 0.1).
+  Medusa head i at position p: h = f_p, predicts x_{p+i+2} (target distribution at p + i + 1).
+Step losses are weighted 0.8^j (EAGLE-3) / 0.8^i (Medusa). AdamW, linear warmup + cosine decay, grad
+clipping, a checkpoint (head + optimiser + step + RNG) every `ckpt_every` steps: a rerun resumes.
+Sequences are batched with right padding (causal attention never sees the padding).
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specdec.proposers.heads import HeadConfig, make_head, save_head
+from specdec.train.features import Shard, read_split, token_counts
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    kind: str  # medusa | eagle | eagle3
+    data: tuple[str, ...]  # dataset dirs (each with train/ and maybe heldout/)
+    out: str
+    epochs: float = 2.0
+    lr: float = 1e-3
+    warmup: int = 20
+    batch_size: int = 8
+    max_len: int = 512  # tokens per sequence used for training
+    ttt_steps: int = 2  # training-time test depth (1 = plain teacher forcing)
+    draft_vocab_size: int = 4096
+    intermediate_size: int = 0  # 0: the target's
+    medusa_heads: int = 4
+    grad_clip: float = 0.5
+    weight_decay: float = 0.0
+    seed: int = 0
+    eval_every: int = 50
+    ckpt_every: int = 25
+    max_train_seqs: int | None = None
+    save_dtype: str = "bfloat16"
+
+
+def _pad(seqs: list[Shard.Sequence], max_len: int, aux_layers: tuple[int, ...]):
+    """Right-padded batch: tokens [B, N], loss mask [B, N], hidden [B, N-1, H], aux [B, N-1, 3H]."""
+    N = min(max_len, max(len(s.tokens) for s in seqs))
+    B, H = len(seqs), seqs[0].hidden.shape[-1]
+    tokens = torch.zeros(B, N, dtype=torch.long)
+    mask = torch.zeros(B, N, dtype=torch.bool)
+    hidden = torch.zeros(B, N - 1, H)
+    aux = torch.zeros(B, N - 1, H * len(aux_layers)) if aux_layers else None
+    for b, s in enumerate(seqs):
+        n = min(len(s.tokens), N)
+        tokens[b, :n] = torch.tensor(s.tokens[:n])
+        mask[b, :n] = s.loss_mask[:n]
+        hidden[b, :n - 1] = s.hidden[:n - 1].float()
+        if aux is not None:
+            aux[b, :n - 1] = torch.cat([s.aux[l][:n - 1].float() for l in aux_layers], dim=-1)
+    return tokens, mask, hidden, aux
+
+
+class Trainer:
+    def __init__(self, spec: TrainSpec, target, progress: bool = True):
+        self.spec, self.target, self.progress = spec, target, progress
+        self.out = Path(spec.out)
+        torch.manual_seed(spec.seed)
+        meta = json.loads((Path(spec.data[0]) / "meta.json").read_text())
+        self.aux_layers = tuple(meta["aux_layers"]) if spec.kind == "eagle3" else ()
+        self.train = [s for d in spec.data for s in read_split(Path(d) / "train")][:spec.max_train_seqs]
+        held = [s for d in spec.data for s in read_split(Path(d) / "heldout")]
+        self.heldout = held
+        tc = target.config
+        cfg = HeadConfig.for_target(spec.kind, tc, spec.draft_vocab_size, spec.medusa_heads, self.aux_layers,
+                                    target=meta.get("model", ""))
+        if spec.intermediate_size:
+            cfg = replace(cfg, intermediate_size=spec.intermediate_size)
+        self.head = make_head(cfg)
+        counts = token_counts(self.train, tc.vocab_size)
+        ranked = counts.clone().float()
+        ranked[list(tc.eos_token_id)] = float("inf")  # the end-of-turn token is always draftable
+        Vd = spec.draft_vocab_size or tc.vocab_size
+        self.draft_ids = ranked.topk(Vd).indices.sort().values  # [Vd] ascending target ids
+        self.head.set_vocab(self.draft_ids)
+        self.coverage = float(counts[self.draft_ids].sum() / counts.sum().clamp_min(1))
+        self.embed = target.embed.weight.detach()
+        self.lm_head_d = target.lm_head.weight.detach()[self.draft_ids]  # [Vd, H]
+        self._init_from_target()
+        self.opt = torch.optim.AdamW([p for p in self.head.parameters() if p.requires_grad], lr=spec.lr,
+                                     weight_decay=spec.weight_decay, betas=(0.9, 0.95))
+        steps_per_epoch = math.ceil(len(self.train) / spec.batch_size)
+        self.total_steps = max(1, int(spec.epochs * steps_per_epoch))
+        self.step, self.history = 0, []
+
+    def _init_from_target(self) -> None:
+        with torch.no_grad():
+            if self.spec.kind == "eagle3":
+                self.head.lm_head.weight.copy_(self.lm_head_d)
+                self.head.norm.weight.copy_(self.target.norm.weight)
+            elif self.spec.kind == "eagle":  # fc starts as "pass the feature through"
+                H = self.head.cfg.hidden_size
+                self.head.fc.weight[:, :H].mul_(0.1)
+                self.head.fc.weight[:, H:].copy_(torch.eye(H))
+
+    # -- losses ---------------------------------------------------------------------------------
+    def _target_probs(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(hidden @ self.lm_head_d.t(), dim=-1)  # [.., Vd]
+
+    def _draft_logits(self, out: torch.Tensor) -> torch.Tensor:
+        if self.spec.kind == "eagle3":
+            return self.head.lm_head(self.head.norm(out))
+        return out @ self.lm_head_d.t()
+
+    def eagle_forward(self, tokens, hidden, aux, steps: int):
+        return eagle_unroll(self.head, self.embed, self.lm_head_d, tokens, hidden, aux, steps)
+
+    def eagle_loss(self, batch, steps: int):
+        tokens, mask, hidden, aux = batch
+        logits, outs = self.eagle_forward(tokens, hidden, aux, steps)
+        M = hidden.shape[1]
+        tp = self._target_probs(hidden[:, 1:])  # [B, M-1, Vd]: target at p+1 for p = 0..M-2
+        tgt_tok = tokens[:, 2:]  # x_{p+2}
+        total, stats = 0.0, {}
+        for j in range(steps):
+            valid = mask[:, 2:].clone()
+            valid[:, :j] = False
+            lg = logits[j][:, :M - 1]
+            w = valid.float()
+            ce = -(tp * torch.log_softmax(lg.float(), -1)).sum(-1)
+            loss = (ce * w).sum() / w.sum().clamp_min(1)
+            if self.spec.kind == "eagle":
+                reg = F.smooth_l1_loss(outs[j][:, :M - 1], hidden[:, 1:], reduction="none").mean(-1)
+                loss = 0.1 * loss + (reg * w).sum() / w.sum().clamp_min(1)
+            total = total + (0.8 ** j) * loss
+            pred = self.draft_ids[lg.argmax(-1)]
+            stats[f"acc{j}"] = float(((pred == tgt_tok) & valid).sum() / valid.sum().clamp_min(1))
+        return total, stats
+
+    def medusa_loss(self, batch, heads: int | None = None):
+        tokens, mask, hidden, _ = batch
+        M = hidden.shape[1]
+        K = heads or self.head.cfg.medusa_num_heads
+        total, stats = 0.0, {}
+        for i in range(K):
+            n = M - 1 - i  # positions p with a target at p + i + 1
+            if n <= 0:
+                break
+            h = hidden[:, :n]
+            lg = self.head.blocks[i](h) @ self.lm_head_d.t()
+            tp = self._target_probs(hidden[:, i + 1:i + 1 + n])
+            valid = mask[:, i + 2:i + 2 + n].float()
+            ce = -(tp * torch.log_softmax(lg, -1)).sum(-1)
+            total = total + (0.8 ** i) * (ce * valid).sum() / valid.sum().clamp_min(1)
+            pred = self.draft_ids[lg.argmax(-1)]
+            stats[f"acc{i}"] = float(((pred == tokens[:, i + 2:i + 2 + n]) & valid.bool()).sum() / valid.sum().clamp_min(1))
+        return total, stats
+
+    def loss(self, seqs):
+        batch = _pad(seqs, self.spec.max_len, self.aux_layers)
+        if self.spec.kind == "medusa":
+            return self.medusa_loss(batch)
+        return self.eagle_loss(batch, self.spec.ttt_steps)
+
+    # -- loop -----------------------------------------------------------------------------------
+    def lr_at(self, step: int) -> float:
+        if step < self.spec.warmup:
+            return self.spec.lr * (step + 1) / self.spec.warmup
+        t = (step - self.spec.warmup) / max(1, self.total_steps - self.spec.warmup)
+        return self.spec.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+
+    def _batches(self):
+        """Deterministic order per epoch (seed + epoch); batches of similar length."""
+        bs, steps, epoch = self.spec.batch_size, 0, 0
+        while True:
+            order = list(range(len(self.train)))
+            random.Random(self.spec.seed + epoch).shuffle(order)
+            chunks = [order[i:i + bs * 8] for i in range(0, len(order), bs * 8)]
+            for chunk in chunks:
+                chunk.sort(key=lambda i: len(self.train[i].tokens))
+                for i in range(0, len(chunk), bs):
+                    yield [self.train[j] for j in chunk[i:i + bs]]
+            epoch += 1
+
+    def save_checkpoint(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        state = {"head": self.head.state_dict(), "opt": self.opt.state_dict(), "step": self.step,
+                 "rng": torch.get_rng_state(), "history": json.dumps(self.history)}
+        torch.save(state, self.out / "checkpoint.tmp")
+        (self.out / "checkpoint.tmp").replace(self.out / "checkpoint.pt")
+
+    def maybe_resume(self) -> bool:
+        path = self.out / "checkpoint.pt"
+        if not path.exists():
+            return False
+        state = torch.load(path, weights_only=True)
+        self.head.load_state_dict(state["head"])
+        self.opt.load_state_dict(state["opt"])
+        self.step, self.history = int(state["step"]), json.loads(state["history"])
+        torch.set_rng_state(state["rng"])
+        return True
+
+    def run(self, evaluate=None) -> dict:
+        from tqdm import tqdm
+
+        resumed = self.maybe_resume()
+        batches = self._batches()
+        for _ in range(self.step):  # skip what a previous run already trained on
+            next(batches)
+        t0, seen = time.perf_counter(), 0
+        bar = tqdm(total=self.total_steps, initial=self.step, desc=f"train {self.spec.kind}", disable=not self.progress)
+        self.head.train()
+        while self.step < self.total_steps:
+            seqs = next(batches)
+            for g in self.opt.param_groups:
+                g["lr"] = self.lr_at(self.step)
+            loss, stats = self.loss(seqs)
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.spec.grad_clip)
+            self.opt.step()
+            self.step += 1
+            seen += sum(len(s.tokens) for s in seqs)
+            bar.update(1)
+            bar.set_postfix(loss=f"{float(loss):.3f}", **{k: f"{v:.2f}" for k, v in stats.items()})
+            if self.step % self.spec.eval_every == 0 or self.step == self.total_steps:
+                rec = {"step": self.step, "loss": float(loss), **stats}
+                if evaluate is not None:
+                    self.head.eval()
+                    rec.update(evaluate(self))
+                    self.head.train()
+                self.history.append(rec)
+                bar.write(json.dumps(rec))
+            if self.step % self.spec.ckpt_every == 0:
+                self.save_checkpoint()
+        bar.close()
+        self.save_checkpoint()
+        return {"resumed": resumed, "train_tokens_this_run": seen, "seconds_this_run": time.perf_counter() - t0}
+
+    def export(self, extra: dict) -> Path:
+        cfg = replace(self.head.cfg, training={**extra, "spec": asdict(self.spec), "history": self.history,
+                                               "draft_vocab_coverage": self.coverage,
+                                               "target_config": {"num_hidden_layers": self.target.config.num_hidden_layers}})
+        self.head.cfg = cfg
+        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[self.spec.save_dtype]
+        return save_head(self.head.eval(), self.out / "head", dtype)
+
+
+def _shift(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x [B, H, M, D] shifted n positions later along M (zeros in front)."""
+    if n == 0:
+        return x
+    return torch.cat([torch.zeros_like(x[:, :, :n]), x[:, :, :-n]], dim=2)
+
+
+def eagle_unroll(head, embed, lm_head_d, tokens, hidden, aux, steps: int):
+    """Training-time-test unroll (see the module docstring). tokens [B, N], hidden [B, M, H], aux
+    [B, M, 3H] or None. Returns per step the draft logits [B, M, Vd] and outputs [B, M, H]."""
+    layer = head.layer
+    B, N = tokens.shape
+    M = N - 1
+    emb = embed[tokens[:, 1:]]  # [B, M, H]: embedding of x_{p+1}
+    pos = torch.arange(M)[None].expand(B, M)
+    cos, sin = head.rotary(pos, emb.dtype)
+    h = head.fuse(aux if head.cfg.kind == "eagle3" else hidden, emb)
+    ks, vs, logits, outs = [], [], [], []
+    rep = layer.self_attn.n_heads // layer.self_attn.n_kv
+    scale = layer.self_attn.head_dim ** -0.5
+    for j in range(steps):
+        if j > 0:
+            prev = torch.cat([torch.zeros_like(outs[-1][:, :1]), outs[-1][:, :-1]], dim=1)  # o_{j-1}[p-1]
+            h = head.step_input(emb, prev)
+        x, residual = layer.attn_input(emb, h)
+        q, k, v = layer.self_attn.qkv(x, cos, sin)  # [B, Hq|Hkv, M, D]
+        ks.append(k.repeat_interleave(rep, 1))
+        vs.append(v.repeat_interleave(rep, 1))
+        s0 = (q @ ks[0].transpose(-1, -2)) * scale  # [B, Hq, M, M]: step-0 keys at positions <= p - j
+        s0 = s0.masked_fill(~torch.ones(M, M, dtype=torch.bool).tril(-j), float("-inf"))
+        diag = [(q * _shift(ks[i], j - i)).sum(-1, keepdim=True) * scale for i in range(1, j + 1)]
+        probs = torch.softmax(torch.cat([s0] + diag, dim=-1), dim=-1)
+        att = probs[..., :M] @ vs[0]
+        for n, i in enumerate(range(1, j + 1)):
+            att = att + probs[..., M + n:M + n + 1] * _shift(vs[i], j - i)
+        out = layer.finish(residual, layer.self_attn.o_proj(att.transpose(1, 2).reshape(B, M, -1)))
+        outs.append(out)
+        logits.append(head.lm_head(head.norm(out)) if head.cfg.kind == "eagle3" else out @ lm_head_d.t())
+    return logits, outs
+
+
+@torch.no_grad()
+def chain_acceptance(head, target, seqs: list[Shard.Sequence], depth: int, aux_layers=(), batch_size: int = 8) -> dict:
+    """Greedy chain acceptance on held-out sequences of the target's own greedy output: from every
+    assistant position, the number of consecutive draft tokens (depth at most `depth`) equal to the
+    target's tokens. On the accepted path the draft sees exactly the teacher tokens, so this is the
+    chain drafter's tau. Returns tau = 1 + mean accepted and the acceptance rate by position."""
+    draft_ids = head.draft_ids
+    embed, lm_head_d = target.embed.weight, target.lm_head.weight[draft_ids]
+    hits_by_pos, starts, accepted = [0] * depth, 0, 0
+    for i in range(0, len(seqs), batch_size):
+        tokens, mask, hidden, aux = _pad(seqs[i:i + batch_size], 10 ** 6, aux_layers)
+        M = hidden.shape[1]
+        if head.cfg.kind == "medusa":
+            preds = [draft_ids[(head.blocks[j](hidden) @ lm_head_d.t()).argmax(-1)] for j in range(depth)]
+            # head j at position p predicts x_{p+j+2}: shift so that preds[j][p + j] is the guess
+            preds = [_shift(pr[:, None, :, None], j)[:, 0, :, 0] for j, pr in enumerate(preds)]
+        else:
+            logits, _ = eagle_unroll(head, embed, lm_head_d, tokens, hidden, aux, depth)
+            preds = [draft_ids[lg.argmax(-1)] for lg in logits]  # step j at position q guesses x_{q+2}
+        match = torch.stack([(pr[:, :M - 1] == tokens[:, 2:]) & mask[:, 2:] for pr in preds])  # [depth, B, M-1]
+        for p in range(M - 1):
+            run = torch.ones(tokens.shape[0], dtype=torch.bool) & mask[:, p + 2]
+            starts += int(run.sum())
+            for j in range(min(depth, M - 1 - p)):
+                run = run & match[j, :, p + j]
+                hits_by_pos[j] += int(run.sum())
+            accepted += 0
+    rate = [h / max(starts, 1) for h in hits_by_pos]
+    return {"tau": 1.0 + sum(rate), "acceptance_by_position": [round(r, 4) for r in rate], "starts": starts}
+
+
+@torch.no_grad()
+def medusa_rank_accuracy(head, target, seqs: list[Shard.Sequence], ranks: int = 10) -> list[list[float]]:
+    """acc[i][r]: how often the target's token at p + i + 2 is head i's rank-r guess (held out)."""
+    K, lm_head_d = head.cfg.medusa_num_heads, target.lm_head.weight[head.draft_ids]
+    hits, totals = torch.zeros(K, ranks), torch.zeros(K)
+    for s in seqs:
+        tokens, mask, hidden, _ = _pad([s], 10 ** 6, ())
+        M = hidden.shape[1]
+        for i in range(K):
+            n = M - 1 - i
+            if n <= 0:
+                break
+            top = head.draft_ids[(head.blocks[i](hidden[0, :n]) @ lm_head_d.t()).topk(ranks, -1).indices]  # [n, r]
+            valid = mask[0, i + 2:i + 2 + n]
+            eq = (top == tokens[0, i + 2:i + 2 + n, None]) & valid[:, None]
+            hits[i] += eq.sum(0).float()
+            totals[i] += valid.sum()
+    return (hits / totals.clamp_min(1)[:, None]).tolist()

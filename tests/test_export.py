@@ -1,0 +1,92 @@
+"""Interchange: heads round-trip through the vLLM / SGLang checkpoint layouts (upstream key names and
+config fields), and `specdec export` prints the matching serve command."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from specdec.config import ConfigError
+from specdec.model.loader import read_config
+from specdec.train.export import export_head, import_head
+
+from test_eagle import random_head
+
+EAGLE3_KEYS = {"fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
+               "midlayer.post_attention_layernorm.weight", "midlayer.self_attn.q_proj.weight",
+               "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
+               "midlayer.self_attn.o_proj.weight", "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight",
+               "midlayer.mlp.down_proj.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"}
+EAGLE_KEYS = {"fc.weight", "layers.0.post_attention_layernorm.weight", "layers.0.self_attn.q_proj.weight",
+              "layers.0.self_attn.k_proj.weight", "layers.0.self_attn.v_proj.weight", "layers.0.self_attn.o_proj.weight",
+              "layers.0.mlp.gate_proj.weight", "layers.0.mlp.up_proj.weight", "layers.0.mlp.down_proj.weight"}
+
+
+def _keys(path):
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        return set(f.keys())
+
+
+@pytest.fixture(scope="module")
+def target(tiny_dir):
+    from specdec.model.loader import load_model
+    d = tiny_dir("llama")
+    return d, load_model(d, torch.float32, 256)
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "sglang"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_eagle_layouts_round_trip(target, tmp_path, fmt, kind):
+    d, model = target
+    head_dir = random_head(model, kind, tmp_path / "head", draft_vocab=300 if kind == "eagle3" else 0)
+    cmd = export_head(head_dir, fmt, tmp_path / "out", d)
+    out = tmp_path / "out"
+    assert _keys(out) == (EAGLE3_KEYS if kind == "eagle3" else EAGLE_KEYS)
+    cfg = json.loads((out / "config.json").read_text())
+    if kind == "eagle3":
+        assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 300
+        L = model.config.num_hidden_layers
+        assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, L // 2 + 1, L]  # inputs of layers
+        with safe_open(str(out / "model.safetensors"), "pt") as f:
+            d2t, t2d = f.get_tensor("d2t"), f.get_tensor("t2d")
+        assert d2t.dtype == torch.int64 and t2d.dtype == torch.bool and int(t2d.sum()) == 300
+        assert torch.equal(torch.nonzero(t2d)[:, 0], torch.arange(300) + d2t)  # target id = i + d2t[i]
+    else:
+        assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["num_hidden_layers"] == 1
+    assert ("vllm serve" in cmd) == (fmt == "vllm")
+    assert ("--speculative-algorithm " + ("EAGLE3" if kind == "eagle3" else "EAGLE") in cmd) == (fmt == "sglang")
+    # an upstream loader (no specdec section) gets the same head back
+    cfg.pop("specdec")
+    (out / "config.json").write_text(json.dumps(cfg))
+    back = import_head(out, model.config)
+    from specdec.proposers.heads import load_head
+    orig = load_head(head_dir)
+    for k, v in orig.state_dict().items():
+        assert torch.equal(v, back.state_dict()[k]), k
+    assert back.cfg.aux_layers == orig.cfg.aux_layers
+
+
+def test_medusa_layout(target, tmp_path):
+    from specdec.proposers.heads import HeadConfig, make_head, save_head
+    d, model = target
+    cfg = HeadConfig.for_target("medusa", model.config, 128, 3)
+    head = make_head(cfg)
+    head.set_vocab(torch.arange(0, 256, 2))
+    src = save_head(head, tmp_path / "m", torch.float32)
+    cmd = export_head(src, "vllm", tmp_path / "out", d)
+    keys = _keys(tmp_path / "out")
+    assert keys == {f"blocks.{i}.layers.0.{p}" for i in range(3) for p in ("weight", "bias")} | {"lm_heads.0.weight", "token_map"}
+    c = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert c["num_heads"] == 3 and c["truncated_vocab_size"] == 128 and c["original_lm_head"] is True
+    assert '"method": "medusa"' in cmd
+    back = import_head(tmp_path / "out", model.config)
+    assert torch.equal(back.token_map, head.token_map)
+    with pytest.raises(ConfigError):
+        export_head(src, "sglang", tmp_path / "out2", d)
+
+
+def test_read_config_of_exported_target_is_unchanged(target):
+    d, model = target
+    assert read_config(d).hidden_size == model.config.hidden_size

@@ -1,0 +1,44 @@
+"""Medusa: the static tree from measured head accuracy, and greedy equivalence on a tiny model."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.proposers.medusa import static_tree, tree_parents
+from specdec.sampling_params import SamplingParams
+
+
+def test_static_tree_from_accuracy():
+    acc = [[0.6, 0.1], [0.4, 0.1]]
+    paths = static_tree(acc, 3)
+    assert paths == [(0,), (1,), (0, 0)]
+    assert tree_parents(paths) == [-1, -1, 0]
+    big = static_tree([[0.7, 0.2, 0.05]] * 4, 20)
+    assert len(big) == 20 and all(p[:-1] in big for p in big if len(p) > 1)  # ancestor-closed
+    assert all(len(a) <= len(b) for a, b in zip(big, big[1:]))  # topological order
+
+
+@pytest.mark.parametrize("nodes", [3, 5, 10])
+def test_medusa_reproduces_greedy(tiny_dir, tmp_path, nodes):
+    from specdec.llm import LLM
+    from specdec.proposers.heads import HeadConfig, make_head, save_head
+
+    d = tiny_dir("llama")
+    plain = LLM(str(d), dtype="float32", progress=False)
+    torch.manual_seed(0)
+    cfg = HeadConfig.for_target("medusa", plain.model.config, 256, 3)
+    head = make_head(cfg)
+    with torch.no_grad():
+        for blk in head.blocks:
+            blk.layers[0].weight.normal_(0, 0.05)
+    head.set_vocab(torch.randperm(cfg.vocab_size)[:256].sort().values)
+    head.cfg = HeadConfig(**{**cfg.__dict__, "medusa_accuracy": ((0.5, 0.2, 0.1), (0.3, 0.1, 0.1), (0.2, 0.1, 0.1))})
+    path = save_head(head, tmp_path / "medusa", torch.float32)
+    spec = LLM(str(d), dtype="float32", progress=False,
+               speculative_config={"method": "medusa", "model": str(path), "num_draft_tokens": nodes + 1})
+    assert len(spec.proposer.paths) == nodes
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    ids = plain.tokenizer.encode("The weather today is")
+    assert spec.generate_one(ids, params).token_ids == plain.generate_one(ids, params).token_ids
+    sampled = SamplingParams(temperature=0.8, max_tokens=16, seed=3, ignore_eos=True)
+    assert spec.generate_one(ids, sampled).token_ids == spec.generate_one(ids, sampled).token_ids
