@@ -233,9 +233,9 @@ class Trainer:
             self.step += 1
             seen += sum(len(s.tokens) for s in seqs)
             bar.update(1)
-            bar.set_postfix(loss=f"{float(loss):.3f}", **{k: f"{v:.2f}" for k, v in stats.items()})
+            bar.set_postfix(loss=f"{loss.item():.3f}", **{k: f"{v:.2f}" for k, v in stats.items()})
             if self.step % self.spec.eval_every == 0 or self.step == self.total_steps:
-                rec = {"step": self.step, "loss": float(loss), **stats}
+                rec = {"step": self.step, "loss": loss.item(), **stats}
                 if evaluate is not None:
                     self.head.eval()
                     rec.update(evaluate(self))
@@ -306,7 +306,7 @@ def chain_acceptance(head, target, seqs: list[Shard.Sequence], depth: int, aux_l
     chain drafter's tau. Returns tau = 1 + mean accepted and the acceptance rate by position."""
     draft_ids = head.draft_ids
     embed, lm_head_d = target.embed.weight, target.lm_head.weight[draft_ids]
-    hits_by_pos, starts, accepted = [0] * depth, 0, 0
+    hits_by_pos, starts = [0] * depth, 0
     for i in range(0, len(seqs), batch_size):
         tokens, mask, hidden, aux = _pad(seqs[i:i + batch_size], 10 ** 6, aux_layers)
         M = hidden.shape[1]
@@ -324,7 +324,6 @@ def chain_acceptance(head, target, seqs: list[Shard.Sequence], depth: int, aux_l
             for j in range(min(depth, M - 1 - p)):
                 run = run & match[j, :, p + j]
                 hits_by_pos[j] += int(run.sum())
-            accepted += 0
     rate = [h / max(starts, 1) for h in hits_by_pos]
     return {"tau": 1.0 + sum(rate), "acceptance_by_position": [round(r, 4) for r in rate], "starts": starts}
 
