@@ -200,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--qdraft-k", default="adaptive,4,8")
     ap.add_argument("--skip-qdraft", action="store_true")
     ap.add_argument("--skip-paths", action="store_true", help="skip the per-path kernel comparison")
+    ap.add_argument("--speed-only", action="store_true", help="skip perplexity and agreement")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))  # the C kernels' own OpenMP runtime
@@ -207,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     directory = resolve_model(args.model).directory
     tok = Tokenizer(directory)
     from specdec.quant.data import calibration_sequences, heldout_sequences
-    evals = heldout_sequences(tok, args.eval_seqs, args.seq_len)
+    evals = [] if args.speed_only else heldout_sequences(tok, args.eval_seqs, args.seq_len)
     variants = parse_variants(args.schemes)
     calib = calibration_sequences(tok, args.calib_tokens) if any(v.method == "awq" for v in variants) else None
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": c}])) for c in CHAT[:2]]
@@ -215,6 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     for v in variants:
         t0 = time.perf_counter()
         model = build(v, directory, calib, 2048)
+        if args.speed_only:
+            rows.append({"name": v.name, "desc": describe(model), "mib": weight_bytes(model) / 2**20})
+            models[v.name] = model
+            continue
         ppl, agree, preds = quality(model, ref_preds, evals)
         conts = [greedy(SpeculativeDecoder(model, tok), ids, 64).token_ids for ids in prompts]
         if ref_preds is None:
@@ -231,11 +236,14 @@ def main(argv: list[str] | None = None) -> int:
     speed = interleaved_speed({n: SpeculativeDecoder(m, tok) for n, m in models.items()}, prompts, args.tokens,
                               args.rounds)
     qd = None
+    from specdec.spec.adaptive import CostModel
+    cost = CostModel(9)
+    cost.profile(models["fp32"], repeats=5)
     if not args.skip_qdraft:
         ks = [None if k == "adaptive" else int(k) for k in args.qdraft_k.split(",")]
         qd = interleaved_speed(qdraft_decoders(models["fp32"], tok, ks), prompts, max(args.tokens, 64), args.rounds)
     load_after = os.getloadavg()
-    text = report(args, rows, speed, qd, paths, evals, calib, load_before, load_after)
+    text = report(args, rows, speed, qd, paths, cost, evals, calib, load_before, load_after)
     print(text)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -243,9 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def report(args, rows, speed, qd, paths, evals, calib, load_before, load_after) -> str:
+def report(args, rows, speed, qd, paths, cost, evals, calib, load_before, load_after) -> str:
     fp = rows[0]
-    n_eval = sum(len(s) - 1 for s in evals)
+    n_eval = sum(len(s) - 1 for s in evals) if evals else 0
     lines = [
         "# Quantization: quality, speed and memory (int8 / int4 weight-only; qdraft)", "",
         f"- Date: {datetime.date.today().isoformat()}; machine: {machine()}; model: {args.model} "
@@ -266,8 +274,9 @@ def report(args, rows, speed, qd, paths, evals, calib, load_before, load_after) 
     ]
     for r in rows:
         tps, ratio, _ = speed[r["name"]]
-        lines.append(f"| {r['name']} | {r['desc']} | {r['ppl']:.3f} | {100 * (r['ppl'] / fp['ppl'] - 1):+.2f}% | "
-                     f"{100 * r['agree']:.2f}% | {r['prefix']:.1f} | {tps:.2f} | {ratio:.2f}x | {r['mib']:.0f} |")
+        q = (f"{r['ppl']:.3f} | {100 * (r['ppl'] / fp['ppl'] - 1):+.2f}% | {100 * r['agree']:.2f}% | {r['prefix']:.1f}"
+             if "ppl" in r else "- | - | - | -")
+        lines.append(f"| {r['name']} | {r['desc']} | {q} | {tps:.2f} | {ratio:.2f}x | {r['mib']:.0f} |")
     if paths:
         base = paths[0][1]
         lines += ["", "## Matmul paths at T = 1 (decode), every decoder linear of the model once", "",
@@ -282,6 +291,9 @@ def report(args, rows, speed, qd, paths, evals, calib, load_before, load_after) 
                   "| decoder | tok/s | speed-up | acceptance rate |", "|---|---|---|---|"]
         for name, (tps, ratio, acc) in qd.items():
             lines.append(f"| {name} | {tps:.2f} | {ratio:.2f}x | {'-' if acc is None else f'{acc:.3f}'} |")
+        lines += ["", "fp32 target forward time over T new tokens relative to T = 1 (what a verify pass of k = T - 1 "
+                  "drafts costs; specdec's CostModel profile, median of 5): " +
+                  ", ".join(f"T={t}: {cost.relative(t):.2f}" for t in range(1, 10))]
     return "\n".join(lines) + "\n"
 
 
