@@ -153,3 +153,49 @@ def test_bench_serve_passes_its_flags_through(monkeypatch, capsys):
     assert seen["serve_argv"] == ["--concurrency", "2,8"]
     if hasattr(sb, "add_arguments"):
         assert seen["concurrency"] == "2,8"
+
+
+class _FakeSystem:
+    """Generates `tokens` tokens in `seconds` (a fixed clock); fails on prompts listed in `fail_on`."""
+
+    def __init__(self, name, seconds, tokens=10, fail_on=()):
+        from specdec.bench.systems import Generated
+        self.name, self.family, self.method, self.precision = name, "specdec", name.split(":")[1], "float32"
+        self.config, self.note = {}, ""
+        self._g = lambda: Generated(list(range(tokens)), seconds, 0.0, tokens - 1, None)
+        self.fail_on, self.calls = fail_on, 0
+
+    def new_repeat(self):
+        pass
+
+    def generate(self, prompt_ids, max_tokens):
+        self.calls += 1
+        if self.calls in self.fail_on:
+            raise RuntimeError("boom")
+        return self._g()
+
+    def describe(self):
+        return {"name": self.name, "family": self.family, "method": self.method, "precision": self.precision,
+                "config": {}, "note": ""}
+
+
+def test_speedups_from_a_fixed_clock_and_failing_systems_are_dropped():
+    from dataclasses import asdict
+    from specdec.bench.harness import SystemStatus, records_to_dicts, run_interleaved
+    from specdec.bench.prompts import BenchPrompt
+
+    prompts = [BenchPrompt(c, "x", [], "", [1, 2, 3]) for c in ("chat", "code")]
+    systems = [_FakeSystem(BASELINE, 1.0), _FakeSystem("specdec:fast", 0.25), _FakeSystem("specdec:bad", 0.1, fail_on=(3,))]
+    failed = {}
+    recs = run_interleaved(systems, prompts, 10, 2, log=None, failed=failed)
+    assert set(failed) == {"specdec:bad"} and "boom" in failed["specdec:bad"]
+    assert {r.system for r in recs} == {BASELINE, "specdec:fast"} and len(recs) == 8
+    run = {"records": records_to_dicts(recs), "systems": [asdict(SystemStatus(s.name, True, describe=s.describe()))
+                                                          for s in systems[:2]],
+           "bandwidth_gb_s": 10.0, "weight_bytes_per_token": 10**9, "cost_curve": {"ks": [1], "relative": [1.0]},
+           "dtype": "float32"}
+    s = summarize_run(run)
+    cell = s["table"]["specdec:fast"]["all"]
+    assert cell["speedup"]["per_repeat"] == [4.0, 4.0] and cell["tokens_per_s"]["median"] == 40.0
+    assert cell["decode_speedup"]["median"] == pytest.approx(4.0) and cell["tokens_per_pass"] == 1.0
+    assert s["foundation"]["bound_tokens_per_s"] == 10.0 and s["foundation"]["fraction_of_bound"] == pytest.approx(0.9)  # decode: 9 tokens in 1 s

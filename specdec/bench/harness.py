@@ -48,6 +48,7 @@ class RunRecord:
     peak_rss_mb: float | None = None  # whole process, during this generation
     extra_rss_mb: float | None = None  # peak minus the RSS before this generation
     phase: str = "main"  # "main" | "sweep"
+    first_tokens: int = 1  # tokens emitted by the time prefill_seconds was taken
 
 
 # ---------------------------------------------------------------- the run loop
@@ -95,25 +96,20 @@ def setup_systems(systems: list[System], warmup_ids: list[int], log=print) -> tu
     return ready, status
 
 
-def _record(g: Generated, repeat: int, prompt, idx: int, system: System, mem: PeakRSS, phase: str,
-            prefill: float | None) -> RunRecord:
+def _record(g: Generated, repeat: int, prompt, idx: int, system: System, mem: PeakRSS, phase: str) -> RunRecord:
     spec = g.spec or {}
     return RunRecord(repeat, prompt.category, idx, system.name, len(prompt.token_ids), len(g.token_ids), g.seconds,
-                     g.prefill_seconds if g.prefill_seconds is not None else prefill, g.target_passes,
+                     g.prefill_seconds, g.target_passes,
                      spec.get("num_drafts", 0), spec.get("num_draft_tokens", 0), spec.get("num_accepted_tokens", 0),
                      spec.get("drafted_per_pos", []), spec.get("accepted_per_pos", []),
-                     spec.get("draft_seconds", 0.0), mem.peak_mb, mem.extra_mb, phase)
+                     spec.get("draft_seconds", 0.0), mem.peak_mb, mem.extra_mb, phase, g.first_tokens)
 
 
 def run_interleaved(systems: list[System], prompts: list, max_tokens: int, repeats: int, phase: str = "main",
-                    log=print, measure_prefill: bool = True,
-                    failed: dict[str, str] | None = None) -> list[RunRecord]:
-    """repeats x prompts x systems, systems in a rotating order. Peers' prefill is timed once per
-    prompt (a 1-token generation) so their decode-only rate can be derived. A system that raises is
-    dropped (its records too, so every remaining system covers the same prompts) and its error is put
-    in `failed`."""
+                    log=print, failed: dict[str, str] | None = None) -> list[RunRecord]:
+    """repeats x prompts x systems, systems in a rotating order. A system that raises is dropped (its
+    records too, so every remaining system covers the same prompts) and its error is put in `failed`."""
     records: list[RunRecord] = []
-    prefill: dict[tuple[str, int], float] = {}
     failed = {} if failed is None else failed
     total = repeats * len(prompts)
     for r in range(repeats):
@@ -125,15 +121,15 @@ def run_interleaved(systems: list[System], prompts: list, max_tokens: int, repea
                 if s.name in failed:
                     continue
                 try:
-                    if measure_prefill and r == 0 and s.family != "specdec":
-                        prefill[(s.name, i)] = s.prefill_seconds(p.token_ids)
                     with PeakRSS() as mem:
                         g = s.generate(p.token_ids, max_tokens)
                 except RUN_ERRORS as e:
-                    failed[s.name] = f"failed on a {p.category} prompt: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
-                    log(f"  drop {s.name}: {failed[s.name]}")
+                    why = str(e).splitlines()[0] if str(e) else type(e).__name__
+                    failed[s.name] = f"failed on a {p.category} prompt: {why}"
+                    if log:
+                        log(f"  drop {s.name}: {failed[s.name]}")
                     continue
-                records.append(_record(g, r, p, i, s, mem, phase, prefill.get((s.name, i))))
+                records.append(_record(g, r, p, i, s, mem, phase))
             done = r * len(prompts) + i + 1
             if log and (done % max(1, total // 10) == 0 or done == total):
                 log(f"  {phase}: {done}/{total} prompt runs")
@@ -271,7 +267,9 @@ def run_dtype(cfg: BenchConfig, dtype_name: str, prompts: list | None, log=print
     dtype = resolve_dtype(dtype_name)
     source = resolve_model(cfg.model, progress=False)
     max_len = cfg.max_prompt_tokens + cfg.max_tokens + 160
+    base_rss = rss_mb()
     target = load_model(source.directory, dtype, max_len)
+    target_rss = None if base_rss is None else rss_mb() - base_rss
     tokenizer = Tokenizer(source.directory)
     plain = SpecdecSystem(target, tokenizer, source.directory)
     plain.setup()
@@ -283,7 +281,8 @@ def run_dtype(cfg: BenchConfig, dtype_name: str, prompts: list | None, log=print
     curve = measure_cost_curve(target, cfg.cost_ks)
     result = {"dtype": str(dtype).replace("torch.", ""), "threads": threads, "model_dir": str(source.directory),
               "cost_curve": curve.to_dict(), "bandwidth_gb_s": round(measure_bandwidth(cfg.bandwidth_mb), 2),
-              "weight_bytes_per_token": weight_bytes_per_token(target)}
+              "weight_bytes_per_token": weight_bytes_per_token(target), "base_rss_mb": base_rss,
+              "target_rss_mb": target_rss}
     draft_dir = None
     if cfg.draft_model == "auto":
         draft_dir = auto_draft_dir(source.directory, target, cfg.draft_layers)

@@ -26,6 +26,22 @@ from specdec.config import ConfigError
 GGUF_TYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
 
+class _FirstTokenClock:
+    """A transformers streamer that notes when the first generated tokens arrive (generate() first
+    hands it the prompt, then each step's new tokens)."""
+
+    def __init__(self):
+        self.puts, self.t, self.count = 0, None, 1
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.t, self.count = time.perf_counter(), max(int(value.numel()), 1)
+
+    def end(self) -> None:
+        pass
+
+
 class TransformersSystem(System):
     family = "transformers"
 
@@ -73,12 +89,15 @@ class TransformersSystem(System):
     def generate(self, prompt_ids: list[int], max_tokens: int) -> Generated:
         x = torch.tensor([prompt_ids])
         self.calls = 0
+        clock = _FirstTokenClock()
         with torch.inference_mode():
             t0 = time.perf_counter()
             out = self.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens,
-                                      do_sample=False, **self.kwargs)
+                                      do_sample=False, streamer=clock, **self.kwargs)
             seconds = time.perf_counter() - t0
-        return Generated(out[0, len(prompt_ids):].tolist(), seconds, None, max(self.calls - 1, 0))
+        first = None if clock.t is None else clock.t - t0
+        return Generated(out[0, len(prompt_ids):].tolist(), seconds, first, max(self.calls - 1, 0),
+                         first_tokens=clock.count)
 
     def close(self) -> None:
         self.model = self.assistant = None
@@ -140,15 +159,18 @@ class LlamaCppSystem(System):
     def generate(self, prompt_ids: list[int], max_tokens: int) -> Generated:
         out: list[int] = []
         self.calls = 0
+        first = None
         t0 = time.perf_counter()
         self.llm.reset()  # no KV reuse from the previous prompt: every system prefills in full
         for tok in self.llm.generate(prompt_ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
                                      reset=True):
+            if first is None:
+                first = time.perf_counter() - t0
             out.append(int(tok))
             if tok in self.eos_ids or len(out) >= max_tokens:
                 break
         seconds = time.perf_counter() - t0
-        return Generated(out, seconds, None, max(self.calls - 1, 0))
+        return Generated(out, seconds, first, max(self.calls - 1, 0))
 
     def close(self) -> None:
         if self.llm is not None:

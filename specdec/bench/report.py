@@ -5,7 +5,7 @@ Every figure is computed here from the raw records (kept in the JSON), never typ
     tokens/s (system, category, repeat)  = sum new tokens / sum wall seconds over the category's prompts
     speedup  (system, category, repeat)  = tokens/s / tokens/s of specdec:plain in the same repeat
     reported: the median over repeats, with the min-max spread
-    decode tokens/s                      = sum (new tokens - 1) / sum (seconds - prefill seconds)
+    decode tokens/s                      = sum (new tokens - first) / sum (seconds - time to first tokens)
     decode speedup                       = decode tokens/s / plain's decode tokens/s, same repeat
     tau                                  = 1 + accepted / drafting steps   (specdec methods)
     acceptance rate                      = accepted / drafted tokens
@@ -36,10 +36,10 @@ def _rate(recs: list[dict]) -> float:
 
 def _decode_rate(recs: list[dict]) -> float | None:
     usable = [r for r in recs if r["prefill_seconds"] is not None]
-    if not usable:
+    secs = sum(r["seconds"] - r["prefill_seconds"] for r in usable)
+    if not usable or secs <= 0:
         return None
-    secs = sum(max(r["seconds"] - r["prefill_seconds"], 1e-9) for r in usable)
-    return sum(max(r["new_tokens"] - 1, 0) for r in usable) / secs
+    return sum(max(r["new_tokens"] - r.get("first_tokens", 1), 0) for r in usable) / secs
 
 
 def _sum_lists(lists: list[list[int]]) -> list[int]:
@@ -210,8 +210,10 @@ def markdown(result: dict, summaries: dict, plots: dict) -> str:
         L += ["### Speedup over specdec plain decoding (tokens/s ratio, same run)", ""]
         L += _system_table(s, _cell_speedup, pass_baseline=True) + [""]
         L += ["### Speedup of the decode phase only (prefill excluded)", "",
-              "Decode tokens/s = (new tokens - 1) / (wall - prefill). Our systems time their prefill inside the "
-              "run; a peer's prefill is a 1-token generation of the same prompt timed in the first repeat.", ""]
+              "Decode tokens/s = (new tokens - first tokens) / (wall - time to the first tokens), both timed inside "
+              "the same generation (our decoder's prefill timer; a streamer on transformers; the first yielded "
+              "token of llama.cpp). transformers' assisted generation verifies its first drafts in the prefill "
+              "pass, so its first emission can hold several tokens.", ""]
         L += _system_table(s, lambda c, base: _cell_speedup({"speedup": c.get("decode_speedup")}, base),
                            pass_baseline=True) + [""]
         L += ["### Tokens/s (wall clock, prefill included; median over repeats)", ""]
@@ -228,22 +230,35 @@ def markdown(result: dict, summaries: dict, plots: dict) -> str:
     return "\n".join(L) + "\n"
 
 
+def _standalone_mb(run: dict, st: dict, cell: dict) -> float | None:
+    """Estimated peak RSS of the system alone: runtime + its weights (ours: the target's and the
+    drafter's) + its largest per-generation rise."""
+    base, setup, gen = run.get("base_rss_mb"), st["setup_rss_mb"], cell.get("extra_rss_mb")
+    if base is None or setup is None or gen is None:
+        return None
+    own = (run.get("target_rss_mb") or 0.0) if st["describe"]["family"] == "specdec" else 0.0
+    return base + own + max(setup, 0.0) + gen
+
+
 def _systems_section(run: dict, s: dict) -> list[str]:
-    L = ["### Systems", "", "| system | precision | config | setup (s) | setup RSS (MB) | peak RSS (MB) | "
-         "generation RSS (MB) | new tokens / repeat | note |", "|---" * 9 + "|"]
+    L = ["### Systems", "", "| system | precision | config | setup (s) | weights loaded (MB) | generation RSS (MB) | "
+         "~ standalone peak RSS (MB) | new tokens / repeat | note |", "|---" * 9 + "|"]
     for st in run["systems"]:
         d = st["describe"]
         cell = s["table"].get(st["name"], {}).get("all", {})
         cfg = json.dumps(d["config"], sort_keys=True) if d["config"] else ""
         L.append(f"| {st['name']} | {d['precision']} | `{cfg}` | {st['setup_seconds']:.1f} | {_f(st['setup_rss_mb'], 0)} | "
-                 f"{_f(cell.get('peak_rss_mb'), 0)} | {_f(cell.get('extra_rss_mb'), 0)} | "
+                 f"{_f(cell.get('extra_rss_mb'), 0)} | {_f(_standalone_mb(run, st, cell), 0)} | "
                  f"{_f(cell.get('new_tokens_per_repeat'), 0)} | "
                  f"{'' if st['ok'] else 'SKIPPED: '}{st['note']} |")
     for sk in run["skipped"]:
         L.append(f"| {sk['name']} | | | | | | | | SKIPPED: {sk['reason']} |")
-    L += ["", "Peak RSS is the whole process (every system's weights are resident at once), per generation "
-          "(VmHWM reset before each); generation RSS is how far it rose during a generation (KV cache, "
-          "activations); setup RSS is what loading the system added (its weights).", ""]
+    peak = max((c.get("all", {}).get("peak_rss_mb") or 0.0 for c in s["table"].values()), default=0.0)
+    L += ["", f"Every system lives in one process (peak RSS of the whole process: {peak:.0f} MB), so memory is "
+          "given per system: the RSS its setup added (its weights; our methods share the target's "
+          f"{_f(run.get('target_rss_mb'), 0)} MB), the largest rise during one of its generations (VmHWM reset "
+          "before each: KV cache, activations), and an estimate of its peak alone = runtime "
+          f"({_f(run.get('base_rss_mb'), 0)} MB before any model) + weights + that rise.", ""]
     if run.get("draft_model"):
         dm = run["draft_model"]
         layers = f"target layers {dm['layers']}" if dm.get("layers") else "a layer subset of the target"

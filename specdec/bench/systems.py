@@ -23,9 +23,10 @@ class Generated:
 
     token_ids: list[int]
     seconds: float
-    prefill_seconds: float | None = None
+    prefill_seconds: float | None = None  # time to the first emitted token(s), measured inside this call
     target_passes: int | None = None  # target forwards after the prefill
     spec: dict | None = None  # specdec metrics: drafts, drafted/accepted tokens, per position, draft time
+    first_tokens: int = 1  # tokens emitted at prefill_seconds (assisted generation may emit several at once)
 
 
 class System:
@@ -46,10 +47,6 @@ class System:
 
     def generate(self, prompt_ids: list[int], max_tokens: int) -> Generated:
         raise NotImplementedError
-
-    def prefill_seconds(self, prompt_ids: list[int]) -> float:
-        """Time to the first token (a 1-token generation)."""
-        return self.generate(prompt_ids, 1).seconds
 
     def close(self) -> None:
         """Free the system's memory."""
