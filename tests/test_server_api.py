@@ -1,6 +1,6 @@
 """The OpenAI-compatible server on a loopback port, driven by the `openai` client and raw HTTP (tiny model).
 
-32 concurrent greedy streams (with batched n-gram speculation on) must equal single-request plain
+32 concurrent greedy streams (with batched n-gram speculation, k fixed at 4 so it runs on any machine) must equal single-request plain
 decoding; every bad input gets its status and the OpenAI error shape; a full queue gives 429; a wrong
 key 401; a client that disconnects or times out leaves no KV block behind.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 from dataclasses import replace
 
 import httpx
@@ -26,7 +27,7 @@ WORDS = ["cat", "mat", "robot", "river", "sky", "tree", "code", "moon"]
 @pytest.fixture(scope="module")
 def server(tiny_dir):
     srv = ThreadServer(str(tiny_dir("llama")), "--dtype", "float32", "--threads", "1", "--max-model-len", "256",
-                       "--speculative-method", "ngram", "--api-key", KEY, "--served-model-name", "tiny",
+                       "--speculative-method", "ngram", "--num-speculative-tokens", "4", "--api-key", KEY, "--served-model-name", "tiny",
                        "--max-num-seqs", "16", "--max-queued-requests", "64", "--block-size", "8")
     yield srv
     srv.stop()
@@ -163,9 +164,19 @@ def test_disconnect_and_timeout_abort_and_free_blocks(server):
             assert next(lines).startswith("data:")
         # the response is closed after one chunk: the server must abort the request
     body["stream"] = False
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", json=body, headers=headers(), timeout=0.5)
-    server.wait_idle()
+    engine, step = server.engine, server.engine.step
+
+    def slow_step():  # the client must time out before the request can finish, on any machine
+        time.sleep(0.05)
+        return step()
+
+    engine.step = slow_step
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/v1/completions", json=body, headers=headers(), timeout=0.5)
+        server.wait_idle()
+    finally:
+        del engine.step
     assert server.engine.blocks.num_used == 0
 
 
