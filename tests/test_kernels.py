@@ -32,3 +32,71 @@ def test_rmsnorm_and_silu_mul_match_torch():
     torch.testing.assert_close(kernels.rms_norm(x, w, 1e-5), F.rms_norm(x, (576,), w, 1e-5), atol=1e-5, rtol=1e-5)
     gu = torch.randn(3, 2 * 100)
     torch.testing.assert_close(kernels.silu_mul(gu), F.silu(gu[:, :100]) * gu[:, 100:], atol=1e-5, rtol=1e-5)
+
+
+def _layer_and_inputs(T, past, seed=0):
+    """A tiny attention layer (9 query heads, 3 kv heads, D 64), a filled cache, T new tokens."""
+    from specdec.cache.kv_cache import KVCache
+    from specdec.model.layers import Rotary
+    torch.manual_seed(seed)
+    Hq, Hkv, D = 9, 3, 64
+    rotary = Rotary(D, 10000.0, None, 512)
+    cache = KVCache(2, 1, Hkv, D, 128, torch.float32)
+    cache.k.normal_(), cache.v.normal_()
+    cache.length = past
+    qkv = torch.randn(1, T, (Hq + 2 * Hkv) * D)
+    return rotary, cache, qkv, (Hq, Hkv, D)
+
+
+def _torch_attention(rotary, cache, qkv, dims, positions, block_mask):
+    from specdec.model.layers import apply_rotary
+    Hq, Hkv, D = dims
+    T = qkv.shape[1]
+    q, k, v = qkv.split((Hq * D, Hkv * D, Hkv * D), dim=-1)
+    q, k, v = (t.view(1, T, -1, D).transpose(1, 2) for t in (q, k, v))
+    cos, sin = rotary(positions, torch.float32)
+    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    mask = cache.attention_mask(block_mask, T)
+    k_all, v_all = cache.write(1, k, v)
+    out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=True)
+    return out.transpose(1, 2).reshape(1, T, -1)
+
+
+@pytest.mark.parametrize("T,tree", [(1, False), (5, False), (7, True)])
+def test_fused_attention_matches_torch(T, tree):
+    from specdec.kernels.attention import FusedAttention
+    past = 37
+    positions = torch.arange(past, past + T)[None]
+    block_mask = None
+    if tree:  # a token tree: node i's parent is (i - 1) // 2, positions are depths
+        parents = [-1] + [(i - 1) // 2 for i in range(1, T)]
+        block_mask = torch.eye(T, dtype=torch.bool)
+        depth = [0] * T
+        for i in range(1, T):
+            block_mask[i] |= block_mask[parents[i]]
+            depth[i] = depth[parents[i]] + 1
+        positions = torch.tensor([[past + d for d in depth]])
+    rotary, cache, qkv, dims = _layer_and_inputs(T, past)
+    fused = FusedAttention.build(rotary, positions, block_mask, cache, qkv)
+    assert fused is not None
+    got = fused(qkv, 1, *dims)
+    k_written, v_written = cache.k[1, 0, :, past:past + T].clone(), cache.v[1, 0, :, past:past + T].clone()
+    want = _torch_attention(rotary, cache, qkv, dims, positions, block_mask)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(k_written, cache.k[1, 0, :, past:past + T], atol=1e-6, rtol=1e-5)
+    assert torch.equal(v_written, cache.v[1, 0, :, past:past + T])
+
+
+def test_fused_attention_is_batch_invariant():
+    """Row t of a pass over T tokens equals, bit for bit, a single-token pass at that position."""
+    from specdec.kernels.attention import FusedAttention
+    past, T = 30, 6
+    rotary, cache, qkv, dims = _layer_and_inputs(T, past)
+    positions = torch.arange(past, past + T)[None]
+    block = FusedAttention.build(rotary, positions, None, cache, qkv)(qkv, 1, *dims)
+    rows = []
+    for t in range(T):
+        cache.length = past + t
+        one = FusedAttention.build(rotary, positions[:, t:t + 1], None, cache, qkv[:, t:t + 1])
+        rows.append(one(qkv[:, t:t + 1], 1, *dims))
+    assert torch.equal(block, torch.cat(rows, dim=1))

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from specdec.cache.kv_cache import KVCache
 from specdec.config import ModelConfig
 from specdec.kernels import linear, silu_mul
+from specdec.kernels.attention import FusedAttention
 from specdec.model.layers import RMSNorm, Rotary, apply_rotary
 
 
@@ -42,10 +43,20 @@ class DecoderLayer(torch.nn.Module):
         self.down = torch.nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.split = (q, kv, kv)
 
-    def forward(self, x, cos, sin, cache: KVCache, layer_idx: int, mask):
-        # x: [B, T, H]; cache.write stores this block's k/v and returns the visible keys/values
-        B, T, _ = x.shape
-        q, k, v = linear(self.input_norm(x), self.qkv.weight, self.qkv.bias).split(self.split, dim=-1)
+    def forward(self, x, cos, sin, cache: KVCache, layer_idx: int, mask, fused: FusedAttention | None = None):
+        # x: [B, T, H]
+        qkv = linear(self.input_norm(x), self.qkv.weight, self.qkv.bias)  # [B, T, (Hq + 2 Hkv) D]
+        if fused is not None:  # one C call: rotary, cache write, attention
+            attn = fused(qkv, layer_idx, self.n_heads, self.n_kv, self.head_dim)  # [B, T, Hq D]
+        else:
+            attn = self.attention(qkv, cos, sin, cache, layer_idx, mask)
+        x = x + linear(attn, self.o_proj.weight)
+        return x + linear(silu_mul(linear(self.post_norm(x), self.gate_up.weight)), self.down.weight)
+
+    def attention(self, qkv, cos, sin, cache: KVCache, layer_idx: int, mask) -> torch.Tensor:
+        # cache.write stores this block's k/v and returns the visible keys/values
+        B, T, _ = qkv.shape
+        q, k, v = qkv.split(self.split, dim=-1)
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
         k = k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
         v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
@@ -54,8 +65,7 @@ class DecoderLayer(torch.nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         k_all, v_all = cache.write(layer_idx, k, v)  # [B, Hkv, past+T, D]
         attn = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=True)
-        x = x + linear(attn.transpose(1, 2).reshape(B, T, -1), self.o_proj.weight)
-        return x + linear(silu_mul(linear(self.post_norm(x), self.gate_up.weight)), self.down.weight)
+        return attn.transpose(1, 2).reshape(B, T, -1)
 
 
 class LlamaModel(torch.nn.Module):
@@ -92,12 +102,16 @@ class LlamaModel(torch.nn.Module):
         layers: run only these layer indices (self-speculation; they share this cache)."""
         x = self.embed(input_ids) if input_embeds is None else input_embeds  # [B, T, H]
         T = x.shape[1]
-        cos, sin = self.rotary(positions, x.dtype)
-        mask = cache.attention_mask(block_mask, T)  # caches of other layouts (paged) make their own
+        fused = None if self.config.qk_norm else FusedAttention.build(self.rotary, positions, block_mask, cache, x)
+        if fused is None:
+            cos, sin = self.rotary(positions, x.dtype)
+            mask = cache.attention_mask(block_mask, T)  # paged caches make their own
+        else:
+            cos = sin = mask = None
         layer_ids = range(len(self.layers)) if layers is None else layers
         kept = {} if output_layers else None
         for i in layer_ids:
-            x = self.layers[i](x, cos, sin, cache, i, mask)
+            x = self.layers[i](x, cos, sin, cache, i, mask, fused)
             if kept is not None and i in output_layers:
                 kept[i] = x
         cache.advance(T)

@@ -1,0 +1,68 @@
+"""Fused decode attention (attention.c): rotary, KV-cache write and attention over the prefix plus
+T <= 32 new tokens, for one sequence in a static fp32 `KVCache`; None where it does not apply.
+
+The caller falls back to the torch path (rotary, `cache.write`, SDPA) on None, so other caches
+(paged, batched), dtypes and devices keep working unchanged.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+from pathlib import Path
+
+import torch
+
+from specdec.cache.kv_cache import KVCache
+from specdec.kernels import MAX_ROWS, load_library
+
+_SRC = Path(__file__).with_name("attention.c")
+_lib = None
+_tried = False
+
+
+def _load():
+    global _lib, _tried
+    if not _tried:
+        _tried = True
+        lib, _ = load_library(_SRC)
+        if lib is not None:
+            lib.specdec_attention_f32.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 6 + [ctypes.c_float]
+            lib.specdec_attention_f32.restype = ctypes.c_int
+        _lib = lib
+    return _lib
+
+
+class FusedAttention:
+    """What the fused kernel needs for one forward pass; built once, used by every layer."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, block_mask, cache: KVCache):
+        self.cos, self.sin = cos, sin  # [max_pos, D] fp32 tables
+        self.positions = positions[0].to(torch.int64).contiguous()  # [T]
+        self.mask = None if block_mask is None else block_mask.to(torch.uint8).contiguous()  # [T, T]
+        self.cache = cache
+        self.past = cache.length
+
+    @classmethod
+    def build(cls, rotary, positions: torch.Tensor, block_mask, cache, x: torch.Tensor) -> "FusedAttention | None":
+        B, T = positions.shape
+        if (type(cache) is not KVCache or B != 1 or T > MAX_ROWS or x.dtype is not torch.float32
+                or x.device.type != "cpu" or cache.k.dtype is not torch.float32 or cache.length + T > cache.max_len
+                or rotary.cos.dtype is not torch.float32 or _load() is None):
+            return None
+        if int(positions.max()) >= rotary.cos.shape[0]:
+            return None
+        return cls(rotary.cos, rotary.sin, positions, block_mask, cache)
+
+    def __call__(self, qkv: torch.Tensor, layer: int, n_heads: int, n_kv: int, head_dim: int) -> torch.Tensor:
+        """qkv [1, T, (Hq + 2 Hkv) D] -> attention output [1, T, Hq D]; writes this layer's k/v."""
+        T = qkv.shape[1]
+        qkv = qkv.contiguous()
+        out = torch.empty(1, T, n_heads * head_dim, dtype=torch.float32)
+        k, v = self.cache.k[layer, 0], self.cache.v[layer, 0]  # [Hkv, max_len, D], contiguous
+        rc = _lib.specdec_attention_f32(
+            qkv.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(), self.positions.data_ptr(),
+            k.data_ptr(), v.data_ptr(), None if self.mask is None else self.mask.data_ptr(), out.data_ptr(),
+            T, n_heads, n_kv, head_dim, self.past, self.cache.max_len, 1.0 / math.sqrt(head_dim))
+        if rc != 0:
+            raise MemoryError("attention kernel: out of memory for its score buffer")
+        return out
