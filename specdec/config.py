@@ -14,6 +14,7 @@ SUPPORTED_ARCHS = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",
 }
 
 
@@ -42,6 +43,12 @@ class ModelConfig:
     model_type: str = "llama"
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
+    # Gemma 3 (specdec/model/gemma3.py); Llama-family models keep the defaults
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (None: head_dim)
+    sliding_window: int | None = None  # a local layer's query sees the last `sliding_window` positions
+    layer_types: tuple[str, ...] | None = None  # per layer: "sliding_attention" | "full_attention"
+    rope_local_theta: float | None = None  # RoPE base of the sliding layers (no scaling there)
+    final_logit_softcapping: float | None = None
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -56,7 +63,7 @@ class ModelConfig:
         rope = cfg.get("rope_parameters") or {}  # transformers >= 5 folds theta and scaling in here
         eos = cfg.get("eos_token_id")
         eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        return cls(
+        fields = dict(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
@@ -75,14 +82,61 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos,
         )
+        if model_type == "gemma3":
+            fields.update(_gemma3_fields(cfg))
+        return cls(**fields)
 
     @property
     def num_parameters(self) -> int:
         h, i, v, L = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_hidden_layers
         q = self.num_attention_heads * self.head_dim
         kv = self.num_key_value_heads * self.head_dim
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        norms = 4 * h + 2 * self.head_dim if self.model_type == "gemma3" else 2 * h
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + norms
         return L * per_layer + v * h * (1 if self.tie_word_embeddings else 2) + h
+
+
+def _gemma3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3 text config keys (old style: rope_theta, rope_local_base_freq, rope_scaling,
+    sliding_window_pattern; transformers >= 5: rope_parameters per layer type, layer_types)."""
+    if cfg.get("attn_logit_softcapping") is not None:
+        raise ConfigError("gemma3: attn_logit_softcapping is not supported (Gemma 3 checkpoints have none)")
+    if cfg.get("use_bidirectional_attention"):
+        raise ConfigError("gemma3: use_bidirectional_attention (an embedding model) is not supported")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ConfigError(f"gemma3: hidden activation {act!r} is not supported (gelu_pytorch_tanh is)")
+    if cfg.get("attention_bias"):
+        raise ConfigError("gemma3: attention_bias is not supported (Gemma 3 checkpoints have none)")
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None:
+        pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    if len(types) != n or set(types) - {"sliding_attention", "full_attention"}:
+        raise ConfigError(f"gemma3: layer_types must list {n} of sliding_attention/full_attention")
+    rope = cfg.get("rope_parameters") or {}
+    glob, local = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
+    scaling = cfg.get("rope_scaling")
+    if glob.get("rope_type", "default") != "default":
+        scaling = {k: v for k, v in glob.items() if k != "rope_theta"}
+    if local.get("rope_type", "default") != "default":
+        raise ConfigError("gemma3: RoPE scaling on the sliding layers is not supported")
+    return {
+        "rope_theta": glob.get("rope_theta", cfg.get("rope_theta", 1_000_000.0)),
+        "rope_scaling": scaling or None,
+        "rope_local_theta": local.get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0)),
+        "query_pre_attn_scalar": cfg.get("query_pre_attn_scalar", 256),
+        "sliding_window": cfg.get("sliding_window"),
+        "layer_types": tuple(types),
+        "final_logit_softcapping": cfg.get("final_logit_softcapping"),
+        "attention_bias": False,
+        "qk_norm": True,
+        # transformers' Gemma3TextConfig defaults, for configs that leave these out
+        "head_dim": cfg.get("head_dim") or 256,
+        "tie_word_embeddings": cfg.get("tie_word_embeddings", True),
+        "max_position_embeddings": cfg.get("max_position_embeddings", 131_072),
+    }
 
 
 SPEC_METHODS = ("draft_model", "ngram", "suffix", "layerskip", "lookahead", "medusa", "eagle", "eagle3", "qdraft")

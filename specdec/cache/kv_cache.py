@@ -41,6 +41,12 @@ class KVCache:
         from specdec.model.layers import build_attention_mask
         return build_attention_mask(self.length, block_mask, num_new, self.k.device)
 
+    def key_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """Sequence position of each key the next write returns, [B, length + T] for positions [B, T]:
+        slot i < length holds position i (chains and kept tree paths are packed), then the new tokens."""
+        past = torch.arange(self.length, device=positions.device).expand(positions.shape[0], -1)
+        return torch.cat((past, positions), dim=1)
+
     def advance(self, n: int) -> None:
         self.length += n
 

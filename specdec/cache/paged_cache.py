@@ -52,7 +52,7 @@ class BatchKV:
         lengths = [p + n for p, n in zip(past, num_new)]
         self.Lmax = max(lengths)
         # slots of the new tokens (valid entries only) and where they sit in the padded [B, T] input
-        new_slots, rows, cols = [], [], []
+        new_slots, rows, cols, key_cols = [], [], [], []
         gather = torch.zeros(B, self.Lmax, dtype=torch.long)  # padding reads slot 0, masked out
         for b, (table, p, n, L) in enumerate(zip(block_tables, past, num_new, lengths)):
             all_slots = pool.slots(table, 0, L)
@@ -60,9 +60,10 @@ class BatchKV:
             new_slots.append(all_slots[p:])
             rows.extend([b] * n)
             cols.extend(range(T - n, T))
+            key_cols.extend(range(p, p + n))
         self.gather = gather
         self.new_slots = torch.cat(new_slots)  # [N] N = sum(num_new)
-        self.rows, self.cols = torch.tensor(rows), torch.tensor(cols)
+        self.rows, self.cols, self.key_cols = torch.tensor(rows), torch.tensor(cols), torch.tensor(key_cols)
         self.mask = self._mask(past, num_new, T, row_masks)
 
     def _mask(self, past, num_new, T, row_masks) -> torch.Tensor:
@@ -80,6 +81,13 @@ class BatchKV:
 
     def attention_mask(self, block_mask, num_new: int) -> torch.Tensor:
         return self.mask
+
+    def key_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """Sequence position of each gathered key, [B, Lmax] (sliding-window attention): column i < past_b
+        holds position i, the new tokens' columns their `positions` (a tree's are not contiguous)."""
+        kp = torch.arange(self.Lmax, device=positions.device).expand(positions.shape[0], -1).clone()
+        kp[self.rows, self.key_cols] = positions[self.rows, self.cols]
+        return kp
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # k, v: [B, n_kv, T, D] -> store valid entries, return [B, n_kv, Lmax, D] views
@@ -108,6 +116,10 @@ class SeqKV:
     def attention_mask(self, block_mask, num_new: int):
         from specdec.model.layers import build_attention_mask
         return build_attention_mask(self.length, block_mask, num_new, self.pool.k.device)
+
+    def key_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        past = torch.arange(self.length, device=positions.device).expand(positions.shape[0], -1)
+        return torch.cat((past, positions), dim=1)  # [1, length + T], as KVCache.key_positions
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # k, v: [1, n_kv, T, D] at positions [length, length + T) -> [1, n_kv, length + T, D]

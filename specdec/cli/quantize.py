@@ -40,9 +40,9 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from specdec.model.loader import load_model, resolve_model
+    from specdec.model.loader import load_model, read_config, resolve_model
     from specdec.model.tokenizer import Tokenizer
-    from specdec.quant.io import is_quantized, save_quantized
+    from specdec.quant.io import is_quantized, require_llama_layout, save_quantized
     from specdec.quant.qmodel import quantize_model, weight_bytes
     from specdec.quant.schemes import QuantScheme
 
@@ -56,6 +56,7 @@ def run(args) -> int:
     source = resolve_model(args.model)
     if is_quantized(source.directory):
         raise ConfigError(f"{args.model} is already quantized; quantize the full-precision model")
+    require_llama_layout(read_config(source.directory))
     out = Path(args.out)
     if out.resolve() == Path(source.directory).resolve():
         raise ConfigError("--out must differ from the model's own directory")

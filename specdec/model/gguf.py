@@ -1,10 +1,13 @@
-"""Convert a llama-architecture GGUF file into a HF-style model directory (once, cached).
+"""Convert a llama, qwen2, qwen3 or gemma3 GGUF file into a HF-style model directory (once, cached).
 
-Weights are dequantized with the `gguf` package's readers (F32, F16, BF16, Q8_0, Q4_0, Q4_1,
-Q4_K, Q6_K, ...), q/k projections are un-permuted from llama.cpp's interleaved rotary layout back
-to HF's rotate-half layout, and the byte-level BPE vocabulary becomes a `tokenizers` tokenizer.json.
-The result (config.json, model.safetensors, tokenizer.json, tokenizer_config.json) is written to a
-temporary directory and renamed into place, so an interrupted conversion never leaves a half cache.
+Weights are dequantized with the `gguf` package's readers (F32, F16, BF16, Q8_0, Q5_0, Q4_0, Q4_1,
+Q4_K, Q6_K, ...). llama: q/k projections are un-permuted from llama.cpp's interleaved rotary layout
+back to HF's rotate-half layout (llama.cpp permutes only its llama architecture). gemma3: llama.cpp
+stores every RMSNorm weight as 1 + w (Gemma3RMSNorm scales by 1 + w), so 1 is subtracted back, as
+transformers' GGUF loader does; q/k are not permuted. The vocabulary becomes a `tokenizers`
+tokenizer.json (specdec/model/gguf_tokenizer.py). The result (config.json, model.safetensors,
+tokenizer.json, tokenizer_config.json) is written to a temporary directory and renamed into place,
+so an interrupted conversion never leaves a half cache.
 """
 from __future__ import annotations
 
@@ -20,8 +23,9 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from specdec.config import ConfigError
+from specdec.model.gguf_tokenizer import tokenizer_files
 
-_LAYER_NAMES = {
+_LLAMA_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight",
     "attn_k.weight": "self_attn.k_proj.weight",
@@ -37,7 +41,16 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_GEMMA3_LAYER_NAMES = {
+    **{k: v for k, v in _LLAMA_LAYER_NAMES.items() if "bias" not in k and k != "ffn_norm.weight"},
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+_LAYER_NAMES = {"llama": _LLAMA_LAYER_NAMES, "qwen2": _LLAMA_LAYER_NAMES, "qwen3": _LLAMA_LAYER_NAMES,
+                "gemma3": _GEMMA3_LAYER_NAMES}
+_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+          "gemma3": "Gemma3ForCausalLM"}
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -79,7 +92,50 @@ def _hf_config(reader, arch: str, n_tensors: dict) -> dict:
     }
     if arch == "qwen2":
         cfg["attention_bias"] = True
+    if arch == "gemma3":
+        del cfg["hidden_act"]
+        cfg.update(_gemma3_config(reader, cfg))
     return cfg
+
+
+def _gemma3_config(reader, cfg: dict) -> dict:
+    """Gemma 3 keys llama.cpp stores, or hard-codes in its gemma3 loader (llama-model.cpp)."""
+    p, n = "gemma3.", cfg["num_hidden_layers"]
+    pattern = _field(reader, p + "attention.sliding_window_pattern", 6)  # llama.cpp: set_swa_pattern(6)
+    if isinstance(pattern, list):  # per layer, True = sliding
+        types = ["sliding_attention" if s else "full_attention" for s in pattern]
+    else:
+        types = ["sliding_attention" if (i + 1) % int(pattern) else "full_attention" for i in range(n)]
+    window = _field(reader, p + "attention.sliding_window")
+    if window is None:  # no window written: every layer is global
+        types = ["full_attention"] * n
+    # llama.cpp: 27B (62 layers) scales queries by (hidden / heads) ** -0.5, the others by head_dim ** -0.5
+    scalar = cfg["hidden_size"] // cfg["num_attention_heads"] if n == 62 else cfg["head_dim"]
+    out = {
+        "model_type": "gemma3_text",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": scalar,
+        "sliding_window": int(window) if window is not None else None,
+        "layer_types": types,
+        "rope_local_base_freq": float(_field(reader, p + "rope.freq_base_swa", 10000.0)),
+        "final_logit_softcapping": _field(reader, p + "final_logit_softcapping"),
+        "attn_logit_softcapping": None,
+        "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
+    }
+    kind, factor = _field(reader, p + "rope.scaling.type"), _field(reader, p + "rope.scaling.factor")
+    if kind not in (None, "none") and factor not in (None, 1.0):
+        if kind != "linear":
+            raise ConfigError(f"gemma3 GGUF: rope scaling {kind!r} is not supported (linear is)")
+        out["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}
+    eot = _token_id(reader, "<end_of_turn>")  # llama.cpp ends generation there too (an EOG token)
+    if eot is not None and eot != cfg["eos_token_id"]:
+        out["eos_token_id"] = [cfg["eos_token_id"], eot]
+    return out
+
+
+def _token_id(reader, text: str) -> int | None:
+    tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    return tokens.index(text) if text in tokens else None
 
 
 def _tensors(reader, cfg: dict, arch: str, progress: bool) -> dict[str, torch.Tensor]:
@@ -97,9 +153,10 @@ def _tensors(reader, cfg: dict, arch: str, progress: bool) -> dict[str, torch.Te
             key = "lm_head.weight"
         elif name.startswith("blk."):
             _, idx, rest = name.split(".", 2)
-            if rest not in _LAYER_NAMES:
+            names = _LAYER_NAMES[arch]
+            if rest not in names:
                 raise ConfigError(f"unsupported GGUF tensor {name!r}")
-            key = f"model.layers.{idx}.{_LAYER_NAMES[rest]}"
+            key = f"model.layers.{idx}.{names[rest]}"
             if arch == "llama" and rest in ("attn_q.weight", "attn_k.weight"):
                 heads = cfg["num_attention_heads"] if rest == "attn_q.weight" else cfg["num_key_value_heads"]
                 w = _unpermute(w, heads)
@@ -107,40 +164,10 @@ def _tensors(reader, cfg: dict, arch: str, progress: bool) -> dict[str, torch.Te
             continue  # llama3 scaling factors; handled through rope_scaling when present
         else:
             raise ConfigError(f"unsupported GGUF tensor {name!r}")
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            w = w - 1.0  # llama.cpp's converter stored 1 + w
         out[key] = torch.from_numpy(np.ascontiguousarray(w))
     return out
-
-
-def _tokenizer_files(reader) -> tuple[dict, dict]:
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    model = _field(reader, "tokenizer.ggml.model")
-    if model != "gpt2":
-        raise ConfigError(f"GGUF tokenizer model {model!r} is not supported (byte-level BPE 'gpt2' is)")
-    tokens = _field(reader, "tokenizer.ggml.tokens")
-    types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
-    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    # Same as SmolLM2's tokenizer.json (llama.cpp pre-tokenizer "smollm"): digits split, GPT-2 regex.
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-    tok.decoder = decoders.ByteLevel()
-    special = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty in (3, 4)]
-    tok.add_special_tokens(special)
-
-    def tok_str(key):
-        i = _field(reader, key)
-        return tokens[i] if i is not None and 0 <= i < len(tokens) else None
-
-    tok_cfg = {
-        "chat_template": _field(reader, "tokenizer.chat_template"),
-        "bos_token": tok_str("tokenizer.ggml.bos_token_id"),
-        "eos_token": tok_str("tokenizer.ggml.eos_token_id"),
-        "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
-    }
-    return json.loads(tok.to_str()), tok_cfg
 
 
 def convert_gguf(path: Path, out_dir: Path, progress: bool = True) -> Path:
@@ -156,7 +183,7 @@ def convert_gguf(path: Path, out_dir: Path, progress: bool = True) -> Path:
         raise ConfigError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCHS)}")
     names = {t.name for t in reader.tensors}
     cfg = _hf_config(reader, arch, names)
-    tok_json, tok_cfg = _tokenizer_files(reader)
+    tok_json, tok_cfg = tokenizer_files(lambda key, default=None: _field(reader, key, default), arch)
     tensors = _tensors(reader, cfg, arch, progress)
     if cfg["tie_word_embeddings"]:
         tensors.pop("lm_head.weight", None)

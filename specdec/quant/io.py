@@ -41,6 +41,13 @@ def _raw_config(directory: Path) -> dict:
         raise ConfigError(f"cannot read {Path(directory) / 'config.json'}: {e}") from None
 
 
+def require_llama_layout(cfg) -> None:
+    """Quantized checkpoints (and AWQ) know the Llama layer layout (two norms per layer) only."""
+    if cfg.model_type == "gemma3":
+        raise ConfigError("quantized checkpoints support Llama-family models; gemma3 is not supported yet "
+                          "(the in-memory qdraft drafter is)")
+
+
 def is_quantized(directory: Path) -> bool:
     return "quantization_config" in _raw_config(directory)
 
@@ -95,6 +102,7 @@ def quantized_state_dict(model: LlamaModel) -> dict[str, torch.Tensor]:
 def save_quantized(model: LlamaModel, src: Path, out: Path, scheme: QuantScheme, head: QuantScheme | None,
                    method: str, extra: dict | None = None) -> Path:
     """Write a quantized model as a directory that load_model() reads; tokenizer files from `src`."""
+    require_llama_layout(model.config)
     for module, sch, what in ((model.layers[0].qkv, scheme, "layers"), (model.lm_head, head, "lm_head")):
         w = module.weight
         packed = (w.bits, w.group_size) if isinstance(w, QuantizedWeight) else None
@@ -158,6 +166,7 @@ def load_quantized(directory: Path, dtype: torch.dtype = torch.float32, max_len:
     from specdec.model.loader import read_config
 
     raw, cfg = _raw_config(directory), read_config(directory)
+    require_llama_layout(cfg)
     qc = raw["quantization_config"]
     if qc.get("quant_method") != QUANT_METHOD or int(qc.get("format_version", 0)) > FORMAT_VERSION:
         raise ConfigError(f"{directory}: quantization {qc.get('quant_method')!r} (version "

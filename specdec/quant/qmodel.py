@@ -52,8 +52,10 @@ def quantize_model(model: LlamaModel, scheme: QuantScheme, head: QuantScheme | N
 def quantized_copy(model: LlamaModel, scheme: QuantScheme, head: QuantScheme | None = DEFAULT_HEAD) -> LlamaModel:
     """A quantized twin of `model` sharing its norms, rotary tables and embedding (no fp copies)."""
     with torch.device("meta"):
-        copy = LlamaModel(model.config, model.max_len)
-    copy.embed, copy.norm, copy.rotary = model.embed, model.norm, model.rotary
+        copy = type(model)(model.config, model.max_len)  # LlamaModel, Gemma3Model, ...
+    for name, module in model.named_children():  # embed, norm, rotary tables: shared
+        if name not in ("layers", "lm_head"):
+            setattr(copy, name, module)
     dtype = model.dtype
     for src, dst in zip(model.layers, copy.layers):
         for name, module in src.named_children():

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from specdec.config import ConfigError
 from specdec.model.layers import apply_rotary
 from specdec.train.features import Shard, read_split, token_counts
 
@@ -25,6 +26,8 @@ from specdec.train.features import Shard, read_split, token_counts
 def train_forward(model, ids: torch.Tensor) -> torch.Tensor:
     """Autograd-friendly forward of our LlamaModel (its own forward runs in inference mode).
     ids [B, T] -> final normed hidden [B, T, H]."""
+    if model.config.model_type == "gemma3":
+        raise ConfigError("distillation trains Llama-family drafts; a gemma3 draft is not supported yet")
     B, T = ids.shape
     x = model.embed(ids)
     cos, sin = model.rotary(torch.arange(T)[None].expand(B, T), x.dtype)
