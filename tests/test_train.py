@@ -71,6 +71,28 @@ def test_train_resume_and_eval(dataset, tmp_path, kind):
     assert 1.0 <= ev["tau"] <= 3.0 and len(ev["acceptance_by_position"]) == 2
 
 
+def test_resume_on_more_data_keeps_the_checkpoint_vocabulary(dataset, tmp_path):
+    """A run resumed with other shards ranks another top-Vd token set; the checkpoint's must win,
+    or the head's rows, the loss's target distribution and the exported d2t map disagree."""
+    from specdec.model.loader import load_model
+    from specdec.train.trainer import TrainSpec, Trainer
+
+    d, data = dataset
+    target = load_model(d, torch.float32, 512)
+    spec = TrainSpec(kind="eagle3", data=(str(data),), out=str(tmp_path / "e3"), epochs=1, batch_size=2,
+                     warmup=1, draft_vocab_size=40, ckpt_every=1, eval_every=100, save_dtype="float32")
+    t = Trainer(spec, target, progress=False)
+    t.total_steps = 1
+    t.run()
+    first = t.draft_ids.clone()
+    grown = TrainSpec(**{**spec.__dict__, "max_train_seqs": 2})  # other data: another token ranking
+    resumed = Trainer(grown, target, progress=False)
+    assert not torch.equal(resumed.draft_ids, first)  # the data alone would pick another vocabulary
+    assert resumed.maybe_resume()
+    assert torch.equal(resumed.draft_ids, first) and torch.equal(resumed.head.draft_ids, first)
+    torch.testing.assert_close(resumed.lm_head_d, target.lm_head.weight[first])
+
+
 def test_seeded_training_is_reproducible(dataset, tmp_path):
     from specdec.model.loader import load_model
     from specdec.train.trainer import TrainSpec, Trainer

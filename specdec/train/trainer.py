@@ -88,21 +88,25 @@ class Trainer:
         if spec.intermediate_size:
             cfg = replace(cfg, intermediate_size=spec.intermediate_size)
         self.head = make_head(cfg)
-        counts = token_counts(self.train, tc.vocab_size)
-        ranked = counts.clone().float()
+        self.counts = token_counts(self.train, tc.vocab_size)
+        ranked = self.counts.clone().float()
         ranked[list(tc.eos_token_id)] = float("inf")  # the end-of-turn token is always draftable
         Vd = spec.draft_vocab_size or tc.vocab_size
-        self.draft_ids = ranked.topk(Vd).indices.sort().values  # [Vd] ascending target ids
-        self.head.set_vocab(self.draft_ids)
-        self.coverage = float(counts[self.draft_ids].sum() / counts.sum().clamp_min(1))
         self.embed = target.embed.weight.detach()
-        self.lm_head_d = target.lm_head.weight.detach()[self.draft_ids]  # [Vd, H]
+        self._use_vocab(ranked.topk(Vd).indices.sort().values)
+        self.head.set_vocab(self.draft_ids)
         self._init_from_target()
         self.opt = torch.optim.AdamW([p for p in self.head.parameters() if p.requires_grad], lr=spec.lr,
                                      weight_decay=spec.weight_decay, betas=(0.9, 0.95))
         steps_per_epoch = math.ceil(len(self.train) / spec.batch_size)
         self.total_steps = max(1, int(spec.epochs * steps_per_epoch))
         self.step, self.history = 0, []
+
+    def _use_vocab(self, draft_ids: torch.Tensor) -> None:
+        """The draft vocabulary [Vd] (ascending target ids) that the loss and the head share."""
+        self.draft_ids = draft_ids
+        self.coverage = float(self.counts[draft_ids].sum() / self.counts.sum().clamp_min(1))
+        self.lm_head_d = self.target.lm_head.weight.detach()[draft_ids]  # [Vd, H]
 
     def _init_from_target(self) -> None:
         with torch.no_grad():
@@ -206,6 +210,9 @@ class Trainer:
             return False
         state = torch.load(path, weights_only=True)
         self.head.load_state_dict(state["head"])
+        # the checkpoint's draft vocabulary wins: new data (a resumed run on more shards) would rank
+        # another top-Vd set, and the head's rows follow the vocabulary it was trained with
+        self._use_vocab(self.head.draft_ids.clone())
         self.opt.load_state_dict(state["opt"])
         self.step, self.history = int(state["step"]), json.loads(state["history"])
         torch.set_rng_state(state["rng"])
