@@ -97,3 +97,23 @@ def test_make_bf16_model(tiny_dir):
     cache = model.new_cache(8)
     out = model(torch.tensor([[5, 6]]), torch.arange(2)[None], cache)
     assert out.logits.dtype == torch.bfloat16 and torch.isfinite(out.logits.float()).all()
+
+
+def test_weights_on_huge_pages_keep_values_and_ties(tiny_dir):
+    """The loader moves CPU weights into one huge-page arena: same values, tied weights still tied."""
+    from specdec.model.loader import load_model
+    from specdec.model.memory import move_to_huge_pages
+    model = load_model(tiny_dir("llama"), torch.float32)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model.lm_head.weight = model.embed.weight  # tie them, as tied checkpoints are
+    big = torch.nn.Linear(1024, 1024)  # the arena needs >= 2 MiB
+    model.add_module("extra", big)
+    before["extra.weight"] = big.weight.detach().clone()
+    moved = move_to_huge_pages(model)
+    if not moved:
+        pytest.skip("no transparent huge pages here (not Linux, or THP disabled)")
+    for k, v in model.state_dict().items():
+        if k in before and k != "lm_head.weight":
+            assert torch.equal(v, before[k]), k
+    assert model.lm_head.weight.data_ptr() == model.embed.weight.data_ptr()
+    assert all(p.data_ptr() % 64 == 0 for p in model.parameters())

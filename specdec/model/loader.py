@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 from specdec.config import ConfigError, ModelConfig
 from specdec.model.aliases import ALIASES, DEFAULT_MODEL, alias_file  # noqa: F401 (DEFAULT_MODEL: re-exported)
 from specdec.model.llama import LlamaModel
+from specdec.model.memory import move_to_huge_pages
 from specdec.model.registry import architecture
 
 CONVERTER_VERSION = "1"
@@ -172,7 +173,10 @@ def load_model(directory: Path, dtype: torch.dtype = torch.float32, max_len: int
     missing = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if missing:
         raise ConfigError(f"{directory}: weights missing for {missing[:3]}")
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    if model.device.type == "cpu":
+        move_to_huge_pages(model)
+    return model
 
 
 def save_model_dir(model: LlamaModel, src: Path, out: Path, layers: list[int] | None = None) -> Path:
@@ -183,7 +187,9 @@ def save_model_dir(model: LlamaModel, src: Path, out: Path, layers: list[int] | 
         raw["num_hidden_layers"] = len(layers)
         if model.config.layer_types is not None:  # gemma3: kept layers keep their attention type
             raw["layer_types"] = [model.config.layer_types[i] for i in layers]
-    save_file(specdec_to_hf(model, layers), str(out / "model.safetensors"), metadata={"format": "pt"})
+    # clone: the weights may be views into one arena (memory.py), which safetensors would refuse
+    tensors = {k: v.detach().clone() for k, v in specdec_to_hf(model, layers).items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(raw, indent=2))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         if (src / name).exists():

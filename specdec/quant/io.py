@@ -114,7 +114,8 @@ def save_quantized(model: LlamaModel, src: Path, out: Path, scheme: QuantScheme,
     raw["quantization_config"] = {"quant_method": QUANT_METHOD, "format_version": FORMAT_VERSION,
                                   **scheme.to_dict(), "method": method,
                                   "lm_head": None if head is None else head.to_dict(), **(extra or {})}
-    save_file(quantized_state_dict(model), str(out / "model.safetensors"), metadata={"format": "pt"})
+    tensors = {k: v.detach().clone() for k, v in quantized_state_dict(model).items()}  # arena views: copy
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(raw, indent=2))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         if (Path(src) / name).exists():

@@ -65,13 +65,15 @@ def quantized_copy(model: LlamaModel, scheme: QuantScheme, head: QuantScheme | N
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the model's parameters and buffers, each storage counted once (shared/tied too)."""
+    """Bytes of the model's parameters and buffers, tied tensors counted once (tensors are counted, not
+    storages: the loader puts every weight into one arena, see specdec/model/memory.py)."""
     seen, total = set(), 0
     for t in list(model.parameters()) + list(model.buffers()):
-        key = (t.untyped_storage().data_ptr(), t.device)
+        nbytes = t.numel() * t.element_size()
+        key = (t.data_ptr(), nbytes, t.device)
         if key not in seen:
             seen.add(key)
-            total += t.untyped_storage().nbytes()
+            total += nbytes
     return total
 
 

@@ -1,12 +1,17 @@
 """Adaptive speculation length from a measured cost model.
 
     expected tokens per step   E(k) = (1 - a^(k+1)) / (1 - a)       (a: acceptance rate, EMA)
-    relative cost of a step    C(k) = c_verify(k+1) / c_1 + k * c_draft / c_1
-    choose k in 0..k_max maximising E(k) / C(k);  k = 0 is plain decoding.
+    seconds of a step          S(k) = c_verify(k+1) + k * d + o_spec     (k > 0)
+                               S(0) = c_verify(1) + o_plain
+    choose k in 0..k_max maximising E(k) / S(k) against 1 / S(0);  k = 0 is plain decoding.
 
 c_verify(T) is the target's forward time over T tokens, measured on this machine (a short profile
-at first use, then refined online by every verify pass). When the best k gives no gain, speculation
-is off for the request; every `probe_interval` plain steps it drafts once to re-measure acceptance.
+at first use, then refined online by every verify pass). d, the seconds per drafted token, and the
+per-step overheads o (verification, the drafter's catch-up on accepted tokens, bookkeeping) are
+measured on every step of the request: a drafter whose cost the model does not know (an int4 copy
+of the target on one busy core, say) still loses its steps to plain decoding. When the best k
+gives no gain, speculation is off for the request; every `probe_interval` plain steps it drafts
+once to re-measure acceptance and cost.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import torch
 
 PRIOR_ACCEPTANCE = 0.6
 EMA = 0.3
+PLAIN_REFRESH = 32  # one plain step in this many keeps o_plain measured
 
 
 class CostModel:
@@ -62,6 +68,10 @@ class AdaptiveK:
         self.acceptance = PRIOR_ACCEPTANCE
         self.probe_interval = probe_interval
         self.plain_steps = 0
+        self.draft_seconds: float | None = None  # per drafted token, EMA over this request's steps
+        self.overhead_spec = 0.0  # seconds of a drafting step outside the draft and verify forwards
+        self.overhead_plain = 0.0  # the same for a plain step
+        self.steps = 0
 
     def update(self, num_drafted: int, num_accepted: int) -> None:
         if num_drafted == 0:
@@ -70,12 +80,32 @@ class AdaptiveK:
         rate = num_accepted / num_drafted if num_accepted < num_drafted else 1.0
         self.acceptance = (1 - EMA) * self.acceptance + EMA * min(rate, 0.99)
 
+    def observe_step(self, num_drafted: int, draft_seconds: float, other_seconds: float) -> None:
+        """A step's measured costs: the proposer's time, and what is neither drafting nor the verify
+        forward (verification, the drafter's bookkeeping on the accepted tokens, output)."""
+        if num_drafted == 0:
+            self.overhead_plain = (1 - EMA) * self.overhead_plain + EMA * other_seconds
+            return
+        per_token = draft_seconds / num_drafted
+        self.draft_seconds = per_token if self.draft_seconds is None else (1 - EMA) * self.draft_seconds + EMA * per_token
+        self.overhead_spec = (1 - EMA) * self.overhead_spec + EMA * other_seconds
+
     def expected_speedup(self, k: int, draft_cost_rel: float) -> float:
+        """Tokens per second at k over plain decoding's. draft_cost_rel: the proposer's own estimate of
+        a drafted token's cost relative to one target token, used until steps have been measured."""
         a = min(self.acceptance, 0.99)
         tokens = (1 - a ** (k + 1)) / (1 - a)
-        return tokens / (self.cost.relative(k + 1) + k * draft_cost_rel)
+        base = self.cost.seconds[1]
+        if not base:
+            return tokens / (self.cost.relative(k + 1) + k * draft_cost_rel)
+        draft = self.draft_seconds if self.draft_seconds is not None else draft_cost_rel * base
+        spec = self.cost.relative(k + 1) * base + k * draft + self.overhead_spec
+        return tokens * (base + self.overhead_plain) / spec
 
     def choose(self, draft_cost_rel: float) -> int:
+        self.steps += 1
+        if self.steps % PLAIN_REFRESH == 1:  # the first step, then one in PLAIN_REFRESH: measure plain
+            return 0
         best_k, best = 0, 1.0
         for k in range(1, self.k_max + 1):
             s = self.expected_speedup(k, draft_cost_rel)
@@ -84,5 +114,5 @@ class AdaptiveK:
         if best_k == 0:
             self.plain_steps += 1
             if self.plain_steps % self.probe_interval == 0:
-                return 1  # probe: re-measure acceptance
+                return 1  # probe: re-measure acceptance and cost
         return best_k

@@ -223,6 +223,7 @@ class SpeculativeDecoder:
         self.cost.observe(T, t2 - t1)
         if adaptive is not None:
             adaptive.update(len(proposal), verdict.num_accepted)
+            adaptive.observe_step(len(proposal), t1 - t0, t3 - t2)
         metrics.record(len(proposal), verdict.num_accepted, len(verdict.tokens))
         metrics.draft_time += t1 - t0
         metrics.verify_time += t3 - t1

@@ -1,0 +1,48 @@
+"""The per-request adaptive k: it speculates when the measured step costs pay, and turns itself off
+when a drafter's real cost (draft time, per-step overhead) eats the gain, even at full acceptance."""
+from specdec.spec.adaptive import PLAIN_REFRESH, AdaptiveK, CostModel
+
+
+def _cost(c1=0.040, growth=0.02) -> CostModel:
+    cost = CostModel(9)
+    cost.seconds = [None] + [c1 * (1 + growth * (T - 1)) for T in range(1, 10)]  # cheap verify
+    return cost
+
+
+def _run(adaptive: AdaptiveK, steps: int, accepted_rate: float, draft_s: float, overhead_s: float) -> list[int]:
+    ks = []
+    for _ in range(steps):
+        k = adaptive.choose(draft_cost_rel=0.01)
+        ks.append(k)
+        adaptive.update(k, round(k * accepted_rate))
+        adaptive.observe_step(k, k * draft_s, overhead_s if k else 0.001)
+    return ks
+
+
+def test_cheap_drafts_with_high_acceptance_speculate():
+    ks = _run(AdaptiveK(8, _cost()), 40, 1.0, draft_s=0.001, overhead_s=0.002)
+    assert ks[0] == 0  # the first step measures plain decoding
+    assert sum(k >= 4 for k in ks[1:]) >= 30
+
+
+def test_expensive_drafts_turn_speculation_off_despite_full_acceptance():
+    """Every draft accepted, but each drafted token costs 0.8 of a target step: a loss."""
+    ks = _run(AdaptiveK(8, _cost()), 64, 1.0, draft_s=0.032, overhead_s=0.010)
+    late = ks[32:]
+    assert sum(k > 0 for k in late) <= len(late) // 8  # at most the probes
+
+
+def test_step_overhead_counts():
+    """The same drafts pay without per-step overhead and do not with a large one."""
+    a, b = AdaptiveK(8, _cost()), AdaptiveK(8, _cost())
+    for ad, over in ((a, 0.0), (b, 0.2)):
+        ad.acceptance = 0.7
+        ad.observe_step(0, 0.0, 0.001)
+        ad.observe_step(4, 4 * 0.004, over)
+    assert a.expected_speedup(4, 0.1) > 1.3 > 1.0 > b.expected_speedup(4, 0.1)
+
+
+def test_plain_steps_are_refreshed():
+    ad = AdaptiveK(8, _cost())
+    ks = _run(ad, 2 * PLAIN_REFRESH + 1, 1.0, draft_s=0.001, overhead_s=0.002)
+    assert [i for i, k in enumerate(ks) if k == 0] == [0, PLAIN_REFRESH, 2 * PLAIN_REFRESH]
