@@ -12,8 +12,15 @@ lm_head int8|int4|none); it shares the target's norms, rotary tables and embeddi
 Per request (state.draft):
     cache     the drafter's KV cache; invariant: it holds exactly token_ids[:cache.length]
     pending   (pre_len, fed): the cache held pre_len context tokens plus `fed` drafted ones
-Lazy catch-up: propose() first feeds every context token the drafter has not seen (the prompt on
-the first call, then the bonus/recovered token) in ONE forward, then drafts k tokens one by one with
+    seeded    positions [0, seeded) of the cache hold the TARGET's keys/values
+Seeding: in the single-request decoder the target's static KV cache is at hand (same layout: the
+drafter is a copy of the target), so propose() copies the target's keys/values for every context
+position the target has computed instead of recomputing them in int4: no draft prefill of the
+prompt, no catch-up forward on accepted tokens. The drafter then conditions on the target's cache,
+which only changes what it proposes; verification keeps the output exact.
+Lazy catch-up (elsewhere, e.g. the paged engine): propose() first feeds every context token the
+drafter has not seen (the prompt on the first call, then the bonus/recovered token) in ONE forward,
+then drafts k tokens one by one with
 draft_model's `draft_chain` (argmax for greedy requests; sampling requests draw from q = warp(logits)
 with the request's generator and return q, so verification is exact). After verification the cache
 is rolled back to the accepted drafts, e.g. context [a b c], drafts [x y z] (x, y fed), 1 accepted
@@ -84,6 +91,7 @@ class QDraftProposer(Proposer):
         t0 = time.perf_counter()
         if cache.length >= len(ids):  # never expected; keep the invariant (the last token is fed)
             cache.rollback(len(ids) - 1)
+        self._seed(state, cache)
         pre_len, behind = len(ids), len(ids) - cache.length
         logits = self._forward(cache, ids[cache.length:])  # lazy catch-up, one forward
         if behind > 2:  # a prompt's prefill is not a per-token drafting cost
@@ -93,6 +101,22 @@ class QDraftProposer(Proposer):
         per_token = (time.perf_counter() - t0) / len(proposal.tokens)
         self.draft_cost_per_token = (1 - COST_EMA) * self.draft_cost_per_token + COST_EMA * per_token
         return proposal
+
+    @staticmethod
+    def _seed(state: RequestState, cache) -> None:
+        """Copy the target's keys/values for context positions the target has computed (see above)."""
+        from specdec.cache.kv_cache import KVCache
+        target = state.draft.get("target_cache")
+        if (type(target) is not KVCache or type(cache) is not KVCache or target.k.dtype != cache.k.dtype
+                or target.k.shape[:3] != cache.k.shape[:3] or target.k.shape[4] != cache.k.shape[4]):
+            return
+        n = min(target.length, len(state.token_ids) - 1, cache.max_len)  # the last token is fed, not copied
+        start = min(state.draft.get("seeded", 0), cache.length, n)
+        if n > start:
+            cache.k[:, :, :, start:n] = target.k[:, :, :, start:n]
+            cache.v[:, :, :, start:n] = target.v[:, :, :, start:n]
+        cache.length = n  # then propose() feeds ids[n:] (the last token) itself
+        state.draft["seeded"] = n
 
     def on_verified(self, state: RequestState, proposal: Proposal, num_accepted: int,
                     target: TargetOutput | None = None) -> None:
