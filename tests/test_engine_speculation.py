@@ -64,3 +64,14 @@ def test_prefill_chunks_are_packed_with_little_padding():
 
     groups = pack_rows([R(n) for n in (30, 200, 8, 180, 6)])
     assert [[len(r) for r in g] for g in groups] == [[200, 180], [30], [8, 6]]
+
+
+def test_measured_step_overhead_turns_batched_speculation_off():
+    """Drafting steps that cost a lot outside the forward (slow drafting, verification) lose to plain."""
+    spec = Speculation.__new__(Speculation)
+    spec.cost, spec.plain_batches = cpu_like_cost(), 0
+    assert spec.choose_k(*rows(1, acceptance=0.5)) >= 1
+    for _ in range(20):
+        spec.observe_overhead(1, drafted=True, seconds=2.0)  # 2x a whole forward, per drafting step
+        spec.observe_overhead(1, drafted=False, seconds=0.01)
+    assert spec.choose_k(*rows(1, acceptance=0.5)) == 0

@@ -169,21 +169,27 @@ class Engine:
 
     # --- the step -------------------------------------------------------------------------------
     def step(self) -> list[SeqOutput]:
+        t_step = time.perf_counter()
         batch = self.scheduler.schedule()
         touched: list[Sequence] = []
         forwards = [(rows, False) for rows in pack_rows(batch.prefill)]
         if batch.decode:
             forwards.append((batch.decode, True))
+        decode_forward = 0.0
         for rows, decode in forwards:
             t0 = time.perf_counter()
             fwd = self.runner.run(rows, all_logits=decode, output_layers=self._feature_layers(rows))
             if decode:
-                self.spec.cost.observe(len(rows) * max(len(r) for r in rows), time.perf_counter() - t0)
+                decode_forward = time.perf_counter() - t0
+                self.spec.cost.observe(len(rows) * max(len(r) for r in rows), decode_forward)
                 self.last_k = max(len(r.proposal) for r in rows)
             for b, r in enumerate(rows):
                 if self._process(r, self.runner.row_output(fwd, b, len(r))):
                     touched.append(r.seq)
         outs = [self._collect(s) for s in touched]
+        if batch.decode and not batch.prefill:  # a pure decode step: what drafting costs besides the pass
+            self.spec.observe_overhead(len(batch.decode), self.last_k > 0,
+                                       time.perf_counter() - t_step - decode_forward)
         for s in touched:
             if s.finished:
                 reqs = self.seqs.get(s.request_id, [])

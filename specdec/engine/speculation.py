@@ -11,10 +11,14 @@ ones. The rule (documented in docs/benchmarks/serving.md):
     y_b      = EMA of "row b had a draft when asked"   (n-gram lookups often find nothing: no draft, no cost)
     P0       = prod_b (1 - y_b)                        no row drafts: the pass stays a plain one, c(B)
     rate(K)  = (B + sum_b y_b (E_b(min(K, cap_b)) - 1))
-               / ((1 - P0) (c(B (K+1)) + sum_b min(K, cap_b) draft_cost_b) + P0 c(B))
+               / ((1 - P0) (c(B (K+1)) + sum_b min(K, cap_b) draft_cost_b + B o_spec) + P0 (c(B) + B o_plain))
     K        = argmax rate(K) over 0..k_max, kept only if > 1.02 x rate(0)
 
 c(N) is profiled at start (N = 1, 2, 4, ..., 64); each decode pass rescales the curve (BatchCost).
+o_spec, o_plain: measured seconds per row of a decode step outside the target forward (drafting,
+verification, bookkeeping), for steps that drafted and steps that did not: a drafter that is
+accepted but whose steps cost more than they save backs off (the n-gram drafter at concurrency 1
+was 9% slower than plain before this term).
 A request with a fixed num_speculative_tokens drafts exactly that many. After PROBE_INTERVAL decode
 batches in a row with K = 0 the whole batch drafts one token once, so the acceptance estimates stay
 current (probing row by row would pad nearly every pass of a large batch).
@@ -113,6 +117,9 @@ def verify_rows(proposal: Proposal, logits: torch.Tensor, params, generator) -> 
 class Speculation:
     """The proposers (the server's default and per-request ones), the cost model, the choice of K."""
 
+    overhead_spec = 0.0  # seconds per row of a drafting decode step outside the target forward (EMA)
+    overhead_plain = 0.0  # the same for a plain decode step
+
     def __init__(self, llm, default_config: SpeculativeConfig | None):
         self.llm = llm
         self.default_config = default_config
@@ -148,18 +155,27 @@ class Speculation:
         room = max_model_len - seq.num_tokens - 1  # a step emits up to k + 1 tokens
         return max(0, min(seq.spec.k_max, remaining - 1, room))
 
+    def observe_overhead(self, rows: int, drafted: bool, seconds: float) -> None:
+        """A pure decode step's time outside its target forward, for `rows` rows."""
+        per_row = seconds / max(rows, 1)
+        if drafted:
+            self.overhead_spec = (1 - EMA) * self.overhead_spec + EMA * per_row
+        else:
+            self.overhead_plain = (1 - EMA) * self.overhead_plain + EMA * per_row
+
     def choose_k(self, seqs, caps: list[int]) -> int:
         drafting = [(s, c) for s, c in zip(seqs, caps) if c > 0 and not s.spec.fixed_k]
         if not drafting:
             return 0
         B = len(seqs)
         p_none = math.prod(1.0 - s.draft_yield for s, _ in drafting)  # no row drafts: a plain pass
-        best_k, best = 0, B / self.cost.estimate(B)
+        plain = self.cost.estimate(B) + B * self.overhead_plain
+        best_k, best = 0, B / plain
         for K in range(1, max(c for _, c in drafting) + 1):
             gain = B + sum(s.draft_yield * (expected_tokens(s.adaptive.acceptance, min(K, c)) - 1)
                            for s, c in drafting)
             draft = sum(min(K, c) * s.spec.proposer.draft_cost_per_token for s, c in drafting)
-            cost = (1 - p_none) * (self.cost.estimate(B * (K + 1)) + draft) + p_none * self.cost.estimate(B)
+            cost = (1 - p_none) * (self.cost.estimate(B * (K + 1)) + draft + B * self.overhead_spec) + p_none * plain
             rate = gain / cost
             if rate > best * 1.02:
                 best_k, best = K, rate
