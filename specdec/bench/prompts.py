@@ -22,9 +22,10 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 from specdec.config import ConfigError
+from specdec.jsonstream import iter_json_array
 
 CATEGORIES = ("multi_turn", "chat", "qa", "summarization", "rag", "translation", "math", "code")
 MTBENCH_FILE = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
@@ -58,29 +59,6 @@ def mtbench_questions() -> list[dict]:
     if not path.exists():
         raise ConfigError(f"MT-bench questions missing: {path}")
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _stream_json_array(path: Path, chunk_chars: int = 1 << 22) -> Iterator[dict]:
-    """Yield the elements of a top-level JSON array without holding the whole file in memory."""
-    decoder = json.JSONDecoder()
-    with open(path, encoding="utf-8") as f:
-        buf, pos, eof = f.read(chunk_chars).lstrip().lstrip("["), 0, False
-        while True:
-            while pos < len(buf) and buf[pos] in " \t\r\n,":
-                pos += 1
-            if pos < len(buf) and buf[pos] == "]":
-                return
-            try:
-                obj, end = decoder.raw_decode(buf, pos)
-            except json.JSONDecodeError:
-                if eof:
-                    return
-                more = f.read(chunk_chars)
-                eof = not more
-                buf, pos = buf[pos:] + more, 0
-                continue
-            yield obj
-            pos = end
 
 
 def _stable_hash(s: str) -> int:
@@ -128,7 +106,7 @@ def _build_pools(path: Path) -> dict[str, list]:
             pool.sort(key=lambda x: x[0])
             del pool[POOL_SIZE:]
 
-    for conv in _stream_json_array(path):
+    for conv in iter_json_array(path):
         turns = [t for t in conv.get("conversations", []) if t.get("from") in ("human", "gpt")]
         if len(turns) < 2 or turns[0]["from"] != "human":
             continue

