@@ -35,13 +35,15 @@ def _cpu_key() -> str:
     return platform.machine() + flags
 
 
-def build_library(source: Path) -> Path:
-    """Compile a C file of this package (once per source, flags and CPU) into the cache; its path."""
+def build_library(source: Path, extra: tuple[Path, ...] = ()) -> Path:
+    """Compile C files of this package (once per sources, flags and CPU) into the cache; its path.
+    `extra` are further files linked into the same library (their functions are called by `source`)."""
     from specdec.model.loader import cache_root
 
-    src = source.read_bytes()
-    key = hashlib.sha256(src + " ".join(_FLAGS).encode() + _cpu_key().encode()).hexdigest()[:16]
-    out = cache_root() / "kernels" / f"libspecdec_{source.stem}-{key}.so"
+    sources = (source, *extra)
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources))
+    digest.update(" ".join(_FLAGS).encode() + _cpu_key().encode())
+    out = cache_root() / "kernels" / f"libspecdec_{source.stem}-{digest.hexdigest()[:16]}.so"
     if out.exists():
         return out
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
@@ -51,7 +53,7 @@ def build_library(source: Path) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run([cc, *_FLAGS, str(source), "-o", tmp], check=True, capture_output=True, timeout=120)
+        subprocess.run([cc, *_FLAGS, *map(str, sources), "-o", tmp], check=True, capture_output=True, timeout=120)
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
@@ -63,12 +65,12 @@ def _build() -> Path:
     return build_library(_SRC)
 
 
-def load_library(source: Path) -> tuple[ctypes.CDLL | None, str | None]:
+def load_library(source: Path, extra: tuple[Path, ...] = ()) -> tuple[ctypes.CDLL | None, str | None]:
     """Build and load another kernel file as gemv.c is: (library, None), or (None, why not)."""
     if os.environ.get("SPECDEC_KERNELS", "1") == "0" or platform.machine() not in ("x86_64", "AMD64"):
         return None, "disabled"
     try:
-        return ctypes.CDLL(str(build_library(source))), None
+        return ctypes.CDLL(str(build_library(source, extra))), None
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         return None, (str(e).splitlines()[0] if str(e) else type(e).__name__)
 

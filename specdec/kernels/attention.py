@@ -41,6 +41,7 @@ class FusedAttention:
         self.mask = None if block_mask is None else block_mask.to(torch.uint8).contiguous()  # [T, T]
         self.cache = cache
         self.past = cache.length
+        self.layer_shape = None  # layer.c's description of this pass (specdec.kernels.layer), made once
 
     @classmethod
     def build(cls, rotary, positions: torch.Tensor, block_mask, cache, x: torch.Tensor) -> "FusedAttention | None":

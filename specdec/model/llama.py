@@ -18,6 +18,7 @@ from specdec.cache.kv_cache import KVCache
 from specdec.config import ModelConfig
 from specdec.kernels import linear, silu_mul
 from specdec.kernels.attention import FusedAttention
+from specdec.kernels.layer import decoder_layer
 from specdec.model.layers import RMSNorm, Rotary, apply_rotary
 
 
@@ -45,6 +46,10 @@ class DecoderLayer(torch.nn.Module):
 
     def forward(self, x, cos, sin, cache: KVCache, layer_idx: int, mask, fused: FusedAttention | None = None):
         # x: [B, T, H]
+        if fused is not None:  # the whole layer in one C call where it applies (bitwise the same)
+            out = decoder_layer(self, x, fused, layer_idx)
+            if out is not None:
+                return out
         qkv = linear(self.input_norm(x), self.qkv.weight, self.qkv.bias)  # [B, T, (Hq + 2 Hkv) D]
         if fused is not None:  # one C call: rotary, cache write, attention
             attn = fused(qkv, layer_idx, self.n_heads, self.n_kv, self.head_dim)  # [B, T, Hq D]

@@ -1,0 +1,91 @@
+/* One Llama decoder layer for decoding on CPUs, in one call: the same kernels as the per-op path
+ * (gemv.c, qgemv.c, attention.c, linked into the same library), in the same order, so the result
+ * is bitwise the same; what goes away is ~12 Python/torch dispatches per layer (about a fifth of
+ * a decode step on the 135M default model, where a whole layer's matmuls take ~1 ms).
+ *
+ *     x += o_proj(attention(rotary(qkv(rms_norm(x)))))
+ *     x += down(silu(gate) * up),  gate|up = gate_up(rms_norm(x))
+ *
+ * x: [T, H] fp32, updated in place; T <= 32 new tokens of one sequence in a static fp32 cache.
+ * Each linear is described by a `Linear` (fp32 matrix, or a packed int8/int4 matrix, see qgemv.c).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+enum { LIN_F32 = 0, LIN_I8 = 1, LIN_I4 = 2 };
+
+typedef struct {
+    int64_t kind;                  /* LIN_F32, LIN_I8 or LIN_I4 */
+    const void *weight;            /* fp32 [N, K] or the packed integers */
+    const uint16_t *scales, *zeros; /* fp16 [N, K / G] (packed kinds; zeros may be NULL for int8) */
+    const float *bias;             /* [N] or NULL */
+    int64_t N, K, G;
+} Linear;
+
+typedef struct {
+    const float *input_norm, *post_norm; /* [H] */
+    Linear qkv, o_proj, gate_up, down;
+    float *k_cache, *v_cache;            /* [Hkv, max_len, D] */
+} LayerWeights;
+
+typedef struct {
+    const float *cos, *sin; /* [max_pos, D] */
+    const int64_t *pos;     /* [T] */
+    const uint8_t *mask;    /* [T, T] or NULL (causal) */
+    int64_t T, H, Hq, Hkv, D, past, max_len;
+    float eps, scale;
+} LayerShape;
+
+void specdec_linear_f32(const float *x, const float *W, const float *bias, float *y, int64_t T, int64_t K, int64_t N);
+void specdec_qlinear_i8(const float *x, const uint8_t *q, const uint16_t *scales, const uint16_t *zeros,
+                        const float *bias, float *y, int64_t T, int64_t K, int64_t N, int64_t G);
+void specdec_qlinear_i4(const float *x, const uint8_t *q, const uint16_t *scales, const uint16_t *zeros,
+                        const float *bias, float *y, int64_t T, int64_t K, int64_t N, int64_t G);
+int specdec_attention_f32(const float *qkv, const float *cos, const float *sin, const int64_t *pos,
+                          float *kc, float *vc, const uint8_t *mask, float *out, int64_t T, int64_t Hq,
+                          int64_t Hkv, int64_t D, int64_t past, int64_t max_len, float scale);
+void specdec_rmsnorm_f32(const float *x, const float *w, float *y, int64_t T, int64_t H, float eps);
+void specdec_silu_mul_f32(const float *gu, float *y, int64_t T, int64_t I);
+
+static void apply(const Linear *l, const float *x, float *y, int64_t T) {
+    if (l->kind == LIN_F32) specdec_linear_f32(x, (const float *)l->weight, l->bias, y, T, l->K, l->N);
+    else if (l->kind == LIN_I8) specdec_qlinear_i8(x, l->weight, l->scales, l->zeros, l->bias, y, T, l->K, l->N, l->G);
+    else specdec_qlinear_i4(x, l->weight, l->scales, l->zeros, l->bias, y, T, l->K, l->N, l->G);
+}
+
+/* x[i] = x[i] + y[i]: the residual, as torch adds two fp32 tensors */
+static void add_into(float *x, const float *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) x[i] = x[i] + y[i];
+}
+
+/* 0 on success, -1 when a buffer cannot be allocated (x is then unchanged or partly updated:
+ * the caller raises, and the cache length is not advanced). */
+int specdec_decoder_layer_f32(float *x, const LayerWeights *w, const LayerShape *s) {
+    const int64_t T = s->T, H = s->H, I = w->down.K;
+    const int64_t widest = w->qkv.N > w->gate_up.N ? w->qkv.N : w->gate_up.N;
+    /* normed x [T, H] | projection out [T, widest] | attention or silu out [T, max(Hq D, I)] | [T, H] */
+    const int64_t mid = s->Hq * s->D > I ? s->Hq * s->D : I;
+    float *buf = malloc(sizeof(float) * T * (H + widest + mid + H));
+    if (buf == NULL) return -1;
+    float *normed = buf, *proj = normed + T * H, *act = proj + T * widest, *delta = act + T * mid;
+
+    specdec_rmsnorm_f32(x, w->input_norm, normed, T, H, s->eps);
+    apply(&w->qkv, normed, proj, T);
+    if (specdec_attention_f32(proj, s->cos, s->sin, s->pos, w->k_cache, w->v_cache, s->mask, act, T, s->Hq,
+                              s->Hkv, s->D, s->past, s->max_len, s->scale) != 0) {
+        free(buf);
+        return -1;
+    }
+    apply(&w->o_proj, act, delta, T);
+    add_into(x, delta, T * H);
+
+    specdec_rmsnorm_f32(x, w->post_norm, normed, T, H, s->eps);
+    apply(&w->gate_up, normed, proj, T);
+    specdec_silu_mul_f32(proj, act, T, I);
+    apply(&w->down, act, delta, T);
+    add_into(x, delta, T * H);
+    free(buf);
+    return 0;
+}
+
+int specdec_layer_abi(void) { return 1; }

@@ -1,0 +1,124 @@
+"""A whole decoder layer in one C call (layer.c) for decode-shaped passes; None where it does not apply.
+
+Applies exactly where the fused attention does (one sequence, fp32, static cache, <= 32 new tokens,
+no q/k norm) and every projection is an fp32 matrix or a packed int8/int4 weight on the CPU. The
+result is bitwise the one of the per-op path (same kernels, same order), so callers fall back to
+that path freely. The layer's pointers are described once and re-described only when a weight moves.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+from ctypes import c_float, c_int64, c_void_p
+from pathlib import Path
+
+import torch
+
+from specdec.kernels import load_library
+
+_DIR = Path(__file__).parent
+_lib = None
+_tried = False
+LIN_F32, LIN_I8, LIN_I4 = 0, 1, 2
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("kind", c_int64), ("weight", c_void_p), ("scales", c_void_p), ("zeros", c_void_p),
+                ("bias", c_void_p), ("N", c_int64), ("K", c_int64), ("G", c_int64)]
+
+
+class _LayerWeights(ctypes.Structure):
+    _fields_ = [("input_norm", c_void_p), ("post_norm", c_void_p), ("qkv", _Linear), ("o_proj", _Linear),
+                ("gate_up", _Linear), ("down", _Linear), ("k_cache", c_void_p), ("v_cache", c_void_p)]
+
+
+class _LayerShape(ctypes.Structure):
+    _fields_ = [("cos", c_void_p), ("sin", c_void_p), ("pos", c_void_p), ("mask", c_void_p),
+                ("T", c_int64), ("H", c_int64), ("Hq", c_int64), ("Hkv", c_int64), ("D", c_int64),
+                ("past", c_int64), ("max_len", c_int64), ("eps", c_float), ("scale", c_float)]
+
+
+def _load():
+    global _lib, _tried
+    if not _tried:
+        _tried = True
+        lib, _ = load_library(_DIR / "layer.c", tuple(_DIR / f for f in ("gemv.c", "qgemv.c", "attention.c")))
+        if lib is not None:
+            lib.specdec_decoder_layer_f32.argtypes = [c_void_p, ctypes.POINTER(_LayerWeights),
+                                                      ctypes.POINTER(_LayerShape)]
+            lib.specdec_decoder_layer_f32.restype = ctypes.c_int
+        _lib = lib
+    return _lib
+
+
+def _cpu_f32(t: torch.Tensor | None) -> bool:
+    return t is None or (t.device.type == "cpu" and t.dtype is torch.float32 and t.is_contiguous())
+
+
+def _describe(weight, bias: torch.Tensor | None) -> _Linear | None:
+    """The C description of `linear(x, weight, bias)`, or None if layer.c cannot run it."""
+    if not _cpu_f32(bias):
+        return None
+    b = None if bias is None else bias.data_ptr()
+    if isinstance(weight, torch.Tensor):
+        if not _cpu_f32(weight):
+            return None
+        N, K = weight.shape
+        return _Linear(LIN_F32, weight.data_ptr(), None, None, b, N, K, 0)
+    q = getattr(weight, "qweight", None)  # a packed specdec.quant.QuantizedWeight
+    if q is None or q.device.type != "cpu" or weight.bits not in (4, 8):
+        return None
+    zeros = None if weight.zeros is None else weight.zeros.data_ptr()
+    return _Linear(LIN_I4 if weight.bits == 4 else LIN_I8, q.data_ptr(), weight.scales.data_ptr(), zeros, b,
+                   weight.out_features, weight.in_features, weight.group_size)
+
+
+def _tensors(layer) -> tuple:
+    """Everything whose address the description holds (a change means: describe again)."""
+    out = [layer.input_norm.weight, layer.post_norm.weight, layer.qkv.bias]
+    for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
+        w = lin.weight
+        out += [w] if isinstance(w, torch.Tensor) else [getattr(w, "qweight", None), getattr(w, "scales", None)]
+    return tuple(None if t is None else t.data_ptr() for t in out)
+
+
+def _layer_weights(layer) -> _LayerWeights | None:
+    key = _tensors(layer)
+    cached = getattr(layer, "_fused_layer", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    norms = (layer.input_norm.weight, layer.post_norm.weight)
+    lins = [_describe(layer.qkv.weight, layer.qkv.bias), _describe(layer.o_proj.weight, None),
+            _describe(layer.gate_up.weight, None), _describe(layer.down.weight, None)]
+    desc = None
+    if all(_cpu_f32(n) for n in norms) and all(l is not None for l in lins):
+        desc = _LayerWeights(norms[0].data_ptr(), norms[1].data_ptr(), *lins, None, None)
+    layer._fused_layer = (key, desc)
+    return desc
+
+
+def decoder_layer(layer, x: torch.Tensor, fused, layer_idx: int) -> torch.Tensor | None:
+    """layer(x) for x [1, T, H] through layer.c, writing this layer's k/v; None if it does not apply.
+    `fused` is the pass's FusedAttention (positions, mask, cache)."""
+    if torch.is_grad_enabled() or _load() is None or layer.input_norm.eps != layer.post_norm.eps:
+        return None
+    weights = _layer_weights(layer)
+    if weights is None:
+        return None
+    cache = fused.cache
+    weights.k_cache = cache.k[layer_idx, 0].data_ptr()  # [Hkv, max_len, D]
+    weights.v_cache = cache.v[layer_idx, 0].data_ptr()
+    out = x.contiguous().clone()  # [1, T, H], updated in place by the kernel
+    shape = fused.layer_shape  # the same for every layer of the pass
+    if shape is None:
+        shape = fused.layer_shape = _layer_shape(fused, out.shape[1], out.shape[2], layer.n_heads, layer.n_kv,
+                                                 layer.head_dim, layer.input_norm.eps)
+    if _lib.specdec_decoder_layer_f32(out.data_ptr(), ctypes.byref(weights), ctypes.byref(shape)) != 0:
+        raise MemoryError("decoder layer kernel: out of memory for its buffers")
+    return out
+
+
+def _layer_shape(fused, T: int, H: int, Hq: int, Hkv: int, D: int, eps: float) -> _LayerShape:
+    return _LayerShape(fused.cos.data_ptr(), fused.sin.data_ptr(), fused.positions.data_ptr(),
+                       None if fused.mask is None else fused.mask.data_ptr(), T, H, Hq, Hkv, D, fused.past,
+                       fused.cache.max_len, eps, 1.0 / math.sqrt(D))

@@ -1,0 +1,77 @@
+"""The one-call decoder layer (layer.c) gives bitwise the per-op path's output and KV cache."""
+import pytest
+import torch
+
+import specdec.model.llama as llama
+from specdec.kernels import layer as fused_layer
+from specdec.model.loader import load_model
+from specdec.quant.qmodel import quantize_model
+from specdec.quant.schemes import QuantScheme
+
+
+@pytest.fixture(autouse=True)
+def _need_kernel():
+    if fused_layer._load() is None:
+        pytest.skip("layer kernel unavailable")
+
+
+def _tree_mask(T):
+    """Node i's parent is (i - 1) // 2; returns the ancestor mask and the depths."""
+    mask, depth = torch.eye(T, dtype=torch.bool), [0] * T
+    for i in range(1, T):
+        mask[i] |= mask[(i - 1) // 2]
+        depth[i] = depth[(i - 1) // 2] + 1
+    return mask, depth
+
+
+def _run(model, ids, monkeypatch, fused: bool):
+    """Prefill 36 tokens (> 32: the per-op path), 3 single-token steps, a causal block of 4 and a tree
+    of 7: all logits and the cache."""
+    calls = []
+
+    def counted(*args):
+        out = fused_layer.decoder_layer(*args) if fused else None
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(llama, "decoder_layer", counted)
+    cache = model.new_cache(64)
+    outs = [model(ids[:, :36], torch.arange(36)[None], cache).logits]
+    for i in range(36, 39):
+        outs.append(model(ids[:, i:i + 1], torch.tensor([[i]]), cache).logits)
+    outs.append(model(ids[:, 39:43], torch.arange(39, 43)[None], cache).logits)
+    mask, depth = _tree_mask(7)
+    outs.append(model(ids[:, 43:50], torch.tensor([[43 + d for d in depth]]), cache, block_mask=mask).logits)
+    return outs, cache, calls
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
+@pytest.mark.parametrize("scheme", [None, QuantScheme(8, 32, True), QuantScheme(4, 32, False)],
+                         ids=["fp32", "int8", "int4"])
+def test_fused_layer_is_bitwise_the_per_op_path(tiny_dir, monkeypatch, arch, scheme):
+    model = load_model(tiny_dir(arch), torch.float32)
+    if scheme is not None:
+        model = quantize_model(model, scheme)
+    ids = torch.randint(0, 1000, (1, 50), generator=torch.Generator().manual_seed(0))
+    want, want_cache, _ = _run(model, ids, monkeypatch, fused=False)
+    got, got_cache, calls = _run(model, ids, monkeypatch, fused=True)
+    n_layers = len(model.layers)
+    assert len(calls) == 5 * n_layers and all(calls)  # the 5 passes after the prefill, every layer fused
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    n = want_cache.length
+    assert got_cache.length == n
+    assert torch.equal(got_cache.k[..., :n, :], want_cache.k[..., :n, :])
+    assert torch.equal(got_cache.v[..., :n, :], want_cache.v[..., :n, :])
+
+
+def test_fused_layer_redescribes_moved_weights(tiny_dir):
+    """Replacing a weight tensor (a new address) is picked up, not read through a stale pointer."""
+    model = load_model(tiny_dir("llama"), torch.float32)
+    layer = model.layers[0]
+    first = fused_layer._layer_weights(layer)
+    assert first is not None and fused_layer._layer_weights(layer) is first
+    with torch.no_grad():
+        layer.o_proj.weight.data = layer.o_proj.weight.data.clone()
+    second = fused_layer._layer_weights(layer)
+    assert second is not first and second.o_proj.weight == layer.o_proj.weight.data_ptr()
