@@ -1,6 +1,6 @@
 """Quantization schemes and the int8/int4 kernels: RTN error bounds, packing round trips, qgemv.c
-equal to a readable torch reference (F.linear on the dequantized matrix, in float64) and
-batch-invariant (the rows of a T-row call are bitwise the rows of T one-row calls)."""
+equal to a readable torch reference (F.linear of the block-quantized activations and the dequantized
+matrix, in float64) and batch-invariant (the rows of a T-row call are bitwise the rows of T one-row calls)."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,7 +9,7 @@ from specdec import kernels
 from specdec.config import ConfigError
 from specdec.quant.qlinear import QuantizedWeight, qkernel
 from specdec.quant.schemes import (QuantScheme, _grouped, deinterleave_int8, dequantize, interleave_int8,
-                                   pack_int4, quantize, unpack_int4)
+                                   kernel_reference, pack_int4, quantize, quantize_activations, unpack_int4)
 
 SCHEMES = [QuantScheme(8, 32, True), QuantScheme(8, 64, False), QuantScheme(4, 32, False),
            QuantScheme(4, 128, False), QuantScheme(4, 64, True)]
@@ -89,17 +89,30 @@ def reference(x: torch.Tensor, qw: QuantizedWeight, bias=None) -> torch.Tensor:
     return F.linear(x.double(), w, None if bias is None else bias.double())
 
 
+def test_activation_quantization_error_is_half_a_step():
+    torch.manual_seed(3)
+    x = torch.randn(5, 96) * torch.rand(5, 96) * 4
+    x[1, :32] = 0  # an all-zero block stays zero
+    xq = quantize_activations(x)
+    step = x.view(5, 3, 32).abs().amax(-1, keepdim=True).expand(5, 3, 32).reshape(5, 96) / 127
+    assert torch.all((xq - x).abs() <= step / 2 * (1 + 1e-5) + 1e-12)
+    assert torch.all(xq[1, :32] == 0)
+    assert not torch.equal(xq, x)  # it does quantize
+
+
 @pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
 @pytest.mark.parametrize("T,K,N", [(1, 576, 960), (3, 96, 37), (9, 1536, 64), (32, 64, 5)])
 def test_kernel_matches_reference(need_kernel, scheme, T, K, N):
     torch.manual_seed(T + K + N)
     w, x, b = torch.randn(N, K) * 0.05, torch.randn(T, K), torch.randn(N)
     qw = QuantizedWeight(quantize(w, scheme))
-    ref = reference(x, qw, b)
+    ref = kernel_reference(x, qw.packed) + b.double()  # the kernel's int8 activations, exactly
     y = kernels.linear(x, qw, b)
     scale = (x.abs().double() @ dequantize(qw.packed).abs().double().T).max()
     assert y.dtype == torch.float32 and y.shape == (T, N)
     assert float((y.double() - ref).abs().max()) <= 1e-6 * float(scale) + 1e-6
+    # and within the activations' quantization error of the fp32 product
+    assert float((y.double() - reference(x, qw, b)).abs().max()) <= 0.02 * float(scale)
 
 
 @pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)

@@ -37,20 +37,24 @@ typedef struct {
 } LayerShape;
 
 void specdec_linear_f32(const float *x, const float *W, const float *bias, float *y, int64_t T, int64_t K, int64_t N);
-void specdec_qlinear_i8(const float *x, const uint8_t *q, const uint16_t *scales, const uint16_t *zeros,
+int specdec_qlinear_i8(const float *x, const uint8_t *q, const uint16_t *scales, const uint16_t *zeros,
                         const float *bias, float *y, int64_t T, int64_t K, int64_t N, int64_t G);
-void specdec_qlinear_i4(const float *x, const uint8_t *q, const uint16_t *scales, const uint16_t *zeros,
-                        const float *bias, float *y, int64_t T, int64_t K, int64_t N, int64_t G);
+int specdec_qlinear_i4(const float *x, const uint8_t *q, const uint16_t *scales, const uint16_t *zeros,
+                       const float *bias, float *y, int64_t T, int64_t K, int64_t N, int64_t G);
 int specdec_attention_f32(const float *qkv, const float *cos, const float *sin, const int64_t *pos,
                           float *kc, float *vc, const uint8_t *mask, float *out, int64_t T, int64_t Hq,
                           int64_t Hkv, int64_t D, int64_t past, int64_t max_len, float scale);
 void specdec_rmsnorm_f32(const float *x, const float *w, float *y, int64_t T, int64_t H, float eps);
 void specdec_silu_mul_f32(const float *gu, float *y, int64_t T, int64_t I);
 
-static void apply(const Linear *l, const float *x, float *y, int64_t T) {
-    if (l->kind == LIN_F32) specdec_linear_f32(x, (const float *)l->weight, l->bias, y, T, l->K, l->N);
-    else if (l->kind == LIN_I8) specdec_qlinear_i8(x, l->weight, l->scales, l->zeros, l->bias, y, T, l->K, l->N, l->G);
-    else specdec_qlinear_i4(x, l->weight, l->scales, l->zeros, l->bias, y, T, l->K, l->N, l->G);
+/* 0, or -1 when a packed kind cannot allocate its quantized activations */
+static int apply(const Linear *l, const float *x, float *y, int64_t T) {
+    if (l->kind == LIN_F32) {
+        specdec_linear_f32(x, (const float *)l->weight, l->bias, y, T, l->K, l->N);
+        return 0;
+    }
+    if (l->kind == LIN_I8) return specdec_qlinear_i8(x, l->weight, l->scales, l->zeros, l->bias, y, T, l->K, l->N, l->G);
+    return specdec_qlinear_i4(x, l->weight, l->scales, l->zeros, l->bias, y, T, l->K, l->N, l->G);
 }
 
 /* x[i] = x[i] + y[i]: the residual, as torch adds two fp32 tensors */
@@ -69,23 +73,25 @@ int specdec_decoder_layer_f32(float *x, const LayerWeights *w, const LayerShape 
     if (buf == NULL) return -1;
     float *normed = buf, *proj = normed + T * H, *act = proj + T * widest, *delta = act + T * mid;
 
+    int rc = 0;
     specdec_rmsnorm_f32(x, w->input_norm, normed, T, H, s->eps);
-    apply(&w->qkv, normed, proj, T);
-    if (specdec_attention_f32(proj, s->cos, s->sin, s->pos, w->k_cache, w->v_cache, s->mask, act, T, s->Hq,
-                              s->Hkv, s->D, s->past, s->max_len, s->scale) != 0) {
-        free(buf);
-        return -1;
+    rc = apply(&w->qkv, normed, proj, T);
+    if (rc == 0)
+        rc = specdec_attention_f32(proj, s->cos, s->sin, s->pos, w->k_cache, w->v_cache, s->mask, act, T, s->Hq,
+                                   s->Hkv, s->D, s->past, s->max_len, s->scale);
+    if (rc == 0) rc = apply(&w->o_proj, act, delta, T);
+    if (rc == 0) {
+        add_into(x, delta, T * H);
+        specdec_rmsnorm_f32(x, w->post_norm, normed, T, H, s->eps);
+        rc = apply(&w->gate_up, normed, proj, T);
     }
-    apply(&w->o_proj, act, delta, T);
-    add_into(x, delta, T * H);
-
-    specdec_rmsnorm_f32(x, w->post_norm, normed, T, H, s->eps);
-    apply(&w->gate_up, normed, proj, T);
-    specdec_silu_mul_f32(proj, act, T, I);
-    apply(&w->down, act, delta, T);
-    add_into(x, delta, T * H);
+    if (rc == 0) {
+        specdec_silu_mul_f32(proj, act, T, I);
+        rc = apply(&w->down, act, delta, T);
+    }
+    if (rc == 0) add_into(x, delta, T * H);
     free(buf);
-    return 0;
+    return rc;
 }
 
 int specdec_layer_abi(void) { return 1; }

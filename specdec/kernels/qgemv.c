@@ -1,25 +1,27 @@
-/* Weight-only quantized small-batch matmul for decoding on CPUs:
- *     y[T, N] = x[T, K] @ dequant(W)[N, K]^T (+ bias),  fp32 activations and accumulation.
+/* Quantized small-batch matmul for decoding on CPUs: y[T, N] = x[T, K] @ dequant(W)[N, K]^T (+ bias).
  *
- * Decoding is memory-bound, so reading 1 (int8) or 0.5 (int4) bytes per weight instead of 4 is
- * the speed-up; the integers are widened to fp32 in registers, once per tile of <= 2 input rows.
+ * Decoding is memory-bound, so reading 1 (int8) or 0.5 (int4) bytes per weight instead of 4 is the
+ * speed-up, provided the arithmetic keeps up. Widening every weight to fp32 does not (it ran at
+ * ~3-6 G weights/s per core, far below the memory stream); so, as llama.cpp does, the activations
+ * are quantized too, per row and per block of 32 (int8, scale d = max|x| / 127, round to nearest
+ * even), and each block is an integer dot product (AVX2 maddubs: 32 byte products per instruction).
  *
- * Format (specdec/quant/schemes.py writes it): row n of W is cut into groups of G consecutive k
- * (the last group of a row may be shorter; every group is a multiple of 32 long). Group g of row n
- * has a scale s = scales[n, g] and a zero z = zeros[n, g] (both fp16) and
- *     w[n, k] = q[n, k] * s + z
+ * Weight format (specdec/quant/schemes.py writes it): row n of W is cut into groups of G consecutive k
+ * (G a multiple of 32; the last group of a row may be shorter). Group g of row n has a scale
+ * s = scales[n, g] and a zero z = zeros[n, g] (both fp16) and w[n, k] = q[n, k] * s + z:
  *   int8: q int8 (zeros == NULL: symmetric) or uint8 (with zeros) [N, K]; in each block of 32 k,
- *         byte 4i + c holds k = 8c + i, so one 32-byte load splits into four 8-lane vectors by
- *         shifts alone (no cross-lane shuffles);
+ *         byte 4i + c holds k = 8c + i (the activations' block is permuted the same way);
  *   int4: q uint4, two per byte [N, K/2]; in each block of 32 k, byte j holds k = j in its low
  *         nibble and k = j + 16 in its high nibble (the llama.cpp Q4 block layout); z required.
- * Per group the kernel sums q * x, then applies s (and z times the group's sum of x) once:
- *     y[t, n] = sum_g ( s_g * sum_{k in g} q[n, k] x[t, k]  +  z_g * sum_{k in g} x[t, k] )
+ * With xq, d the quantized activations and S the exact fp32 sum of x over a group:
+ *     y[t, n] = sum_g ( s_g * sum_{b in g} d_b * <q_b, xq_b>  +  z_g * S_g )
+ * (uint8 weights are stored as q - 128 in the dot product, and z_g becomes z_g + 128 s_g.)
  *
- * Batch invariance (as gemv.c): every y[t, n] is the same sequence of 8-lane FMAs and adds in the
- * same order whatever T is and however rows are tiled, then a horizontal sum, then the bias. So a
- * verify pass over k+1 tokens gives bitwise the same logits as k+1 single-token passes.
+ * Batch invariance: activations are quantized row by row, and every y[t, n] is the same sequence of
+ * integer dots and fp32 operations whatever T is and however rows are tiled. So a verify pass over
+ * k+1 tokens gives bitwise the same logits as k+1 single-token passes.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -27,15 +29,15 @@
 #include <immintrin.h>
 #endif
 
-#ifndef TILE_R
-#define TILE_R 4 /* weight rows per tile */
-#endif
-#ifndef TILE_T
-#define TILE_T 2 /* input rows per tile when T > 1 */
+#define QBLOCK 32
+#ifndef QPF
+#define QPF 2048 /* bytes ahead to prefetch each weight row: the hardware prefetcher alone left
+                      * int8 decode at ~5 GB/s of DRAM per core, with it ~10-13 (AMD EPYC) */
 #endif
 #ifndef PARALLEL_MIN
 #define PARALLEL_MIN (1 << 18) /* weights x rows below which one thread does the whole matmul */
 #endif
+enum { I8_SYM = 0, I8_ASYM = 1, I4 = 2 };
 
 static inline float half_to_float(uint16_t h) {
 #ifdef __F16C__
@@ -57,6 +59,27 @@ static inline float half_to_float(uint16_t h) {
 #endif
 }
 
+/* Row t of x -> xq (int8, [K], in the weights' byte order), d ([K/32] block scales) and S ([ng]
+ * exact group sums). Scalar: a few microseconds per row, and the same on every build. */
+static void quantize_row(const int KIND, const float *x, int64_t K, int64_t G, int8_t *xq, float *d, float *S) {
+    for (int64_t b = 0; b < K / QBLOCK; b++) {
+        const float *xb = x + b * QBLOCK;
+        float amax = 0.f;
+        for (int i = 0; i < QBLOCK; i++) amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
+        const float db = amax / 127.f, inv = db > 0.f ? 1.f / db : 0.f;
+        d[b] = db;
+        for (int i = 0; i < QBLOCK; i++) {
+            const int pos = KIND == I4 ? i : 4 * (i % 8) + i / 8; /* int8: column 8c + i at byte 4i + c */
+            xq[b * QBLOCK + pos] = (int8_t)nearbyintf(xb[i] * inv);
+        }
+    }
+    for (int64_t g = 0; g * G < K; g++) {
+        float s = 0.f;
+        for (int64_t k = g * G; k < K && k < (g + 1) * G; k++) s += x[k];
+        S[g] = s;
+    }
+}
+
 #ifdef __AVX2__
 static inline float hsum256(__m256 s) {
     __m128 lo = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
@@ -65,169 +88,184 @@ static inline float hsum256(__m256 s) {
     return _mm_cvtss_f32(lo);
 }
 
-/* KIND: 0 = int8 signed (no zero), 1 = int8 unsigned + zero, 2 = int4 + zero.
- * q points at row n0 of the packed weights, sc/zp at row n0 of the scales/zeros, xs at the 8-lane
- * group sums of x for the tile's first input row ([T][ng][8], see group_sums).
- * Per (n, t): for each group g in order, acc = FMA chain of q * x over the group's chunks (int4:
- * columns k, k+16, k+8, k+24 of each block; int8: k, k+8, ...), then tot = tot + acc * s, then
- * (with zeros) tot = tot + xs[g] * z; finally y = hsum(tot). */
-static inline __attribute__((always_inline)) void qtile(const int KIND, const uint8_t *q, const uint16_t *sc,
-                                                        const uint16_t *zp, const float *x, const float *xs,
-                                                        float *y, int nr, int nt, int64_t K, int64_t N, int64_t G) {
-    const int64_t ng = (K + G - 1) / G, qrow = KIND == 2 ? K / 2 : K;
-    const __m256i low4 = _mm256_set1_epi32(0x0f), low8 = _mm256_set1_epi32(0xff);
-    __m256 tot[TILE_R][TILE_T];
-    for (int r = 0; r < nr; r++)
-        for (int t = 0; t < nt; t++) tot[r][t] = _mm256_setzero_ps();
+/* 32 weights of block b of a row as signed bytes in the activations' order */
+static inline __m256i load_block(const int KIND, const uint8_t *qr, int64_t b) {
+    if (KIND == I4) {
+        const __m128i v = _mm_loadu_si128((const __m128i *)(qr + b * 16)), m = _mm_set1_epi8(0x0f);
+        return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+    }
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(qr + b * QBLOCK));
+    return KIND == I8_ASYM ? _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80)) : v;
+}
+
+/* 8 int32 partial sums of <w, x> over 32 bytes. int4 weights are unsigned (0..15): maddubs takes
+ * them as they are; signed weights go through |w| and sign(x, w) (|w| <= 128, pairs <= 32512). */
+static inline __m256i dot_block(const int KIND, __m256i w, __m256i x) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i p = KIND == I4 ? _mm256_maddubs_epi16(w, x)
+                                 : _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+    return _mm256_madd_epi16(p, ones);
+}
+
+/* nr (<= 4) weight rows x nt (<= 2) activation rows; NR, NT literal at every call site so the
+ * accumulators stay in registers. Per (n, t): for each group, acc = sum over its blocks of
+ * cvt(dot) * d_b (8 lanes), tot = tot + acc * s_g, zt = zt + z_g * S_g; y = hsum(tot) + zt. */
+static inline __attribute__((always_inline)) void qtile(const int KIND, const int NR, const int NT,
+                                                        const uint8_t *q, const uint16_t *sc, const uint16_t *zp,
+                                                        const int8_t *xq, const float *xd, const float *xs,
+                                                        float *y, int64_t K, int64_t N, int64_t G) {
+    const int64_t ng = (K + G - 1) / G, nb = K / QBLOCK, qrow = KIND == I4 ? K / 2 : K;
+    __m256 tot[4][2];
+    float zt[4][2];
+    for (int r = 0; r < NR; r++)
+        for (int t = 0; t < NT; t++) tot[r][t] = _mm256_setzero_ps(), zt[r][t] = 0.f;
     for (int64_t g = 0; g < ng; g++) {
-        const int64_t k0 = g * G, k1 = k0 + G < K ? k0 + G : K;
-        __m256 acc[TILE_R][TILE_T];
-        for (int r = 0; r < nr; r++)
-            for (int t = 0; t < nt; t++) acc[r][t] = _mm256_setzero_ps();
-        for (int64_t k = k0; k < k1; k += 32)
-            for (int r = 0; r < nr; r++) {
-                const uint8_t *qr = q + r * qrow;
-                if (KIND == 2) {
-                    for (int h = 0; h < 2; h++) { /* bytes 8h..8h+7: columns k+8h.. (low), k+16+8h.. (high) */
-                        __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qr + k / 2 + 8 * h)));
-                        __m256 wl = _mm256_cvtepi32_ps(_mm256_and_si256(v, low4));
-                        __m256 wh = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
-                        for (int t = 0; t < nt; t++) {
-                            acc[r][t] = _mm256_fmadd_ps(wl, _mm256_loadu_ps(x + t * K + k + 8 * h), acc[r][t]);
-                            acc[r][t] = _mm256_fmadd_ps(wh, _mm256_loadu_ps(x + t * K + k + 16 + 8 * h), acc[r][t]);
-                        }
-                    }
-                } else { /* 32 bytes: byte c of 32-bit lane i is column k + 8c + i */
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)(qr + k));
-                    __m256i b[4];
-                    if (KIND == 0) { /* sign-extend byte c: shift it to the top, arithmetic shift down */
-                        b[0] = _mm256_srai_epi32(_mm256_slli_epi32(v, 24), 24);
-                        b[1] = _mm256_srai_epi32(_mm256_slli_epi32(v, 16), 24);
-                        b[2] = _mm256_srai_epi32(_mm256_slli_epi32(v, 8), 24);
-                        b[3] = _mm256_srai_epi32(v, 24);
-                    } else {
-                        b[0] = _mm256_and_si256(v, low8);
-                        b[1] = _mm256_and_si256(_mm256_srli_epi32(v, 8), low8);
-                        b[2] = _mm256_and_si256(_mm256_srli_epi32(v, 16), low8);
-                        b[3] = _mm256_srli_epi32(v, 24);
-                    }
-                    for (int c = 0; c < 4; c++) {
-                        const __m256 w = _mm256_cvtepi32_ps(b[c]);
-                        for (int t = 0; t < nt; t++)
-                            acc[r][t] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + t * K + k + 8 * c), acc[r][t]);
-                    }
-                }
+        const int64_t b0 = g * (G / QBLOCK), b1 = b0 + G / QBLOCK < nb ? b0 + G / QBLOCK : nb;
+        __m256 acc[4][2];
+        for (int r = 0; r < NR; r++)
+            for (int t = 0; t < NT; t++) acc[r][t] = _mm256_setzero_ps();
+        for (int64_t b = b0; b < b1; b++) {
+            __m256i xv[2];
+            __m256 dv[2];
+            for (int t = 0; t < NT; t++) {
+                xv[t] = _mm256_loadu_si256((const __m256i *)(xq + t * K + b * QBLOCK));
+                dv[t] = _mm256_broadcast_ss(xd + t * nb + b);
             }
-        for (int r = 0; r < nr; r++) {
-            const __m256 s = _mm256_set1_ps(half_to_float(sc[r * ng + g]));
-            for (int t = 0; t < nt; t++) tot[r][t] = _mm256_fmadd_ps(acc[r][t], s, tot[r][t]);
-            if (KIND) {
-                const __m256 z = _mm256_set1_ps(half_to_float(zp[r * ng + g]));
-                for (int t = 0; t < nt; t++)
-                    tot[r][t] = _mm256_fmadd_ps(_mm256_loadu_ps(xs + (t * ng + g) * 8), z, tot[r][t]);
+            for (int r = 0; r < NR; r++) {
+#if QPF
+                if (KIND == I4 ? (b & 3) == 0 : (b & 1) == 0)
+                    _mm_prefetch((const char *)(q + r * qrow + (KIND == I4 ? b * 16 : b * 32) + QPF), _MM_HINT_T0);
+#endif
+                const __m256i w = load_block(KIND, q + r * qrow, b);
+                for (int t = 0; t < NT; t++)
+                    acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_block(KIND, w, xv[t])), dv[t], acc[r][t]);
+            }
+        }
+        for (int r = 0; r < NR; r++) {
+            const float s = half_to_float(sc[r * ng + g]);
+            const __m256 sv = _mm256_set1_ps(s);
+            for (int t = 0; t < NT; t++) tot[r][t] = _mm256_fmadd_ps(acc[r][t], sv, tot[r][t]);
+            if (KIND != I8_SYM) {
+                const float z = half_to_float(zp[r * ng + g]) + (KIND == I8_ASYM ? 128.f * s : 0.f);
+                for (int t = 0; t < NT; t++) zt[r][t] = fmaf(z, xs[t * ng + g], zt[r][t]);
             }
         }
     }
-    for (int r = 0; r < nr; r++)
-        for (int t = 0; t < nt; t++) y[t * N + r] = hsum256(tot[r][t]);
-}
-
-/* xs[t][g][lane] = sum over the chunks of group g (in the order qtile visits them) of x[t, chunk + lane]. */
-static void group_sums(const int KIND, const float *x, float *xs, int64_t T, int64_t K, int64_t G) {
-    const int64_t ng = (K + G - 1) / G;
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t g = 0; g < ng; g++) {
-            const int64_t k0 = g * G, k1 = k0 + G < K ? k0 + G : K;
-            __m256 a = _mm256_setzero_ps();
-            for (int64_t k = k0; k < k1; k += 32) {
-                static const int order4[4] = {0, 16, 8, 24}, order8[4] = {0, 8, 16, 24};
-                for (int c = 0; c < 4; c++)
-                    a = _mm256_add_ps(a, _mm256_loadu_ps(x + t * K + k + (KIND == 2 ? order4[c] : order8[c])));
-            }
-            _mm256_storeu_ps(xs + (t * ng + g) * 8, a);
-        }
+    for (int r = 0; r < NR; r++)
+        for (int t = 0; t < NT; t++) y[t * N + r] = hsum256(tot[r][t]) + zt[r][t];
 }
 #else
-/* Portable fallback: per (n, t) a plain sum over k of w * x (order independent of T and tiling). */
-static void qtile(const int KIND, const uint8_t *q, const uint16_t *sc, const uint16_t *zp, const float *x,
-                  const float *xs, float *y, int nr, int nt, int64_t K, int64_t N, int64_t G) {
-    const int64_t ng = (K + G - 1) / G, qrow = KIND == 2 ? K / 2 : K;
-    (void)xs;
-    for (int r = 0; r < nr; r++)
-        for (int t = 0; t < nt; t++) {
+/* Portable fallback: the same quantities with scalar sums (not bitwise the AVX2 order). */
+static void qtile(const int KIND, const int NR, const int NT, const uint8_t *q, const uint16_t *sc,
+                  const uint16_t *zp, const int8_t *xq, const float *xd, const float *xs, float *y, int64_t K,
+                  int64_t N, int64_t G) {
+    const int64_t ng = (K + G - 1) / G, nb = K / QBLOCK, qrow = KIND == I4 ? K / 2 : K;
+    for (int r = 0; r < NR; r++)
+        for (int t = 0; t < NT; t++) {
             const uint8_t *qr = q + r * qrow;
-            float sum = 0.f;
-            for (int64_t k = 0; k < K; k++) {
-                const int64_t g = k / G;
-                const float s = half_to_float(sc[r * ng + g]), z = KIND ? half_to_float(zp[r * ng + g]) : 0.f;
-                float v;
-                if (KIND == 2) {
-                    const uint8_t b = qr[(k / 32) * 16 + (k % 16)];
-                    v = (float)((k % 32) < 16 ? b & 15 : b >> 4);
-                } else {
-                    const uint8_t b = qr[(k / 32) * 32 + 4 * (k % 8) + (k % 32) / 8];
-                    v = KIND == 0 ? (float)(int8_t)b : (float)b;
+            float tot = 0.f, zt = 0.f;
+            for (int64_t g = 0; g < ng; g++) {
+                float acc = 0.f;
+                for (int64_t b = g * (G / QBLOCK); b < nb && b < (g + 1) * (G / QBLOCK); b++) {
+                    int32_t dot = 0;
+                    for (int i = 0; i < QBLOCK; i++) {
+                        int w = KIND == I4 ? (i < 16 ? qr[b * 16 + i] & 15 : qr[b * 16 + i - 16] >> 4)
+                                : KIND == I8_SYM ? (int8_t)qr[b * QBLOCK + i] : (int)qr[b * QBLOCK + i] - 128;
+                        dot += w * xq[t * K + b * QBLOCK + i];
+                    }
+                    acc += (float)dot * xd[t * nb + b];
                 }
-                sum += (v * s + z) * x[t * K + k];
+                const float s = half_to_float(sc[r * ng + g]);
+                tot += acc * s;
+                if (KIND != I8_SYM) zt += (half_to_float(zp[r * ng + g]) + (KIND == I8_ASYM ? 128.f * s : 0.f)) * xs[t * ng + g];
             }
-            y[t * N + r] = sum;
+            y[t * N + r] = tot + zt;
         }
-}
-
-static void group_sums(const int KIND, const float *x, float *xs, int64_t T, int64_t K, int64_t G) {
-    (void)KIND, (void)x, (void)xs, (void)T, (void)K, (void)G;
 }
 #endif
 
-static void qlinear(const int KIND, const float *x, const uint8_t *q, const uint16_t *sc, const uint16_t *zp,
-                    const float *bias, float *y, int64_t T, int64_t K, int64_t N, int64_t G) {
-    const int64_t ng = (K + G - 1) / G, qrow = KIND == 2 ? K / 2 : K;
-    float *xsum = KIND ? (float *)malloc(sizeof(float) * 8 * T * ng) : NULL;
-    if (KIND && !xsum) return;
-    if (KIND) group_sums(KIND, x, xsum, T, K, G);
-    /* a thread team costs more than it saves on small matrices (and far more on a busy machine) */
-    #pragma omp parallel for schedule(static) if (N * K * (T < 4 ? T : 4) >= PARALLEL_MIN)
-    for (int64_t n0 = 0; n0 < N; n0 += TILE_R) {
-        const int nr = N - n0 < TILE_R ? (int)(N - n0) : TILE_R;
-        const uint8_t *qn = q + n0 * qrow;
-        const uint16_t *sn = sc + n0 * ng, *zn = zp ? zp + n0 * ng : NULL;
-        for (int64_t t0 = 0; t0 < T; t0 += TILE_T) {
-            const int nt = T - t0 < TILE_T ? (int)(T - t0) : TILE_T;
-            const float *xt = x + t0 * K, *xs = xsum ? xsum + t0 * ng * 8 : NULL;
-            float *ys = y + t0 * N + n0;
-            /* literal tile sizes let the compiler keep the accumulators in registers; a column
-             * split does not change any (n, t) sum */
-            if (nt == TILE_T) {
-                if (nr == TILE_R) qtile(KIND, qn, sn, zn, xt, xs, ys, TILE_R, TILE_T, K, N, G);
-                else
-                    for (int r = 0; r < nr; r++)
-                        qtile(KIND, qn + r * qrow, sn + r * ng, zn ? zn + r * ng : NULL, xt, xs, ys + r, 1, TILE_T, K, N, G);
-            } else
-                for (int t = 0; t < nt; t++) {
-                    if (nr == TILE_R) qtile(KIND, qn, sn, zn, xt + t * K, xs ? xs + t * ng * 8 : NULL, ys + t * N, TILE_R, 1, K, N, G);
-                    else
-                        for (int r = 0; r < nr; r++)
-                            qtile(KIND, qn + r * qrow, sn + r * ng, zn ? zn + r * ng : NULL, xt + t * K,
-                                  xs ? xs + t * ng * 8 : NULL, ys + t * N + r, 1, 1, K, N, G);
-                }
-        }
-        if (bias)
-            for (int64_t t = 0; t < T; t++)
-                for (int r = 0; r < nr; r++) y[t * N + n0 + r] += bias[n0 + r];
+/* The activations of one call, quantized row by row (see quantize_row). */
+typedef struct {
+    int8_t *xq; /* [T, K] */
+    float *xd;  /* [T, K / 32] block scales */
+    float *xs;  /* [T, ng] group sums */
+} QActs;
+
+static int quantize_acts(const int KIND, const float *x, int64_t T, int64_t K, int64_t G, QActs *a) {
+    const int64_t ng = (K + G - 1) / G, nb = K / QBLOCK;
+    a->xq = malloc((size_t)(T * K));
+    a->xd = malloc(sizeof(float) * T * (nb + ng));
+    if (!a->xq || !a->xd) {
+        free(a->xq), free(a->xd);
+        return -1;
     }
-    free(xsum);
+    a->xs = a->xd + T * nb;
+    for (int64_t t = 0; t < T; t++) quantize_row(KIND, x + t * K, K, G, a->xq + t * K, a->xd + t * nb, a->xs + t * ng);
+    return 0;
 }
 
-/* x: [T, K] fp32; q, scales, zeros as above; bias: [N] or NULL; y: [T, N]. K % 32 == 0, G % 32 == 0. */
-void specdec_qlinear_i8(const float *x, const uint8_t *q, const uint16_t *scales, const uint16_t *zeros,
-                        const float *bias, float *y, int64_t T, int64_t K, int64_t N, int64_t G) {
-    if (zeros) qlinear(1, x, q, scales, zeros, bias, y, T, K, N, G);
-    else qlinear(0, x, q, scales, NULL, bias, y, T, K, N, G);
+/* Output rows [n0, n0 + ROWS(T)) for every input row: literal tile shapes (4 x 1 for decode, 2 x 2
+ * for verify), edges one (row, token) at a time with the same per-(n, t) order. */
+#ifndef ROWS_I8
+#define ROWS_I8 1
+#endif
+#ifndef ROWS_I4
+#define ROWS_I4 4
+#endif
+#define ROWS(KIND, T) ((T) > 1 ? 2 : (KIND) == I4 ? ROWS_I4 : ROWS_I8)
+static inline __attribute__((always_inline)) void row_tile(const int KIND, int64_t n0, const QActs *a,
+                                                           const uint8_t *q, const uint16_t *sc, const uint16_t *zp,
+                                                           const float *bias, float *y, int64_t T, int64_t K,
+                                                           int64_t N, int64_t G) {
+    const int64_t ng = (K + G - 1) / G, nb = K / QBLOCK, qrow = KIND == I4 ? K / 2 : K;
+    const int nr = N - n0 < ROWS(KIND, T) ? (int)(N - n0) : ROWS(KIND, T);
+    const uint8_t *qn = q + n0 * qrow;
+    const uint16_t *sn = sc + n0 * ng, *zn = zp ? zp + n0 * ng : NULL;
+    for (int64_t t0 = 0; t0 < T; t0 += 2) {
+        const int nt = T - t0 < 2 ? (int)(T - t0) : 2;
+        const int8_t *xq = a->xq + t0 * K;
+        const float *xd = a->xd + t0 * nb, *xs = a->xs + t0 * ng;
+        float *yt = y + t0 * N + n0;
+        if (T == 1 && nr == ROWS(KIND, 1)) qtile(KIND, ROWS(KIND, 1), 1, qn, sn, zn, xq, xd, xs, yt, K, N, G);
+        else if (nr == 2 && nt == 2) qtile(KIND, 2, 2, qn, sn, zn, xq, xd, xs, yt, K, N, G);
+        else
+            for (int r = 0; r < nr; r++)
+                for (int t = 0; t < nt; t++)
+                    qtile(KIND, 1, 1, qn + r * qrow, sn + r * ng, zn ? zn + r * ng : NULL, xq + t * K,
+                          xd + t * nb, xs + t * ng, yt + t * N + r, K, N, G);
+    }
+    if (bias)
+        for (int64_t t = 0; t < T; t++)
+            for (int r = 0; r < nr; r++) y[t * N + n0 + r] += bias[n0 + r];
 }
 
-void specdec_qlinear_i4(const float *x, const uint8_t *q, const uint16_t *scales, const uint16_t *zeros,
-                        const float *bias, float *y, int64_t T, int64_t K, int64_t N, int64_t G) {
-    qlinear(2, x, q, scales, zeros, bias, y, T, K, N, G);
+/* One function per weight kind, each with its own parallel loop: OpenMP outlines the loop body
+ * before inlining, so a shared loop would test the kind at run time in the innermost loop (3x slower). */
+#define DEFINE_QLINEAR(name, KIND)                                                                         \
+    static int name(const float *x, const uint8_t *q, const uint16_t *sc, const uint16_t *zp,              \
+                    const float *bias, float *y, int64_t T, int64_t K, int64_t N, int64_t G) {            \
+        QActs a;                                                                                           \
+        if (quantize_acts(KIND, x, T, K, G, &a) != 0) return -1;                                           \
+        _Pragma("omp parallel for schedule(static) if (N * K * (T < 4 ? T : 4) >= PARALLEL_MIN)")        \
+        for (int64_t n0 = 0; n0 < N; n0 += ROWS(KIND, T)) row_tile(KIND, n0, &a, q, sc, zp, bias, y, T, K, N, G); \
+        free(a.xq), free(a.xd);                                                                            \
+        return 0;                                                                                          \
+    }
+DEFINE_QLINEAR(qlinear_i8_sym, I8_SYM)
+DEFINE_QLINEAR(qlinear_i8_asym, I8_ASYM)
+DEFINE_QLINEAR(qlinear_i4, I4)
+
+/* x: [T, K] fp32; q, scales, zeros as above; bias: [N] or NULL; y: [T, N]. K % 32 == 0, G % 32 == 0.
+ * 0, or -1 when the quantized activations cannot be allocated (y is then not written). */
+int specdec_qlinear_i8(const float *x, const uint8_t *q, const uint16_t *scales, const uint16_t *zeros,
+                       const float *bias, float *y, int64_t T, int64_t K, int64_t N, int64_t G) {
+    return zeros ? qlinear_i8_asym(x, q, scales, zeros, bias, y, T, K, N, G)
+                 : qlinear_i8_sym(x, q, scales, NULL, bias, y, T, K, N, G);
+}
+
+int specdec_qlinear_i4(const float *x, const uint8_t *q, const uint16_t *scales, const uint16_t *zeros,
+                       const float *bias, float *y, int64_t T, int64_t K, int64_t N, int64_t G) {
+    return qlinear_i4(x, q, scales, zeros, bias, y, T, K, N, G);
 }
 
 /* The whole fp32 matrix out [N, K] (for long prompts, where a BLAS matmul wins). q * s is exact in
@@ -254,4 +292,4 @@ void specdec_dequant(int bits, const uint8_t *q, const uint16_t *scales, const u
     }
 }
 
-int specdec_qkernel_abi(void) { return 1; }
+int specdec_qkernel_abi(void) { return 2; }

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from specdec.kernels import MAX_ROWS
 from specdec.model.loader import load_model, resolve_model
 from specdec.model.tokenizer import Tokenizer
 from specdec.quant.qmodel import describe, quantize_model, weight_bytes
@@ -55,9 +56,13 @@ def parse_variants(spec: str) -> list[Variant]:
 
 
 @torch.inference_mode()
-def nll_and_argmax(model, seq: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-position NLL of seq[1:] [T-1] and the argmax predictions [T-1] (one prefill pass)."""
-    logits = model(torch.tensor([seq]), torch.arange(len(seq))[None], model.new_cache(len(seq))).logits[0, :-1]
+def nll_and_argmax(model, seq: list[int], block: int = MAX_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-position NLL of seq[1:] [T-1] and the argmax predictions [T-1], teacher-forced in blocks of
+    `block` tokens: the decode/verify kernels' path (quantized activations included), as decoding runs,
+    not the long-prompt path (dequantize + BLAS)."""
+    cache = model.new_cache(len(seq))
+    logits = torch.cat([model(torch.tensor([seq[i:i + block]]), torch.arange(i, min(i + block, len(seq)))[None],
+                              cache).logits[0] for i in range(0, len(seq), block)])[:-1]
     return F.cross_entropy(logits.float(), torch.tensor(seq[1:]), reduction="none"), logits.argmax(-1)
 
 
@@ -255,13 +260,14 @@ def report(args, rows, speed, qd, paths, cost, evals, calib, load_before, load_a
     fp = rows[0]
     n_eval = sum(len(s) - 1 for s in evals) if evals else 0
     lines = [
-        "# Quantization: quality, speed and memory (int8 / int4 weight-only; qdraft)", "",
+        "# Quantization: quality, speed and memory (int8 / int4 weights, int8 activations in the decode kernels; qdraft)", "",
         f"- Date: {datetime.date.today().isoformat()}; machine: {machine()}; model: {args.model} "
         f"(SmolLM2-135M-Instruct from its Q4_1 GGUF, run in fp32).",
         f"- Threads: quality runs 1; speed runs {args.threads} (torch and the C kernels' OpenMP). The machine is "
         f"shared: load average {load_before[0]:.1f} before the speed runs, {load_after[0]:.1f} after.",
         f"- Perplexity: {len(evals)} held-out ShareGPT conversations (chat template, first {args.seq_len} "
-        f"tokens each, {n_eval} predicted tokens; never used for calibration), one teacher-forced pass each.",
+        f"tokens each, {n_eval} predicted tokens; never used for calibration), teacher-forced in blocks of "
+        f"{MAX_ROWS} tokens (the decode/verify kernels, int8 activations included).",
         "- Agreement: share of those positions where the model's argmax equals fp32's argmax. Greedy prefix: "
         "mean number of leading tokens of a 64-token greedy continuation (2 chat prompts) identical to fp32's.",
         f"- Speed: plain greedy decoding, {args.tokens} new tokens on each of 2 chat prompts, every model in "

@@ -30,7 +30,7 @@ def qkernel():
         if lib is not None:
             ptrs, i64 = [ctypes.c_void_p] * 6, [ctypes.c_int64] * 4
             for fn in (lib.specdec_qlinear_i8, lib.specdec_qlinear_i4):
-                fn.argtypes, fn.restype = ptrs + i64, None
+                fn.argtypes, fn.restype = ptrs + i64, ctypes.c_int
             lib.specdec_dequant.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
             lib.specdec_dequant.restype = None
             _lib = lib
@@ -93,8 +93,9 @@ class QuantizedWeight(torch.nn.Module):
         bias = None if bias is None else bias.float().contiguous()
         y = torch.empty(*x.shape[:-1], self.out_features, dtype=torch.float32)
         fn = lib.specdec_qlinear_i4 if self.bits == 4 else lib.specdec_qlinear_i8
-        fn(x.data_ptr(), self.qweight.data_ptr(), self.scales.data_ptr(), _ptr(self.zeros), _ptr(bias), y.data_ptr(),
-           rows, self.in_features, self.out_features, self.group_size)
+        if fn(x.data_ptr(), self.qweight.data_ptr(), self.scales.data_ptr(), _ptr(self.zeros), _ptr(bias),
+              y.data_ptr(), rows, self.in_features, self.out_features, self.group_size) != 0:
+            raise MemoryError("quantized matmul kernel: out of memory for the quantized activations")
         return y
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -160,3 +160,25 @@ def dequantize(p: Packed, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         w = w + p.zeros.float()[:, cols]
     return w.to(dtype)
 
+
+
+def kernel_reference(x: torch.Tensor, p: Packed) -> torch.Tensor:
+    """What qgemv.c computes, readable and in float64: y = xq @ (W - Z)^T + x @ Z^T, with xq the block-
+    quantized activations and Z the zero each weight's integer is offset by (0 for symmetric int8; z for
+    int4; z + 128 s for unsigned int8, whose integers enter the dot product as q - 128), so the zero
+    term uses the exact activations."""
+    w = dequantize(p).double()
+    cols = torch.arange(p.in_features) // p.group_size
+    zeros = torch.zeros_like(w) if p.zeros is None else p.zeros.double()[:, cols]
+    if p.bits == 8 and p.zeros is not None:
+        zeros = zeros + 128 * p.scales.float().double()[:, cols]
+    return quantize_activations(x).double() @ (w - zeros).T + x.double() @ zeros.T
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """What the decode kernels (qgemv.c) multiply the weights with: each row of x [..., K] in blocks of
+    32, d = max|x| / 127, x ~ d * round_half_even(x / d); returned dequantized (readable reference)."""
+    xb = x.float().reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+    d = xb.abs().amax(-1, keepdim=True) / 127.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    return (torch.round(xb * inv) * d).reshape(x.shape)
