@@ -148,3 +148,70 @@ int specdec_attention_f32(const float *qkv, const float *cos, const float *sin, 
     }
     return failed ? -1 : 0;
 }
+
+/* The same attention for a batch of sequences in the paged pool (the serving engine's BatchKV):
+ * B rows left-padded to T new tokens, L key columns per row.
+ *
+ * kc, vc:   [num_slots, Hkv, D]  this layer's pool; the key column j of row b lives at slot gather[b, j]
+ * new_slot: [B, T]               where column t's new k/v is written (-1: a padding column)
+ * pos:      [B, T]               positions of the new tokens (rotary)
+ * mask:     [B, T, L] uint8      which key columns each query column sees (chain, tree or padding)
+ * out:      [B, T, Hq * D]
+ * A row's value depends only on its own keys, visited in column order with the same dot products
+ * and aligned-8 exponentials as above, so it does not depend on B, T, L or the other rows. */
+int specdec_paged_attention_f32(const float *qkv, const float *cos, const float *sin, const int64_t *pos,
+                                float *kc, float *vc, const int64_t *new_slot, const int64_t *gather,
+                                const uint8_t *mask, float *out, int64_t B, int64_t T, int64_t L, int64_t Hq,
+                                int64_t Hkv, int64_t D, float scale) {
+    const int64_t row = (Hq + 2 * Hkv) * D, group = Hq / Hkv, padded = (L + 7) / 8 * 8, slot = Hkv * D;
+    for (int64_t bt = 0; bt < B * T; bt++) {
+        if (new_slot[bt] < 0) continue;
+        const float *c = cos + pos[bt] * D, *s = sin + pos[bt] * D;
+        for (int64_t h = 0; h < Hkv; h++) {
+            const float *k = qkv + bt * row + (Hq + h) * D, *v = qkv + bt * row + (Hq + Hkv + h) * D;
+            float *kd = kc + new_slot[bt] * slot + h * D, *vd = vc + new_slot[bt] * slot + h * D;
+            rope(k, c, s, kd, D);
+            for (int64_t i = 0; i < D; i++) vd[i] = v[i];
+        }
+    }
+    int failed = 0;
+    #pragma omp parallel if (B * Hq * T * L * D > 200000)
+    {
+        float *buf = malloc(sizeof(float) * (padded + D));
+        if (buf == NULL) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(static) collapse(2)
+        for (int64_t bt = 0; bt < B * T; bt++)
+            for (int64_t h = 0; h < Hq; h++) {
+                if (buf == NULL) continue;
+                float *scores = buf, *q = buf + padded;
+                const int64_t b = bt / T, kv = (h / group) * D;
+                const uint8_t *visible = mask + bt * L;
+                rope(qkv + bt * row + h * D, cos + pos[bt] * D, sin + pos[bt] * D, q, D);
+                float m = -INFINITY;
+                for (int64_t j = 0; j < L; j++) {
+                    scores[j] = visible[j] ? dot(q, kc + gather[b * L + j] * slot + kv, D) * scale : -INFINITY;
+                    if (scores[j] > m) m = scores[j];
+                }
+                for (int64_t j = L; j < padded; j++) scores[j] = -INFINITY;
+#ifdef __AVX2__
+                for (int64_t j = 0; j < padded; j += 8)
+                    _mm256_storeu_ps(scores + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), _mm256_set1_ps(m))));
+#else
+                for (int64_t j = 0; j < padded; j++) scores[j] = scores[j] == -INFINITY ? 0.f : expf(scores[j] - m);
+#endif
+                float l = 0.f;
+                for (int64_t j = 0; j < L; j++) l += scores[j];
+                float *o = out + bt * Hq * D + h * D;
+                for (int64_t i = 0; i < D; i++) o[i] = 0.f;
+                for (int64_t j = 0; j < L; j++)
+                    if (scores[j] != 0.f) axpy(scores[j], vc + gather[b * L + j] * slot + kv, o, D);
+                const float inv = 1.0f / l;
+                for (int64_t i = 0; i < D; i++) o[i] *= inv;
+            }
+        free(buf);
+    }
+    return failed ? -1 : 0;
+}

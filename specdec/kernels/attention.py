@@ -1,5 +1,6 @@
 """Fused decode attention (attention.c): rotary, KV-cache write and attention over the prefix plus
-T <= 32 new tokens, for one sequence in a static fp32 `KVCache`; None where it does not apply.
+T <= 32 new tokens, for one sequence in a static fp32 `KVCache` (FusedAttention) or for the serving
+engine's batch of ragged rows in the paged pool (PagedAttention); None where it does not apply.
 
 The caller falls back to the torch path (rotary, `cache.write`, SDPA) on None, so other caches
 (paged, batched), dtypes and devices keep working unchanged.
@@ -13,6 +14,7 @@ from pathlib import Path
 import torch
 
 from specdec.cache.kv_cache import KVCache
+from specdec.cache.paged_cache import BatchKV
 from specdec.kernels import MAX_ROWS, load_library
 
 _SRC = Path(__file__).with_name("attention.c")
@@ -28,6 +30,8 @@ def _load():
         if lib is not None:
             lib.specdec_attention_f32.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 6 + [ctypes.c_float]
             lib.specdec_attention_f32.restype = ctypes.c_int
+            lib.specdec_paged_attention_f32.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int64] * 6 + [ctypes.c_float]
+            lib.specdec_paged_attention_f32.restype = ctypes.c_int
         _lib = lib
     return _lib
 
@@ -67,3 +71,52 @@ class FusedAttention:
         if rc != 0:
             raise MemoryError("attention kernel: out of memory for its score buffer")
         return out
+
+
+class PagedAttention:
+    """The engine's batched pass (BatchKV: B left-padded rows over the paged pool), one C call per layer."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, cache: BatchKV):
+        B, T = positions.shape
+        self.cos, self.sin = cos, sin
+        self.positions = positions.to(torch.int64).contiguous()  # [B, T]
+        self.cache = cache
+        new_slot = torch.full((B, T), -1, dtype=torch.int64)
+        new_slot[cache.rows, cache.cols] = cache.new_slots
+        self.new_slot = new_slot  # [B, T], -1 on padding
+        self.gather = cache.gather.contiguous()  # [B, L]
+        self.mask = cache.mask[:, 0].to(torch.uint8).contiguous()  # [B, T, L]
+        self.layer_shape = None  # only the static cache has a whole-layer kernel
+
+    @classmethod
+    def build(cls, rotary, positions: torch.Tensor, cache, x: torch.Tensor) -> "PagedAttention | None":
+        B, T = positions.shape
+        if (type(cache) is not BatchKV or B * T > 4 * MAX_ROWS or x.dtype is not torch.float32
+                or x.device.type != "cpu" or cache.pool.k.dtype is not torch.float32
+                or rotary.cos.dtype is not torch.float32 or _load() is None):
+            return None
+        if int(positions.max()) >= rotary.cos.shape[0]:
+            return None
+        return cls(rotary.cos, rotary.sin, positions, cache)
+
+    def __call__(self, qkv: torch.Tensor, layer: int, n_heads: int, n_kv: int, head_dim: int) -> torch.Tensor:
+        """qkv [B, T, (Hq + 2 Hkv) D] -> attention output [B, T, Hq D]; writes this layer's new k/v."""
+        B, T, _ = qkv.shape
+        qkv = qkv.contiguous()
+        out = torch.empty(B, T, n_heads * head_dim, dtype=torch.float32)
+        k, v = self.cache.pool.k[layer], self.cache.pool.v[layer]  # [num_slots, Hkv, D]
+        L = self.gather.shape[1]
+        rc = _lib.specdec_paged_attention_f32(
+            qkv.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(), self.positions.data_ptr(), k.data_ptr(),
+            v.data_ptr(), self.new_slot.data_ptr(), self.gather.data_ptr(), self.mask.data_ptr(), out.data_ptr(),
+            B, T, L, n_heads, n_kv, head_dim, 1.0 / math.sqrt(head_dim))
+        if rc != 0:
+            raise MemoryError("paged attention kernel: out of memory for its score buffer")
+        return out
+
+
+def fused_attention(rotary, positions: torch.Tensor, block_mask, cache, x: torch.Tensor):
+    """The C attention for this pass (static or paged cache), or None: the caller's torch path."""
+    if type(cache) is BatchKV:
+        return PagedAttention.build(rotary, positions, cache, x)
+    return FusedAttention.build(rotary, positions, block_mask, cache, x)

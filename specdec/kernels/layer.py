@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from specdec.kernels import load_library
+from specdec.kernels.attention import FusedAttention
 
 _DIR = Path(__file__).parent
 _lib = None
@@ -100,7 +101,8 @@ def _layer_weights(layer) -> _LayerWeights | None:
 def decoder_layer(layer, x: torch.Tensor, fused, layer_idx: int) -> torch.Tensor | None:
     """layer(x) for x [1, T, H] through layer.c, writing this layer's k/v; None if it does not apply.
     `fused` is the pass's FusedAttention (positions, mask, cache)."""
-    if torch.is_grad_enabled() or _load() is None or layer.input_norm.eps != layer.post_norm.eps:
+    if (type(fused) is not FusedAttention or torch.is_grad_enabled() or _load() is None
+            or layer.input_norm.eps != layer.post_norm.eps):
         return None
     weights = _layer_weights(layer)
     if weights is None:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from specdec.cache.kv_cache import KVCache
 from specdec.config import ModelConfig
 from specdec.kernels import linear, silu_mul
-from specdec.kernels.attention import FusedAttention
+from specdec.kernels.attention import FusedAttention, fused_attention
 from specdec.kernels.layer import decoder_layer
 from specdec.model.layers import RMSNorm, Rotary, apply_rotary
 
@@ -107,7 +107,7 @@ class LlamaModel(torch.nn.Module):
         layers: run only these layer indices (self-speculation; they share this cache)."""
         x = self.embed(input_ids) if input_embeds is None else input_embeds  # [B, T, H]
         T = x.shape[1]
-        fused = None if self.config.qk_norm else FusedAttention.build(self.rotary, positions, block_mask, cache, x)
+        fused = None if self.config.qk_norm else fused_attention(self.rotary, positions, block_mask, cache, x)
         if fused is None:
             cos, sin = self.rotary(positions, x.dtype)
             mask = cache.attention_mask(block_mask, T)  # paged caches make their own
