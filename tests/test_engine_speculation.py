@@ -75,3 +75,24 @@ def test_measured_step_overhead_turns_batched_speculation_off():
         spec.observe_overhead(1, drafted=True, seconds=2.0)  # 2x a whole forward, per drafting step
         spec.observe_overhead(1, drafted=False, seconds=0.01)
     assert spec.choose_k(*rows(1, acceptance=0.5)) == 0
+
+
+def test_profile_runs_the_engines_paged_path(tiny_dir, monkeypatch):
+    """c(N) is profiled through BatchKV (the engine's kernels), not the single-sequence static cache."""
+    import torch
+
+    from specdec.cache import paged_cache
+    from specdec.model.loader import load_model
+    model = load_model(tiny_dir("llama"), torch.float32)
+    seen = []
+    real = paged_cache.BatchKV.__init__
+
+    def spy(self, pool, tables, past, num_new, *rest):
+        seen.append(len(past))
+        real(self, pool, tables, past, num_new, *rest)
+
+    monkeypatch.setattr(paged_cache.BatchKV, "__init__", spy)
+    cost = BatchCost()
+    cost.profile(model, sizes=(1, 2, 4), repeats=2)
+    assert sorted(cost.seconds) == [1, 2, 4] and all(t > 0 for t in cost.seconds.values())
+    assert seen == [1, 1, 2, 2, 4, 4]

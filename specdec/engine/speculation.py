@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from specdec.cache.paged_cache import SeqKV
+from specdec.cache.paged_cache import BatchKV, PagedKVPool, SeqKV
 from specdec.config import ConfigError, SpeculativeConfig
 from specdec.spec.proposer import EMPTY, Proposal, ProposerContext, available_methods, make_proposer
 from specdec.spec.rejection import Verdict, verify_greedy, verify_sampling
@@ -53,15 +53,19 @@ class BatchCost:
         self.seconds: dict[int, float] = {}  # N -> profiled seconds
         self.scale = 1.0
 
-    def profile(self, model, sizes=PROFILE_SIZES, prefix_len: int = 32, repeats: int = 3) -> None:
+    def profile(self, model, sizes=PROFILE_SIZES, prefix_len: int = 32, repeats: int = 3,
+                block_size: int = 16) -> None:
+        """c(N) for N rows of one new token each, through the engine's own path (a scratch paged pool
+        and BatchKV, whose kernels differ from the single-sequence static cache's)."""
+        per_seq = -(-(prefix_len + 1) // block_size)
+        pool = PagedKVPool.for_model(model.config, per_seq * max(sizes), block_size, model.dtype, model.device)
         for n in sizes:
-            cache = model.new_cache(prefix_len + 1, batch_size=n)
-            cache.length = prefix_len  # attention over a short, zero prefix: the matmuls dominate
+            tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(n)]
             times = []
-            for _ in range(repeats):
-                cache.rollback(prefix_len)
+            for _ in range(repeats):  # a zero prefix: the matmuls dominate, as in decode
                 t0 = time.perf_counter()
-                model(torch.zeros(n, 1, dtype=torch.long), torch.full((n, 1), prefix_len), cache)
+                kv = BatchKV(pool, tables, [prefix_len] * n, [1] * n)
+                model(torch.zeros(n, 1, dtype=torch.long), torch.full((n, 1), prefix_len), kv)
                 times.append(time.perf_counter() - t0)
             self.seconds[n] = min(times)
 
