@@ -5,7 +5,6 @@ the real SmolLM2 tokenizer, so every code path (loader, tokenizer, chat template
 """
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 

@@ -4,7 +4,6 @@ of every head kind (resumable, seeded), held-out tau, draft-model distillation, 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch

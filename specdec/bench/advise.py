@@ -17,7 +17,6 @@ against plain decoding on the same prompts.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass, field
 
 from specdec.bench.costs import CostCurve, measure_cost_curve

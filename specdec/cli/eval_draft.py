@@ -62,9 +62,8 @@ def mtbench_prompts(n: int) -> list[str]:
 def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
-    from specdec.llm import LLM, load_target
+    from specdec.llm import load_target
     from specdec.proposers.heads import load_head
-    from specdec.sampling_params import SamplingParams
     from specdec.train.features import read_split
     from specdec.train.trainer import chain_acceptance
 
@@ -84,7 +83,6 @@ def run(args) -> int:
 def engine_compare(args, head) -> dict:
     """Decode MT-bench first turns with the head (and the --compare methods), interleaved per prompt
     so that load changes on a shared machine hit every method alike. Greedy; tokens/s over decode time."""
-    import time
 
     from specdec.llm import LLM
     from specdec.sampling_params import SamplingParams

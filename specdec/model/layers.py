@@ -4,7 +4,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from specdec.kernels import rms_norm
 

@@ -186,7 +186,7 @@ class Trainer:
 
     def _batches(self):
         """Deterministic order per epoch (seed + epoch); batches of similar length."""
-        bs, steps, epoch = self.spec.batch_size, 0, 0
+        bs, epoch = self.spec.batch_size, 0
         while True:
             order = list(range(len(self.train)))
             random.Random(self.spec.seed + epoch).shuffle(order)
