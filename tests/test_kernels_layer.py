@@ -7,21 +7,13 @@ from specdec.kernels import layer as fused_layer
 from specdec.model.loader import load_model
 from specdec.quant.qmodel import quantize_model
 from specdec.quant.schemes import QuantScheme
+from specdec.spec.tree import tree_mask, tree_positions
 
 
 @pytest.fixture(autouse=True)
 def _need_kernel():
     if fused_layer._load() is None:
         pytest.skip("layer kernel unavailable")
-
-
-def _tree_mask(T):
-    """Node i's parent is (i - 1) // 2; returns the ancestor mask and the depths."""
-    mask, depth = torch.eye(T, dtype=torch.bool), [0] * T
-    for i in range(1, T):
-        mask[i] |= mask[(i - 1) // 2]
-        depth[i] = depth[(i - 1) // 2] + 1
-    return mask, depth
 
 
 def _run(model, ids, monkeypatch, fused: bool):
@@ -40,7 +32,8 @@ def _run(model, ids, monkeypatch, fused: bool):
     for i in range(36, 39):
         outs.append(model(ids[:, i:i + 1], torch.tensor([[i]]), cache).logits)
     outs.append(model(ids[:, 39:43], torch.arange(39, 43)[None], cache).logits)
-    mask, depth = _tree_mask(7)
+    parents = [(i - 1) // 2 - 1 for i in range(1, 7)]  # a binary tree of 7 rows (row 0 the root)
+    mask, depth = tree_mask(parents), tree_positions(parents).tolist()
     outs.append(model(ids[:, 43:50], torch.tensor([[43 + d for d in depth]]), cache, block_mask=mask).logits)
     return outs, cache, calls
 

@@ -6,6 +6,7 @@ import torch
 from specdec.cache.paged_cache import BatchKV, PagedKVPool
 from specdec.kernels import attention
 from specdec.model.loader import load_model
+from specdec.spec.tree import tree_mask, tree_positions
 
 BLOCK = 4
 
@@ -14,14 +15,6 @@ BLOCK = 4
 def _need_kernel():
     if attention._load() is None:
         pytest.skip("attention kernel unavailable")
-
-
-def _tree_mask(n):
-    mask, depth = torch.eye(n, dtype=torch.bool), [0] * n
-    for i in range(1, n):
-        mask[i] |= mask[(i - 1) // 2]
-        depth[i] = depth[(i - 1) // 2] + 1
-    return mask, depth
 
 
 def _batched(model, pool, tables, past, new_tokens, new_positions, row_masks):
@@ -46,7 +39,8 @@ def _run(model, prompts, new, trees):
     positions, masks = [], []
     for b, p in enumerate(prompts):
         if trees[b]:
-            mask, depth = _tree_mask(len(new[b]))
+            parents = [(i - 1) // 2 - 1 for i in range(1, len(new[b]))]  # a binary tree, row 0 the root
+            mask, depth = tree_mask(parents), tree_positions(parents).tolist()
             positions.append([len(p) + d for d in depth])
             masks.append(mask)
         else:

@@ -36,6 +36,13 @@ def _load():
     return _lib
 
 
+def _kernel_applies(rotary, positions: torch.Tensor, x: torch.Tensor, kv_dtype: torch.dtype) -> bool:
+    """What both attention kernels need: fp32 on the CPU, positions inside the rotary tables, the library."""
+    return (x.dtype is torch.float32 and x.device.type == "cpu" and kv_dtype is torch.float32
+            and rotary.cos.dtype is torch.float32 and _load() is not None
+            and int(positions.max()) < rotary.cos.shape[0])
+
+
 class FusedAttention:
     """What the fused kernel needs for one forward pass; built once, used by every layer."""
 
@@ -50,11 +57,8 @@ class FusedAttention:
     @classmethod
     def build(cls, rotary, positions: torch.Tensor, block_mask, cache, x: torch.Tensor) -> "FusedAttention | None":
         B, T = positions.shape
-        if (type(cache) is not KVCache or B != 1 or T > MAX_ROWS or x.dtype is not torch.float32
-                or x.device.type != "cpu" or cache.k.dtype is not torch.float32 or cache.length + T > cache.max_len
-                or rotary.cos.dtype is not torch.float32 or _load() is None):
-            return None
-        if int(positions.max()) >= rotary.cos.shape[0]:
+        if (type(cache) is not KVCache or B != 1 or T > MAX_ROWS or cache.length + T > cache.max_len
+                or not _kernel_applies(rotary, positions, x, cache.k.dtype)):
             return None
         return cls(rotary.cos, rotary.sin, positions, block_mask, cache)
 
@@ -86,16 +90,12 @@ class PagedAttention:
         self.new_slot = new_slot  # [B, T], -1 on padding
         self.gather = cache.gather.contiguous()  # [B, L]
         self.mask = cache.mask[:, 0].to(torch.uint8).contiguous()  # [B, T, L]
-        self.layer_shape = None  # only the static cache has a whole-layer kernel
 
     @classmethod
     def build(cls, rotary, positions: torch.Tensor, cache, x: torch.Tensor) -> "PagedAttention | None":
         B, T = positions.shape
-        if (type(cache) is not BatchKV or B * T > 4 * MAX_ROWS or x.dtype is not torch.float32
-                or x.device.type != "cpu" or cache.pool.k.dtype is not torch.float32
-                or rotary.cos.dtype is not torch.float32 or _load() is None):
-            return None
-        if int(positions.max()) >= rotary.cos.shape[0]:
+        if (type(cache) is not BatchKV or B * T > 4 * MAX_ROWS
+                or not _kernel_applies(rotary, positions, x, cache.pool.k.dtype)):
             return None
         return cls(rotary.cos, rotary.sin, positions, cache)
 

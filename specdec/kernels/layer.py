@@ -92,7 +92,8 @@ def _layer_weights(layer) -> _LayerWeights | None:
     lins = [_describe(layer.qkv.weight, layer.qkv.bias), _describe(layer.o_proj.weight, None),
             _describe(layer.gate_up.weight, None), _describe(layer.down.weight, None)]
     desc = None
-    if all(_cpu_f32(n) for n in norms) and all(l is not None for l in lins):
+    if (all(_cpu_f32(n) for n in norms) and all(l is not None for l in lins)
+            and layer.input_norm.eps == layer.post_norm.eps):  # layer.c takes one eps
         desc = _LayerWeights(norms[0].data_ptr(), norms[1].data_ptr(), *lins, None, None)
     layer._fused_layer = (key, desc)
     return desc
@@ -101,8 +102,7 @@ def _layer_weights(layer) -> _LayerWeights | None:
 def decoder_layer(layer, x: torch.Tensor, fused, layer_idx: int) -> torch.Tensor | None:
     """layer(x) for x [1, T, H] through layer.c, writing this layer's k/v; None if it does not apply.
     `fused` is the pass's FusedAttention (positions, mask, cache)."""
-    if (type(fused) is not FusedAttention or torch.is_grad_enabled() or _load() is None
-            or layer.input_norm.eps != layer.post_norm.eps):
+    if type(fused) is not FusedAttention or torch.is_grad_enabled() or _load() is None:
         return None
     weights = _layer_weights(layer)
     if weights is None:
