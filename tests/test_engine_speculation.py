@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 from specdec.engine.speculation import BatchCost, Speculation, expected_tokens, first_path
 from specdec.spec.proposer import Proposal
+from specdec.spec.adaptive import StepOverhead
 
 
 def cpu_like_cost() -> BatchCost:
@@ -13,6 +14,13 @@ def cpu_like_cost() -> BatchCost:
     for n in (1, 2, 4, 8, 16, 32, 64):
         cost.seconds[n] = max(1.0, n / 16)
     return cost
+
+
+def cpu_like_speculation() -> Speculation:
+    """The choice of K alone: no model, no proposers."""
+    spec = Speculation.__new__(Speculation)
+    spec.cost, spec.plain_batches, spec.overhead = cpu_like_cost(), 0, StepOverhead()
+    return spec
 
 
 def rows(batch: int, acceptance: float, cap: int = 8, draft_yield: float = 1.0):
@@ -30,8 +38,7 @@ def test_cost_interpolates_and_extrapolates():
 
 
 def test_k_backs_off_as_the_batch_grows():
-    spec = Speculation.__new__(Speculation)
-    spec.cost, spec.plain_batches = cpu_like_cost(), 0
+    spec = cpu_like_speculation()
     ks = [spec.choose_k(*rows(b, acceptance=0.7)) for b in (1, 2, 4, 8, 16, 32)]
     assert ks[0] >= 4 and ks == sorted(ks, reverse=True) and ks[-1] == 0
     # a poor drafter gets shorter drafts at the same batch size
@@ -68,8 +75,7 @@ def test_prefill_chunks_are_packed_with_little_padding():
 
 def test_measured_step_overhead_turns_batched_speculation_off():
     """Drafting steps that cost a lot outside the forward (slow drafting, verification) lose to plain."""
-    spec = Speculation.__new__(Speculation)
-    spec.cost, spec.plain_batches = cpu_like_cost(), 0
+    spec = cpu_like_speculation()
     assert spec.choose_k(*rows(1, acceptance=0.5)) >= 1
     for _ in range(20):
         spec.observe_overhead(1, drafted=True, seconds=2.0)  # 2x a whole forward, per drafting step

@@ -33,6 +33,7 @@ import torch
 
 from specdec.cache.paged_cache import BatchKV, PagedKVPool, SeqKV
 from specdec.config import ConfigError, SpeculativeConfig
+from specdec.spec.adaptive import StepOverhead
 from specdec.spec.proposer import EMPTY, Proposal, ProposerContext, available_methods, make_proposer
 from specdec.spec.rejection import Verdict, verify_greedy, verify_sampling
 from specdec.sampler import warp
@@ -121,9 +122,6 @@ def verify_rows(proposal: Proposal, logits: torch.Tensor, params, generator) -> 
 class Speculation:
     """The proposers (the server's default and per-request ones), the cost model, the choice of K."""
 
-    overhead_spec = 0.0  # seconds per row of a drafting decode step outside the target forward (EMA)
-    overhead_plain = 0.0  # the same for a plain decode step
-
     def __init__(self, llm, default_config: SpeculativeConfig | None):
         self.llm = llm
         self.default_config = default_config
@@ -131,6 +129,7 @@ class Speculation:
         if llm.proposer is not None:
             self.proposers[llm.proposer.name] = llm.proposer
         self.cost = BatchCost()
+        self.overhead = StepOverhead()  # per row of a decode step, outside the target forward
         self.pool = None  # the engine's PagedKVPool
         self.plain_batches = 0  # decode batches in a row that chose K = 0
         self._lock = threading.Lock()
@@ -161,11 +160,7 @@ class Speculation:
 
     def observe_overhead(self, rows: int, drafted: bool, seconds: float) -> None:
         """A pure decode step's time outside its target forward, for `rows` rows."""
-        per_row = seconds / max(rows, 1)
-        if drafted:
-            self.overhead_spec = (1 - EMA) * self.overhead_spec + EMA * per_row
-        else:
-            self.overhead_plain = (1 - EMA) * self.overhead_plain + EMA * per_row
+        self.overhead.observe(drafted, seconds / max(rows, 1))
 
     def choose_k(self, seqs, caps: list[int]) -> int:
         drafting = [(s, c) for s, c in zip(seqs, caps) if c > 0 and not s.spec.fixed_k]
@@ -173,13 +168,13 @@ class Speculation:
             return 0
         B = len(seqs)
         p_none = math.prod(1.0 - s.draft_yield for s, _ in drafting)  # no row drafts: a plain pass
-        plain = self.cost.estimate(B) + B * self.overhead_plain
+        plain = self.cost.estimate(B) + B * self.overhead.plain
         best_k, best = 0, B / plain
         for K in range(1, max(c for _, c in drafting) + 1):
             gain = B + sum(s.draft_yield * (expected_tokens(s.adaptive.acceptance, min(K, c)) - 1)
                            for s, c in drafting)
             draft = sum(min(K, c) * s.spec.proposer.draft_cost_per_token for s, c in drafting)
-            cost = (1 - p_none) * (self.cost.estimate(B * (K + 1)) + draft + B * self.overhead_spec) + p_none * plain
+            cost = (1 - p_none) * (self.cost.estimate(B * (K + 1)) + draft + B * self.overhead.spec) + p_none * plain
             rate = gain / cost
             if rate > best * 1.02:
                 best_k, best = K, rate

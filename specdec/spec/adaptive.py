@@ -24,6 +24,21 @@ EMA = 0.3
 PLAIN_REFRESH = 32  # one plain step in this many keeps o_plain measured
 
 
+class StepOverhead:
+    """Seconds of a decode step outside its forward passes (verification, bookkeeping, the drafter's
+    catch-up), as EMAs kept apart for steps that drafted (`spec`) and steps that did not (`plain`)."""
+
+    def __init__(self):
+        self.spec = 0.0
+        self.plain = 0.0
+
+    def observe(self, drafted: bool, seconds: float) -> None:
+        if drafted:
+            self.spec = (1 - EMA) * self.spec + EMA * seconds
+        else:
+            self.plain = (1 - EMA) * self.plain + EMA * seconds
+
+
 class CostModel:
     """Seconds per target forward over T new tokens, T = 1..max_tokens (shared by requests)."""
 
@@ -69,8 +84,7 @@ class AdaptiveK:
         self.probe_interval = probe_interval
         self.plain_steps = 0
         self.draft_seconds: float | None = None  # per drafted token, EMA over this request's steps
-        self.overhead_spec = 0.0  # seconds of a drafting step outside the draft and verify forwards
-        self.overhead_plain = 0.0  # the same for a plain step
+        self.overhead = StepOverhead()  # outside the draft and verify forwards
         self.steps = 0
 
     def update(self, num_drafted: int, num_accepted: int) -> None:
@@ -83,12 +97,11 @@ class AdaptiveK:
     def observe_step(self, num_drafted: int, draft_seconds: float, other_seconds: float) -> None:
         """A step's measured costs: the proposer's time, and what is neither drafting nor the verify
         forward (verification, the drafter's bookkeeping on the accepted tokens, output)."""
+        self.overhead.observe(num_drafted > 0, other_seconds)
         if num_drafted == 0:
-            self.overhead_plain = (1 - EMA) * self.overhead_plain + EMA * other_seconds
             return
         per_token = draft_seconds / num_drafted
         self.draft_seconds = per_token if self.draft_seconds is None else (1 - EMA) * self.draft_seconds + EMA * per_token
-        self.overhead_spec = (1 - EMA) * self.overhead_spec + EMA * other_seconds
 
     def expected_speedup(self, k: int, draft_cost_rel: float) -> float:
         """Tokens per second at k over plain decoding's. draft_cost_rel: the proposer's own estimate of
@@ -99,8 +112,8 @@ class AdaptiveK:
         if not base:
             return tokens / (self.cost.relative(k + 1) + k * draft_cost_rel)
         draft = self.draft_seconds if self.draft_seconds is not None else draft_cost_rel * base
-        spec = self.cost.relative(k + 1) * base + k * draft + self.overhead_spec
-        return tokens * (base + self.overhead_plain) / spec
+        spec = self.cost.relative(k + 1) * base + k * draft + self.overhead.spec
+        return tokens * (base + self.overhead.plain) / spec
 
     def choose(self, draft_cost_rel: float) -> int:
         self.steps += 1
