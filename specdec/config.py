@@ -201,8 +201,6 @@ class SpeculativeConfig:
             object.__setattr__(self, "num_draft_tokens", n)
         if not (2 <= n <= 65):
             raise ConfigError(f"num_draft_tokens must be in [2, 65], got {n}")
-        if self.num_speculative_tokens is None:  # a learned tree has a fixed budget, not adaptive k
-            object.__setattr__(self, "num_speculative_tokens", n - 1)
 
     @property
     def fixed_k(self) -> bool:
@@ -210,7 +208,13 @@ class SpeculativeConfig:
 
     @property
     def k_max(self) -> int:
-        return self.num_speculative_tokens or self.max_speculative_tokens
+        """The most tokens a step drafts: k when fixed; else a learned tree's budget (num_draft_tokens
+        counts the root), else max_speculative_tokens. Adaptive k chooses in 0..k_max."""
+        if self.num_speculative_tokens:
+            return self.num_speculative_tokens
+        if self.method in LEARNED_TREE_METHODS:
+            return self.num_draft_tokens - 1
+        return self.max_speculative_tokens
 
     @classmethod
     def from_dict(cls, d: "dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":

@@ -88,23 +88,31 @@ class _EagleBase(Proposer):
         out = self.head.forward_layer(emb, hidden, pos, cache)
         st["len"], st["g"] = cache.length, out[:, -1:]
 
+    @torch.inference_mode()
     def begin(self, state: RequestState, prefill: TargetOutput | None = None) -> None:
         n = len(state.prompt_ids)
         st = state.draft
         st["cache"] = DraftKV(self.head.cfg, self.ctx.max_len + self.budget + 2, self.embed.dtype)
         st["len"] = 0
-        with torch.inference_mode():
-            self._commit(state, self._features(prefill.forward, prefill.accepted_rows),
-                         state.token_ids[1:n + 1])
+        st["pending"] = [(self._features(prefill.forward, prefill.accepted_rows), state.token_ids[1:n + 1])]
 
+    @torch.inference_mode()
     def on_verified(self, state: RequestState, proposal: Proposal, num_accepted: int,
                     target: TargetOutput | None = None) -> None:
+        """Queue the accepted rows' features; the head digests them when it next drafts, so the steps
+        that adaptive k makes plain cost the head nothing."""
         rows = target.accepted_rows
         nxt = state.token_ids[-len(rows):]  # accepted drafts + the recovered/bonus token
         if len(nxt) < len(rows) or "cache" not in state.draft:
             return  # the request stopped inside the block: it ends here
-        with torch.inference_mode():
-            self._commit(state, self._features(target.forward, rows), nxt)
+        state.draft["pending"].append((self._features(target.forward, rows), nxt))
+
+    def _flush(self, state: RequestState) -> None:
+        pending = state.draft.get("pending")
+        if pending:
+            feats = torch.cat([f for f, _ in pending])  # [n, H] or [n, 3H]
+            self._commit(state, feats, [t for _, toks in pending for t in toks])
+            pending.clear()
 
     # -- drafting -------------------------------------------------------------------------------
     def _logprobs(self, out: torch.Tensor) -> torch.Tensor:
@@ -120,8 +128,9 @@ class _EagleBase(Proposer):
 
     @torch.inference_mode()
     def propose(self, state: RequestState, k: int) -> Proposal:
-        if "g" not in state.draft:
+        if "cache" not in state.draft:
             return EMPTY
+        self._flush(state)
         state.draft["cache"].length = state.draft["len"]
         if self.topk == 1 or min(k, self.budget) <= 1:
             return self._chain(state, min(k, self.num_steps))
