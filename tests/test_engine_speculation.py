@@ -20,6 +20,7 @@ def cpu_like_speculation() -> Speculation:
     """The choice of K alone: no model, no proposers."""
     spec = Speculation.__new__(Speculation)
     spec.cost, spec.plain_batches, spec.overhead = cpu_like_cost(), 0, StepOverhead()
+    spec.pool, spec.propose_seconds = None, 0.0
     return spec
 
 
@@ -102,3 +103,25 @@ def test_profile_runs_the_engines_paged_path(tiny_dir, monkeypatch):
     cost.profile(model, sizes=(1, 2, 4), repeats=2)
     assert sorted(cost.seconds) == [1, 2, 4] and all(t > 0 for t in cost.seconds.values())
     assert seen == [1, 1, 2, 2, 4, 4]
+
+
+def test_a_model_drafters_time_is_not_counted_twice():
+    """A proposer that costs its drafting itself (draft_cost_per_token > 0, measured without its
+    one-off catch-up on the prompt) is left out of the step overhead; a lookup drafter (0) is not."""
+    import time
+
+    class Slow:
+        def __init__(self, cost):
+            self.draft_cost_per_token = cost
+
+        def propose(self, state, k):
+            time.sleep(0.05)  # e.g. the drafter prefilling a whole prompt on its first call
+            return Proposal([1] * k)
+
+    spec = cpu_like_speculation()
+    for cost, counted in ((0.01, True), (0.0, False)):
+        spec.propose_seconds = 0.0
+        seq = SimpleNamespace(spec=SimpleNamespace(proposer=Slow(cost), fixed_k=False), state=None, grammar=None,
+                              draft_yield=0.0)
+        assert spec.propose(seq, 2, cap=4).tokens == [1, 1]
+        assert (spec.propose_seconds >= 0.05) == counted

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from specdec import kernels
 from specdec.config import ConfigError
-from specdec.quant.qlinear import QuantizedWeight, qkernel
+from specdec.quant.qlinear import CHUNKED_ROWS, QuantizedWeight, qkernel
 from specdec.quant.schemes import (QuantScheme, _grouped, deinterleave_int8, dequantize, interleave_int8,
                                    kernel_reference, pack_int4, quantize, quantize_activations, unpack_int4)
 
@@ -132,8 +132,12 @@ def test_dequantize_kernel_equals_reference_and_prefill_path(need_kernel):
     for scheme in SCHEMES:
         qw = QuantizedWeight(quantize(w, scheme))
         assert torch.equal(qw.dequantize(), dequantize(qw.packed))  # q * s is exact in fp32
-        x = torch.randn(1, 40, 160)  # 40 rows > MAX_ROWS: dequantize + BLAS
+        x = torch.randn(1, CHUNKED_ROWS + 1, 160)  # a long prefill: dequantize + BLAS
         torch.testing.assert_close(kernels.linear(x, qw), reference(x, qw).float(), atol=1e-4, rtol=1e-4)
+        # 40 rows > MAX_ROWS: the kernel, 32 rows at a time, row for row what it gives alone
+        x = x[:, :40]
+        rows = torch.cat([kernels.linear(x[:, i], qw) for i in range(40)])
+        assert torch.equal(kernels.linear(x, qw)[0], rows)
         ids = torch.tensor([[3, 69, 0]])
         assert torch.equal(qw.rows(ids), dequantize(qw.packed)[ids])
 

@@ -170,6 +170,7 @@ class Engine:
     # --- the step -------------------------------------------------------------------------------
     def step(self) -> list[SeqOutput]:
         t_step = time.perf_counter()
+        self.spec.propose_seconds = 0.0
         batch = self.scheduler.schedule()
         touched: list[Sequence] = []
         forwards = [(rows, False) for rows in pack_rows(batch.prefill)]
@@ -189,7 +190,7 @@ class Engine:
         outs = [self._collect(s) for s in touched]
         if batch.decode and not batch.prefill:  # a pure decode step: what drafting costs besides the pass
             self.spec.observe_overhead(len(batch.decode), self.last_k > 0,
-                                       time.perf_counter() - t_step - decode_forward)
+                                       time.perf_counter() - t_step - decode_forward - self.spec.propose_seconds)
         for s in touched:
             if s.finished:
                 reqs = self.seqs.get(s.request_id, [])

@@ -15,8 +15,10 @@ ones. The rule (documented in docs/benchmarks/serving.md):
     K        = argmax rate(K) over 0..k_max, kept only if > 1.02 x rate(0)
 
 c(N) is profiled at start (N = 1, 2, 4, ..., 64); each decode pass rescales the curve (BatchCost).
-o_spec, o_plain: measured seconds per row of a decode step outside the target forward (drafting,
-verification, bookkeeping), for steps that drafted and steps that did not: a drafter that is
+o_spec, o_plain: measured seconds per row of a decode step outside the target forward (verification,
+bookkeeping, lookup drafting; a model drafter's time is draft_cost_b, measured by the proposer without
+its one-off catch-up on a prompt, which made o_spec ~1 s and kept qdraft off for good), for steps
+that drafted and steps that did not: a drafter that is
 accepted but whose steps cost more than they save backs off (the n-gram drafter at concurrency 1
 was 9% slower than plain before this term).
 A request with a fixed num_speculative_tokens drafts exactly that many. After PROBE_INTERVAL decode
@@ -132,6 +134,7 @@ class Speculation:
         self.overhead = StepOverhead()  # per row of a decode step, outside the target forward
         self.pool = None  # the engine's PagedKVPool
         self.plain_batches = 0  # decode batches in a row that chose K = 0
+        self.propose_seconds = 0.0  # time in proposers since the engine last reset it (once per step)
         self._lock = threading.Lock()
 
     def proposer(self, method: str):
@@ -159,7 +162,9 @@ class Speculation:
         return max(0, min(seq.spec.k_max, remaining - 1, room))
 
     def observe_overhead(self, rows: int, drafted: bool, seconds: float) -> None:
-        """A pure decode step's time outside its target forward, for `rows` rows."""
+        """A pure decode step's time outside its target forward and its proposers, for `rows` rows.
+        Drafting is costed apart (draft_cost_per_token, which each proposer measures without the
+        catch-up of a prompt or of the tokens of plain steps, a one-off per request)."""
         self.overhead.observe(drafted, seconds / max(rows, 1))
 
     def choose_k(self, seqs, caps: list[int]) -> int:
@@ -192,7 +197,10 @@ class Speculation:
             return EMPTY
         if self.pool is not None:  # self-speculation (layerskip) drafts into the sequence's own blocks
             seq.state.draft["target_cache"] = SeqKV(self.pool, seq.block_table, seq.num_computed)
+        t0 = time.perf_counter()
         proposal = seq.spec.proposer.propose(seq.state, k)
+        if seq.spec.proposer.draft_cost_per_token > 0:  # it costs its drafting itself (lookups leave 0)
+            self.propose_seconds += time.perf_counter() - t0
         if proposal.is_tree:
             proposal = first_path(proposal)
         tokens = proposal.tokens[:k]
