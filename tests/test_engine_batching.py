@@ -176,3 +176,22 @@ def test_too_long_prompt_is_refused(plain):
     with pytest.raises(ValueError):
         eng.add_request(EngineRequest("long", [5] * 200, SamplingParams()))
     assert torch.get_num_threads() >= 1
+
+
+def test_qdraft_in_the_engine_is_seeded_from_the_paged_pool(plain):
+    """The quantized self-draft copies the target's keys/values out of the sequence's blocks instead of
+    prefilling the prompt in int4: it never feeds more than the newest tokens, and output stays exact."""
+    qdraft = LLM(str(plain.source.directory), dtype="float32", max_model_len=160, progress=False, num_threads=1,
+                 speculative_config={"method": "qdraft"})
+    engine = Engine(qdraft, EngineConfig(max_num_seqs=4, max_num_batched_tokens=16, block_size=8))
+    drafter = engine.spec.proposer("qdraft")
+    fed = []
+    real = drafter._forward
+    drafter._forward = lambda cache, tokens: fed.append(len(tokens)) or real(cache, tokens)
+    reqs = greedy_reqs(qdraft, max_tokens=24)[:3]
+    for r in reqs:
+        r.speculative = {"method": "qdraft", "num_speculative_tokens": 3}
+    res = run(engine, reqs)
+    for r in reqs:
+        assert res[(r.request_id, 0)]["ids"] == reference(plain, r.prompt_ids, r.params)[0].token_ids
+    assert fed and max(fed) <= 2  # the last token (+ an accepted draft), never a prompt

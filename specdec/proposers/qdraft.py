@@ -13,14 +13,15 @@ Per request (state.draft):
     cache     the drafter's KV cache; invariant: it holds exactly token_ids[:cache.length]
     pending   (pre_len, fed): the cache held pre_len context tokens plus `fed` drafted ones
     seeded    positions [0, seeded) of the cache hold the TARGET's keys/values
-Seeding: in the single-request decoder the target's static KV cache is at hand (same layout: the
-drafter is a copy of the target), so propose() copies the target's keys/values for every context
-position the target has computed instead of recomputing them in int4: no draft prefill of the
-prompt, no catch-up forward on accepted tokens. The drafter then conditions on the target's cache,
-which only changes what it proposes; verification keeps the output exact.
-Lazy catch-up (elsewhere, e.g. the paged engine): propose() first feeds every context token the
-drafter has not seen (the prompt on the first call, then the bonus/recovered token) in ONE forward,
-then drafts k tokens one by one with
+Seeding: the target's cache is at hand as state.draft["target_cache"] (the single-request decoder's
+static KVCache, or the sequence's blocks in the serving engine's paged pool) with the same layout
+(the drafter is a copy of the target), so propose() copies the target's keys/values for every
+context position the target has computed instead of recomputing them in int4: no draft prefill of
+the prompt, no catch-up forward on accepted tokens. The drafter then conditions on the target's
+cache, which only changes what it proposes; verification keeps the output exact.
+Lazy catch-up (without a target cache, or another layout): propose() first feeds every context
+token the drafter has not seen (the prompt on the first call, then the bonus/recovered token) in ONE
+forward, then drafts k tokens one by one with
 draft_model's `draft_chain` (argmax for greedy requests; sampling requests draw from q = warp(logits)
 with the request's generator and return q, so verification is exact). After verification the cache
 is rolled back to the accepted drafts, e.g. context [a b c], drafts [x y z] (x, y fed), 1 accepted
@@ -107,14 +108,16 @@ class QDraftProposer(Proposer):
         """Copy the target's keys/values for context positions the target has computed (see above)."""
         from specdec.cache.kv_cache import KVCache
         target = state.draft.get("target_cache")
-        if (type(target) is not KVCache or type(cache) is not KVCache or target.k.dtype != cache.k.dtype
-                or target.k.shape[:3] != cache.k.shape[:3] or target.k.shape[4] != cache.k.shape[4]):
+        if type(cache) is not KVCache or target is None:
             return
         n = min(target.length, len(state.token_ids) - 1, cache.max_len)  # the last token is fed, not copied
         start = min(state.draft.get("seeded", 0), cache.length, n)
         if n > start:
-            cache.k[:, :, :, start:n] = target.k[:, :, :, start:n]
-            cache.v[:, :, :, start:n] = target.v[:, :, :, start:n]
+            kv = _target_kv(target, start, n)  # [L, Hkv, n - start, D] each, or None
+            if kv is None or kv[0].shape != cache.k[:, 0, :, start:n].shape or kv[0].dtype != cache.k.dtype:
+                return
+            cache.k[:, 0, :, start:n] = kv[0]
+            cache.v[:, 0, :, start:n] = kv[1]
         cache.length = n  # then propose() feeds ids[n:] (the last token) itself
         state.draft["seeded"] = n
 
@@ -124,3 +127,17 @@ class QDraftProposer(Proposer):
         if pending is not None:
             pre_len, fed = pending
             state.draft["cache"].rollback(pre_len + min(num_accepted, fed))
+
+
+def _target_kv(target, start: int, end: int):
+    """The target's keys and values of positions [start, end), [L, Hkv, end - start, D] each, from the
+    single-request static cache or from a sequence's blocks in the serving engine's paged pool
+    (then the drafter needs no catch-up forward over the prompt there either); None for others."""
+    from specdec.cache.kv_cache import KVCache
+    from specdec.cache.paged_cache import SeqKV
+    if type(target) is KVCache and target.k.shape[1] == 1:
+        return target.k[:, 0, :, start:end], target.v[:, 0, :, start:end]
+    if type(target) is SeqKV:
+        slots = target.pool.slots(target.block_table, start, end)
+        return target.pool.k[:, slots].transpose(1, 2), target.pool.v[:, slots].transpose(1, 2)
+    return None
