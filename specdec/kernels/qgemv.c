@@ -59,9 +59,25 @@ static inline float half_to_float(uint16_t h) {
 #endif
 }
 
+#ifdef __AVX2__
+#define PAIRED_I4(KIND, G) ((KIND) == I4 && (G) == QBLOCK) /* qtile32's int4 order, see pair_pos */
+#else
+#define PAIRED_I4(KIND, G) 0
+#endif
+
+/* Where element i of block b goes in the int4-g32 activation order: blocks 2p and 2p+1 (a full pair)
+ * fill 64 bytes as [x_2p[0:16], x_2p+1[0:16], x_2p[16:32], x_2p+1[16:32]], so ONE 32-byte load of the
+ * two blocks' packed weights gives their low nibbles (k < 16) and high nibbles (k >= 16) in the
+ * order of those activation halves; a last unpaired block keeps its own order. */
+static inline int64_t pair_pos(int64_t b, int i, int64_t nb) {
+    if ((b | 1) >= nb) return b * QBLOCK + i;
+    return (b & ~(int64_t)1) * QBLOCK + (i < 16 ? 0 : 32) + (b & 1) * 16 + i % 16;
+}
+
 /* Row t of x -> xq (int8, [K], in the weights' byte order), d ([K/32] block scales) and S ([ng]
  * exact group sums). Scalar: a few microseconds per row, and the same on every build. */
 static void quantize_row(const int KIND, const float *x, int64_t K, int64_t G, int8_t *xq, float *d, float *S) {
+    const int paired = PAIRED_I4(KIND, G);
     for (int64_t b = 0; b < K / QBLOCK; b++) {
         const float *xb = x + b * QBLOCK;
         float amax = 0.f;
@@ -69,8 +85,9 @@ static void quantize_row(const int KIND, const float *x, int64_t K, int64_t G, i
         const float db = amax / 127.f, inv = db > 0.f ? 1.f / db : 0.f;
         d[b] = db;
         for (int i = 0; i < QBLOCK; i++) {
-            const int pos = KIND == I4 ? i : 4 * (i % 8) + i / 8; /* int8: column 8c + i at byte 4i + c */
-            xq[b * QBLOCK + pos] = (int8_t)nearbyintf(xb[i] * inv);
+            const int8_t v = (int8_t)nearbyintf(xb[i] * inv);
+            if (paired) xq[pair_pos(b, i, K / QBLOCK)] = v;
+            else xq[b * QBLOCK + (KIND == I4 ? i : 4 * (i % 8) + i / 8)] = v; /* int8: column 8c + i at byte 4i + c */
         }
     }
     for (int64_t g = 0; g * G < K; g++) {
@@ -171,6 +188,29 @@ static inline __m256 load_halves(const uint16_t *h, int n) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)tmp));
 }
 
+/* Int4 blocks c and c + 1 against activations in pair_pos order: lanes 0-3 sum to block c's dot,
+ * lanes 4-7 to block c + 1's (zero past nb). Per pair: one load, two maddubs, one madd (the two
+ * int16 pair sums add without overflow: |2 * 2 * 15 * 127| < 2^15). */
+static inline __m256i pair_dot(const uint8_t *qr, const int8_t *xq, int64_t c, int64_t nb) {
+    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f);
+    if (c >= nb) return _mm256_setzero_si256();
+    if (c + 1 >= nb) { /* a last unpaired block: its 8 partial sums folded into lanes 0-3 */
+        const __m256i d = dot_block(I4, load_block(I4, qr, c), _mm256_loadu_si256((const __m256i *)(xq + c * QBLOCK)));
+        return _mm256_zextsi128_si256(_mm_add_epi32(_mm256_castsi256_si128(d), _mm256_extracti128_si256(d, 1)));
+    }
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(qr + c * 16));
+    const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    const __m256i xlo = _mm256_loadu_si256((const __m256i *)(xq + c * QBLOCK));
+    const __m256i xhi = _mm256_loadu_si256((const __m256i *)(xq + c * QBLOCK + 32));
+    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi)), ones);
+}
+
+/* Four pair_dot vectors -> [dot of block 0, ..., dot of block 7] (exact). */
+static inline __m256i reduce_pairs(const __m256i p[4]) {
+    const __m256i s = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+    return _mm256_permutevar8x32_epi32(s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)); /* [0 2 4 6 | 1 3 5 7] */
+}
+
 /* The group-size-32 case (every block its own weight scale: the int4 default and the quantized
  * self-draft), eight blocks at a time: the 8 blocks' integer dots are reduced to one vector, so
  * the scales apply lane-wise (d_b s_b per lane) instead of once per block with scalar fp16
@@ -209,18 +249,27 @@ static inline __attribute__((always_inline)) void qtile32(const int KIND, const 
                 zv = load_halves(zp + r * nb + b, n);
                 if (KIND == I8_ASYM) zv = _mm256_fmadd_ps(_mm256_set1_ps(128.f), sv, zv);
             }
-            __m256i p[2][8]; /* [t][block]: each weight block unpacked once for every activation row */
-            for (int i = 0; i < 8; i++) {
-                if (i >= n) {
-                    for (int t = 0; t < NT; t++) p[t][i] = _mm256_setzero_si256();
-                    continue;
+            __m256i sums[2]; /* [t]: the 8 blocks' integer dots, one lane each */
+            if (KIND == I4) {
+                __m256i p[2][4]; /* [t][pair]: lanes 0-3 block b + 2m, lanes 4-7 block b + 2m + 1 */
+                for (int m = 0; m < 4; m++)
+                    for (int t = 0; t < NT; t++) p[t][m] = pair_dot(qr, xq + t * K, b + 2 * m, nb);
+                for (int t = 0; t < NT; t++) sums[t] = reduce_pairs(p[t]);
+            } else {
+                __m256i p[2][8]; /* [t][block]: each weight block unpacked once for every activation row */
+                for (int i = 0; i < 8; i++) {
+                    if (i >= n) {
+                        for (int t = 0; t < NT; t++) p[t][i] = _mm256_setzero_si256();
+                        continue;
+                    }
+                    const __m256i w = load_block(KIND, qr, b + i);
+                    for (int t = 0; t < NT; t++)
+                        p[t][i] = dot_block(KIND, w, _mm256_loadu_si256((const __m256i *)(xq + t * K + (b + i) * QBLOCK)));
                 }
-                const __m256i w = load_block(KIND, qr, b + i);
-                for (int t = 0; t < NT; t++)
-                    p[t][i] = dot_block(KIND, w, _mm256_loadu_si256((const __m256i *)(xq + t * K + (b + i) * QBLOCK)));
+                for (int t = 0; t < NT; t++) sums[t] = reduce8(p[t]);
             }
             for (int t = 0; t < NT; t++) {
-                const __m256 dots = _mm256_cvtepi32_ps(reduce8(p[t]));
+                const __m256 dots = _mm256_cvtepi32_ps(sums[t]);
                 tot[r][t] = _mm256_fmadd_ps(dots, _mm256_mul_ps(dv[t], sv), tot[r][t]);
                 if (KIND != I8_SYM) zt[r][t] = _mm256_fmadd_ps(zv, Sv[t], zt[r][t]);
             }
