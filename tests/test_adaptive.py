@@ -46,3 +46,16 @@ def test_plain_steps_are_refreshed():
     ad = AdaptiveK(8, _cost())
     ks = _run(ad, 2 * PLAIN_REFRESH + 1, 1.0, draft_s=0.001, overhead_s=0.002)
     assert [i for i, k in enumerate(ks) if k == 0] == [0, PLAIN_REFRESH, 2 * PLAIN_REFRESH]
+
+
+def test_probes_back_off_while_speculation_keeps_losing():
+    """A losing drafter is probed after 16, 32, 64, 128, 128... plain steps (each probe costs it a
+    catch-up), and a probe that finds a gain brings speculation back at once."""
+    ad = AdaptiveK(8, _cost(), probe_interval=16)
+    ks = _run(ad, 420, 0.0, draft_s=0.004, overhead_s=0.002)  # nothing is ever accepted
+    probes = [i for i, k in enumerate(ks) if k > 0 and i > 8]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps and gaps == sorted(gaps) and max(gaps) >= 128 > min(gaps)
+    assert len(probes) <= 7
+    ks = _run(ad, 300, 1.0, draft_s=0.0001, overhead_s=0.0)  # the drafter became cheap
+    assert sum(k > 0 for k in ks[-100:]) >= 90
