@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 from specdec.engine.speculation import BatchCost, Speculation, expected_tokens, first_path
 from specdec.spec.proposer import Proposal
-from specdec.spec.adaptive import StepOverhead
+from specdec.spec.adaptive import ProbeBackoff, StepOverhead
 
 
 def cpu_like_cost() -> BatchCost:
@@ -19,7 +19,7 @@ def cpu_like_cost() -> BatchCost:
 def cpu_like_speculation() -> Speculation:
     """The choice of K alone: no model, no proposers."""
     spec = Speculation.__new__(Speculation)
-    spec.cost, spec.plain_batches, spec.overhead = cpu_like_cost(), 0, StepOverhead()
+    spec.cost, spec.probes, spec.overhead = cpu_like_cost(), ProbeBackoff(32), StepOverhead()
     spec.pool, spec.propose_seconds = None, 0.0
     return spec
 
@@ -50,8 +50,10 @@ def test_k_backs_off_as_the_batch_grows():
     assert spec.choose_k(*rows(1, acceptance=0.5, draft_yield=0.1)) >= 1
     # ... but in a large batch its rare drafts would pad every row: off
     assert spec.choose_k(*rows(16, acceptance=0.5, draft_yield=0.1)) == 0
-    # a long run of plain batches is broken by one probe of the whole batch
-    assert [spec.choose_k(*rows(32, acceptance=0.1)) for _ in range(64)].count(1) == 2
+    # a long run of plain batches is broken by probes of the whole batch, further apart while they lose
+    ks = [spec.choose_k(*rows(32, acceptance=0.1)) for _ in range(250)]
+    probes = [i for i, k in enumerate(ks) if k == 1]
+    assert len(probes) == 3 and [b - a for a, b in zip(probes, probes[1:])] == [64, 128]
 
 
 def test_expected_tokens_and_tree_path():

@@ -23,7 +23,9 @@ accepted but whose steps cost more than they save backs off (the n-gram drafter 
 was 9% slower than plain before this term).
 A request with a fixed num_speculative_tokens drafts exactly that many. After PROBE_INTERVAL decode
 batches in a row with K = 0 the whole batch drafts one token once, so the acceptance estimates stay
-current (probing row by row would pad nearly every pass of a large batch).
+current (probing row by row would pad nearly every pass of a large batch); each probe after which
+K stays 0 doubles the wait, up to MAX_PROBE_INTERVAL (at 16 rows a qdraft probe costs 16 int4 drafts
+and a 32-row verify: every 32 batches it cost ~6% of TPOT).
 """
 from __future__ import annotations
 
@@ -35,13 +37,14 @@ import torch
 
 from specdec.cache.paged_cache import BatchKV, PagedKVPool, SeqKV
 from specdec.config import ConfigError, SpeculativeConfig
-from specdec.spec.adaptive import StepOverhead
+from specdec.spec.adaptive import ProbeBackoff, StepOverhead
 from specdec.spec.proposer import EMPTY, Proposal, ProposerContext, available_methods, make_proposer
 from specdec.spec.rejection import Verdict, verify_greedy, verify_sampling
 from specdec.sampler import warp
 
 EMA = 0.3
-PROBE_INTERVAL = 32  # plain batches between two probes
+PROBE_INTERVAL = 32  # plain batches before the first probe
+MAX_PROBE_INTERVAL = 512
 PROFILE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -133,7 +136,7 @@ class Speculation:
         self.cost = BatchCost()
         self.overhead = StepOverhead()  # per row of a decode step, outside the target forward
         self.pool = None  # the engine's PagedKVPool
-        self.plain_batches = 0  # decode batches in a row that chose K = 0
+        self.probes = ProbeBackoff(PROBE_INTERVAL, MAX_PROBE_INTERVAL)
         self.propose_seconds = 0.0  # time in proposers since the engine last reset it (once per step)
         self._lock = threading.Lock()
 
@@ -183,9 +186,8 @@ class Speculation:
             rate = gain / cost
             if rate > best * 1.02:
                 best_k, best = K, rate
-        self.plain_batches = self.plain_batches + 1 if best_k == 0 else 0
-        if best_k == 0 and self.plain_batches % PROBE_INTERVAL == 0:
-            return 1  # probe, the whole batch at once: re-measure acceptance at 1/PROBE_INTERVAL of one pass
+        if self.probes.should_probe(best_k > 0):
+            return 1  # probe, the whole batch at once: re-measure acceptance
         return best_k
 
     def propose(self, seq, k: int, cap: int) -> Proposal:

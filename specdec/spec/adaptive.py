@@ -42,6 +42,32 @@ class StepOverhead:
             self.plain = (1 - EMA) * self.plain + EMA * seconds
 
 
+class ProbeBackoff:
+    """When speculation is off, when to draft once anyway to re-measure acceptance and cost: after
+    `interval` plain steps, and each probe that still finds no gain doubles the wait (up to
+    `max_interval`); a step that speculates resets it."""
+
+    def __init__(self, interval: int, max_interval: int = MAX_PROBE_INTERVAL):
+        self.base_interval = self.interval = interval
+        self.max_interval = max_interval
+        self.plain_steps = 0  # plain steps since the last probe
+        self.probed = False  # the previous step was a probe
+
+    def should_probe(self, speculating: bool) -> bool:
+        """Called once per step with the cost model's verdict; True: this (plain) step probes."""
+        if speculating:
+            self.interval, self.plain_steps, self.probed = self.base_interval, 0, False
+            return False
+        if self.probed:  # the probe did not make speculation pay: wait longer for the next one
+            self.interval = min(2 * self.interval, self.max_interval)
+            self.probed = False
+        self.plain_steps += 1
+        if self.plain_steps >= self.interval:
+            self.plain_steps, self.probed = 0, True
+            return True
+        return False
+
+
 class CostModel:
     """Seconds per target forward over T new tokens, T = 1..max_tokens (shared by requests)."""
 
@@ -84,9 +110,7 @@ class AdaptiveK:
         self.k_max = k_max
         self.cost = cost
         self.acceptance = PRIOR_ACCEPTANCE
-        self.base_probe_interval = self.probe_interval = probe_interval
-        self.plain_steps = 0  # plain steps since the last probe (or since speculation paid)
-        self.probed = False  # the previous choice was a probe
+        self.probes = ProbeBackoff(probe_interval)
         self.draft_seconds: float | None = None  # per drafted token, EMA over this request's steps
         self.overhead = StepOverhead()  # outside the draft and verify forwards
         self.steps = 0
@@ -128,14 +152,6 @@ class AdaptiveK:
             s = self.expected_speedup(k, draft_cost_rel)
             if s > best * 1.02:  # a 2% margin: do not speculate for noise-level gains
                 best_k, best = k, s
-        if best_k > 0:
-            self.probe_interval, self.plain_steps, self.probed = self.base_probe_interval, 0, False
-            return best_k
-        if self.probed:  # the probe did not make speculation pay: wait longer for the next one
-            self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
-            self.probed = False
-        self.plain_steps += 1
-        if self.plain_steps >= self.probe_interval:
-            self.plain_steps, self.probed = 0, True
+        if self.probes.should_probe(best_k > 0):
             return 1  # probe: re-measure acceptance and cost
-        return 0
+        return best_k
