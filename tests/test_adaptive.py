@@ -59,3 +59,21 @@ def test_probes_back_off_while_speculation_keeps_losing():
     assert len(probes) <= 7
     ks = _run(ad, 300, 1.0, draft_s=0.0001, overhead_s=0.0)  # the drafter became cheap
     assert sum(k > 0 for k in ks[-100:]) >= 90
+
+
+def test_acceptance_estimate_does_not_count_untested_drafts():
+    """Drafting 4 tokens with a per-position acceptance of 0.75 (seeded geometric draws): the estimate
+    lands near 0.75, where counting the untested positions after a rejection as rejected (m / k)
+    would settle near 0.5."""
+    import random
+    rng = random.Random(0)
+    ad = AdaptiveK(8, _cost())
+    naive = []
+    for _ in range(400):
+        m = 0
+        while m < 4 and rng.random() < 0.75:
+            m += 1
+        ad.update(4, m)
+        naive.append(m / 4)
+    assert abs(ad.acceptance - 0.75) < 0.12
+    assert abs(sum(naive) / len(naive) - 0.75) > 0.15  # the old estimator's bias, for contrast

@@ -110,17 +110,24 @@ class AdaptiveK:
         self.k_max = k_max
         self.cost = cost
         self.acceptance = PRIOR_ACCEPTANCE
+        self._accepted, self._tested = PRIOR_ACCEPTANCE, 1.0  # EMAs of positions accepted / observed
         self.probes = ProbeBackoff(probe_interval)
         self.draft_seconds: float | None = None  # per drafted token, EMA over this request's steps
         self.overhead = StepOverhead()  # outside the draft and verify forwards
         self.steps = 0
 
     def update(self, num_drafted: int, num_accepted: int) -> None:
+        """Per-position acceptance a from truncated-geometric observations: m of k drafts accepted shows
+        m successes and, if m < k, one failure; positions after it were never tested. The estimate is
+        (EMA of successes) / (EMA of tested positions), the pooled maximum-likelihood one. (It was m / k
+        per step, which counts untested positions as failures and so pulled a, and k, down as k grew:
+        qdraft at adaptive k drafted 2.5 tokens a step at 0.91 acceptance, 1.49x, where fixed k = 4 gave 1.77x.)"""
         if num_drafted == 0:
             return
-        # per-position acceptance estimate from a truncated-geometric observation
-        rate = num_accepted / num_drafted if num_accepted < num_drafted else 1.0
-        self.acceptance = (1 - EMA) * self.acceptance + EMA * min(rate, 0.99)
+        tested = num_accepted + (1 if num_accepted < num_drafted else 0)
+        self._accepted = (1 - EMA) * self._accepted + EMA * num_accepted
+        self._tested = (1 - EMA) * self._tested + EMA * tested
+        self.acceptance = min(self._accepted / self._tested, 0.99)
 
     def observe_step(self, num_drafted: int, draft_seconds: float, other_seconds: float) -> None:
         """A step's measured costs: the proposer's time, and what is neither drafting nor the verify
