@@ -77,3 +77,18 @@ def test_acceptance_estimate_does_not_count_untested_drafts():
         naive.append(m / 4)
     assert abs(ad.acceptance - 0.75) < 0.12
     assert abs(sum(naive) / len(naive) - 0.75) > 0.15  # the old estimator's bias, for contrast
+
+
+def test_a_request_starts_from_the_previous_requests_estimates():
+    """After a request whose drafter never pays, the next one does not draft at all in its first 100
+    steps (no probe: the wait it inherits is 128), where a fresh start drafts on its second step; a
+    drafter that pays again is back within one probe interval."""
+    losing = AdaptiveK(8, _cost(), probe_interval=16)
+    _run(losing, 420, 0.0, draft_s=0.004, overhead_s=0.002)
+    fresh = _run(AdaptiveK(8, _cost()), 100, 0.0, draft_s=0.004, overhead_s=0.002)
+    assert fresh[1] > 0  # the negative case: the prior 0.6 drafts at once
+    after = AdaptiveK(8, _cost(), previous=losing)
+    assert _run(after, 100, 0.0, draft_s=0.004, overhead_s=0.002) == [0] * 100
+    recovered = AdaptiveK(8, _cost(), previous=losing)
+    ks = _run(recovered, 200, 1.0, draft_s=0.0001, overhead_s=0.0)
+    assert sum(k > 0 for k in ks[140:]) >= 55

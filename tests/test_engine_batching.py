@@ -178,12 +178,17 @@ def test_too_long_prompt_is_refused(plain):
     assert torch.get_num_threads() >= 1
 
 
-def test_qdraft_in_the_engine_is_seeded_from_the_paged_pool(plain):
-    """The quantized self-draft copies the target's keys/values out of the sequence's blocks instead of
-    prefilling the prompt in int4: it never feeds more than the newest tokens, and output stays exact."""
-    qdraft = LLM(str(plain.source.directory), dtype="float32", max_model_len=160, progress=False, num_threads=1,
-                 speculative_config={"method": "qdraft"})
-    engine = Engine(qdraft, EngineConfig(max_num_seqs=4, max_num_batched_tokens=16, block_size=8))
+@pytest.fixture(scope="module")
+def qdraft(plain):
+    return LLM(str(plain.source.directory), dtype="float32", max_model_len=160, progress=False, num_threads=1,
+               speculative_config={"method": "qdraft"})
+
+
+def test_qdraft_in_the_engine_is_seeded_from_the_paged_pool(plain, qdraft):
+    """One request at a time the quantized self-draft drafts in a cache of its own, copying the target's
+    keys/values out of the sequence's blocks instead of prefilling the prompt in int4: it never feeds
+    more than the newest tokens, and output stays exact."""
+    engine = Engine(qdraft, EngineConfig(max_num_seqs=1, max_num_batched_tokens=16, block_size=8))
     drafter = engine.spec.proposer("qdraft")
     fed = []
     real = drafter._forward
@@ -195,3 +200,24 @@ def test_qdraft_in_the_engine_is_seeded_from_the_paged_pool(plain):
     for r in reqs:
         assert res[(r.request_id, 0)]["ids"] == reference(plain, r.prompt_ids, r.params)[0].token_ids
     assert fed and max(fed) <= 2  # the last token (+ an accepted draft), never a prompt
+
+
+def test_qdraft_drafts_the_decode_batch_in_one_forward_per_step(plain, qdraft):
+    """Rows of a decode batch draft together: every drafter forward of a 4-row batch takes several
+    rows of one token each (drafting straight in the sequences' blocks), outputs equal plain decoding,
+    and sampling rows return their draft distributions q."""
+    engine = Engine(qdraft, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, block_size=8))
+    drafter = engine.spec.proposer("qdraft")
+    shapes = []
+    real = drafter.model.forward
+    drafter.model.forward = lambda ids, *a, **kw: shapes.append(tuple(ids.shape)) or real(ids, *a, **kw)
+    reqs = greedy_reqs(qdraft, max_tokens=24)[:4]
+    sampled = EngineRequest("s", reqs[0].prompt_ids, SamplingParams(temperature=0.8, max_tokens=24, seed=3,
+                                                                     ignore_eos=True))
+    for r in reqs + [sampled]:
+        r.speculative = {"method": "qdraft", "num_speculative_tokens": 3}
+    res = run(engine, reqs + [sampled])
+    for r in reqs:
+        assert res[(r.request_id, 0)]["ids"] == reference(plain, r.prompt_ids, r.params)[0].token_ids
+    assert len(res[("s", 0)]["ids"]) == 24
+    assert max(b for b, _ in shapes) >= 3 and all(t == 1 for _, t in shapes)

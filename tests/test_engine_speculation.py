@@ -116,14 +116,14 @@ def test_a_model_drafters_time_is_not_counted_twice():
         def __init__(self, cost):
             self.draft_cost_per_token = cost
 
-        def propose(self, state, k):
+        def propose_batch(self, states, ks):
             time.sleep(0.05)  # e.g. the drafter prefilling a whole prompt on its first call
-            return Proposal([1] * k)
+            return [Proposal([1] * k) for k in ks]
 
     spec = cpu_like_speculation()
     for cost, counted in ((0.01, True), (0.0, False)):
         spec.propose_seconds = 0.0
         seq = SimpleNamespace(spec=SimpleNamespace(proposer=Slow(cost), fixed_k=False), state=None, grammar=None,
                               draft_yield=0.0)
-        assert spec.propose(seq, 2, cap=4).tokens == [1, 1]
+        assert spec.propose([seq], 2, caps=[4])[0].tokens == [1, 1]
         assert (spec.propose_seconds >= 0.05) == counted

@@ -102,7 +102,8 @@ class Scheduler:
             else:
                 ready.append(seq)
         k = self.spec.choose_k(ready, [caps[s] for s in ready])
-        return [Row(s, 1, self.spec.propose(s, k, caps[s])) for s in ready]
+        proposals = self.spec.propose(ready, k, [caps[s] for s in ready])
+        return [Row(s, 1, p) for s, p in zip(ready, proposals)]
 
     def _schedule_prefill(self) -> list[Row]:
         budget = self.config.max_num_batched_tokens

@@ -190,19 +190,30 @@ class Speculation:
             return 1  # probe, the whole batch at once: re-measure acceptance
         return best_k
 
-    def propose(self, seq, k: int, cap: int) -> Proposal:
-        """Up to k drafted tokens for seq (cap: its limit; the blocks for them are already allocated)."""
-        if cap <= 0:
-            return EMPTY
-        k = cap if seq.spec.fixed_k else min(k, cap)
-        if k == 0:
-            return EMPTY
-        if self.pool is not None:  # self-speculation (layerskip) drafts into the sequence's own blocks
-            seq.state.draft["target_cache"] = SeqKV(self.pool, seq.block_table, seq.num_computed)
-        t0 = time.perf_counter()
-        proposal = seq.spec.proposer.propose(seq.state, k)
-        if seq.spec.proposer.draft_cost_per_token > 0:  # it costs its drafting itself (lookups leave 0)
-            self.propose_seconds += time.perf_counter() - t0
+    def propose(self, seqs, k: int, caps: list[int]) -> list[Proposal]:
+        """Up to k drafted tokens for each row (caps: each row's limit; the blocks for them are already
+        allocated). The rows that share a proposer draft together (Proposer.propose_batch)."""
+        ks = [0 if c <= 0 else c if s.spec.fixed_k else min(k, c) for s, c in zip(seqs, caps)]
+        groups: dict[int, list[int]] = {}  # id(proposer) -> row indices
+        for i, (seq, n) in enumerate(zip(seqs, ks)):
+            if n > 0:
+                groups.setdefault(id(seq.spec.proposer), []).append(i)
+                if self.pool is not None:  # self-speculation drafts into / reads the sequence's own blocks
+                    seq.state.draft["target_cache"] = SeqKV(self.pool, seq.block_table, seq.num_computed)
+        proposals = [EMPTY] * len(seqs)
+        for rows in groups.values():
+            proposer = seqs[rows[0]].spec.proposer
+            t0 = time.perf_counter()
+            drafted = proposer.propose_batch([seqs[i].state for i in rows], [ks[i] for i in rows])
+            if proposer.draft_cost_per_token > 0:  # it costs its drafting itself (lookups leave 0)
+                self.propose_seconds += time.perf_counter() - t0
+            for i, p in zip(rows, drafted):
+                proposals[i] = self._fit(seqs[i], p, ks[i])
+        return proposals
+
+    @staticmethod
+    def _fit(seq, proposal: Proposal, k: int) -> Proposal:
+        """A row's proposal as the verify pass takes it: a chain of at most k tokens the grammar allows."""
         if proposal.is_tree:
             proposal = first_path(proposal)
         tokens = proposal.tokens[:k]

@@ -14,8 +14,9 @@ recovered token.
 A draft with a different tokenizer is refused (ConfigError) unless extra={"universal_tokenizer": True},
 which drafts through text instead (specdec/proposers/universal.py).
 
-`draft_chain` (the autoregressive loop: argmax for greedy requests, a sample from warp(logits) with
-the request's generator otherwise, a confidence early stop) is shared with the layer-skip drafter.
+`draft_chain` / `draft_chains` (the autoregressive loop for one request or a batch of them: argmax
+for greedy requests, a sample from warp(logits) with the request's generator otherwise, a confidence
+early stop) is shared with the layer-skip and quantized self-draft drafters.
 """
 from __future__ import annotations
 
@@ -34,27 +35,43 @@ COST_EMA = 0.3
 def draft_chain(logits: torch.Tensor, step: Callable[[int], torch.Tensor], state: RequestState, k: int,
                 threshold: float = 0.0) -> Proposal:
     """Draft up to k tokens. logits [V]: the drafter's prediction for the token after the context;
-    step(tok) feeds a drafted token and returns the logits [V] after it.
+    step(tok) feeds a drafted token and returns the logits [V] after it. (draft_chains, one row.)"""
+    return draft_chains(logits[None], lambda rows, toks: step(toks[0])[None], [state], [k], threshold)[0]
+
+
+def draft_chains(logits: torch.Tensor, step: Callable[[list[int], list[int]], torch.Tensor],
+                 states: list[RequestState], ks: list[int], threshold: float = 0.0) -> list[Proposal]:
+    """Draft up to ks[b] tokens for each of B requests, the rows still drafting fed together.
+    logits [B, V]: the drafter's prediction after each context; step(rows, tokens) feeds tokens[i] to
+    row rows[i] and returns the logits [len(rows), V] after them.
 
     Greedy requests take the argmax (q is then irrelevant: probs None); sampling requests draw from
     q = warp(logits, params) with the request's generator and return q [k, V], so verification is
-    exact. Drafting stops after a token whose draft probability max(softmax(logits)) < threshold
-    (the low-confidence token itself is still proposed: verifying it costs almost nothing)."""
-    params = state.params
-    tokens: list[int] = []
-    qs: list[torch.Tensor] = []
-    for i in range(k):
-        if params.greedy:
-            tok = int(logits.argmax())
-        else:
-            q = warp(logits[None], params)[0]  # [V]
-            tok = sample(q, state.generator)
-            qs.append(q)
-        tokens.append(tok)
-        if i == k - 1 or (threshold > 0.0 and float(torch.softmax(logits.float(), -1).max()) < threshold):
-            break
-        logits = step(tok)
-    return Proposal(tokens, torch.stack(qs) if qs else None)
+    exact. A row stops after a token whose draft probability max(softmax(logits)) < threshold (the
+    low-confidence token itself is still proposed: verifying it costs almost nothing)."""
+    tokens: list[list[int]] = [[] for _ in states]
+    qs: list[list[torch.Tensor]] = [[] for _ in states]
+    rows = list(range(len(states)))  # logits[i] belongs to rows[i]
+    while rows:
+        going = []
+        for i, b in enumerate(rows):
+            if ks[b] <= 0:
+                continue
+            params = states[b].params
+            if params.greedy:
+                tok = int(logits[i].argmax())
+            else:
+                q = warp(logits[i][None], params)[0]  # [V]
+                tok = sample(q, states[b].generator)
+                qs[b].append(q)
+            tokens[b].append(tok)
+            unsure = threshold > 0.0 and float(torch.softmax(logits[i].float(), -1).max()) < threshold
+            if len(tokens[b]) < ks[b] and not unsure:
+                going.append(b)
+        if going:
+            logits = step(going, [tokens[b][-1] for b in going])
+        rows = going
+    return [Proposal(t, torch.stack(q) if q else None) for t, q in zip(tokens, qs)]
 
 
 def fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:

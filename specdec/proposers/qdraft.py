@@ -19,6 +19,12 @@ static KVCache, or the sequence's blocks in the serving engine's paged pool) wit
 context position the target has computed instead of recomputing them in int4: no draft prefill of
 the prompt, no catch-up forward on accepted tokens. The drafter then conditions on the target's
 cache, which only changes what it proposes; verification keeps the output exact.
+In the serving engine (`propose_batch`, every target cache a sequence's blocks in one paged pool) the
+drafter needs no cache of its own at all: it reads the target's keys/values in place and writes its
+drafted tokens' keys/values into the sequence's blocks at the positions the verify pass writes next
+(the blocks are allocated for the draft, and the verify pass rewrites every layer there before its
+attention reads them), and the rows of the decode batch draft together: one int4 forward over B rows
+per draft step, instead of B one-row forwards (at 2 threads a 4-row step costs ~1.5x a 1-row step).
 Lazy catch-up (without a target cache, or another layout): propose() first feeds every context
 token the drafter has not seen (the prompt on the first call, then the bonus/recovered token) in ONE
 forward, then drafts k tokens one by one with
@@ -34,7 +40,7 @@ import time
 import torch
 
 from specdec.config import ConfigError
-from specdec.proposers.draft_model import draft_chain, time_one_step
+from specdec.proposers.draft_model import draft_chain, draft_chains, time_one_step
 from specdec.spec.proposer import EMPTY, Proposal, Proposer, RequestState, TargetOutput, register_proposer
 
 COST_EMA = 0.3
@@ -73,9 +79,12 @@ class QDraftProposer(Proposer):
         self.threshold = ctx.config.draft_confidence_threshold
         self.draft_cost_per_token = time_one_step(self.model)
 
-    def begin(self, state: RequestState, prefill: TargetOutput | None = None) -> None:
-        cap = len(state.prompt_ids) + state.params.max_tokens + self.ctx.config.k_max + 1
-        state.draft["cache"] = self.model.new_cache(min(cap, self.model.max_len))
+    def _own_cache(self, state: RequestState):
+        """The request's draft cache, made on first use (the batched engine path never needs one)."""
+        if "cache" not in state.draft:
+            cap = len(state.prompt_ids) + state.params.max_tokens + self.ctx.config.k_max + 1
+            state.draft["cache"] = self.model.new_cache(min(cap, self.model.max_len))
+        return state.draft["cache"]
 
     def _forward(self, cache, tokens: list[int]) -> torch.Tensor:
         """Feed tokens at the next positions of the draft cache; logits [V] after the last one."""
@@ -85,9 +94,9 @@ class QDraftProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, state: RequestState, k: int) -> Proposal:
-        cache = state.draft.get("cache")
+        cache = self._own_cache(state)
         ids = state.token_ids
-        if cache is None or len(ids) + k > cache.max_len:
+        if len(ids) + k > cache.max_len:
             return EMPTY  # the drafter's context is full: the target goes on alone
         t0 = time.perf_counter()
         if cache.length >= len(ids):  # never expected; keep the invariant (the last token is fed)
@@ -100,8 +109,43 @@ class QDraftProposer(Proposer):
         proposal = draft_chain(logits, lambda tok: self._forward(cache, [tok]), state, k, self.threshold)
         state.draft["pending"] = (pre_len, cache.length - pre_len)
         per_token = (time.perf_counter() - t0) / len(proposal.tokens)
-        self.draft_cost_per_token = (1 - COST_EMA) * self.draft_cost_per_token + COST_EMA * per_token
+        self._observe_cost(per_token)
         return proposal
+
+    def _observe_cost(self, per_token: float) -> None:
+        self.draft_cost_per_token = (1 - COST_EMA) * self.draft_cost_per_token + COST_EMA * per_token
+
+    @torch.inference_mode()
+    def propose_batch(self, states: list[RequestState], ks: list[int]) -> list[Proposal]:
+        """All rows at once when every target cache is a sequence's blocks in one paged pool (see above)."""
+        from specdec.cache.paged_cache import BatchKV, SeqKV
+        kvs = [s.draft.get("target_cache") for s in states]
+        if len(states) < 2 or any(type(kv) is not SeqKV or kv.pool is not kvs[0].pool for kv in kvs):
+            return super().propose_batch(states, ks)
+        t0 = time.perf_counter()
+        pool = kvs[0].pool
+        # row b's next position; the target has computed [0, len(ids) - 1), the last token is fed here
+        next_pos = [len(s.token_ids) - 1 for s in states]
+
+        def step(rows: list[int], tokens: list[int]) -> torch.Tensor:
+            past = [next_pos[b] for b in rows]
+            kv = BatchKV(pool, [kvs[b].block_table for b in rows], past, [1] * len(rows))
+            out = self.model(torch.tensor(tokens)[:, None], torch.tensor(past)[:, None], kv, num_logits=1)
+            for b in rows:
+                next_pos[b] += 1
+            return out.logits[:, -1]  # [len(rows), V]
+
+        live = [b for b, k in enumerate(ks) if k > 0]
+        logits = step(live, [states[b].token_ids[-1] for b in live])
+        drafted = draft_chains(logits, lambda rows, toks: step([live[i] for i in rows], toks),
+                               [states[b] for b in live], [ks[b] for b in live], self.threshold)
+        proposals = [EMPTY] * len(states)
+        for b, p in zip(live, drafted):
+            proposals[b] = p
+        n = sum(len(p.tokens) for p in drafted)
+        if n:
+            self._observe_cost((time.perf_counter() - t0) / n)
+        return proposals
 
     @staticmethod
     def _seed(state: RequestState, cache) -> None:
@@ -124,7 +168,7 @@ class QDraftProposer(Proposer):
     def on_verified(self, state: RequestState, proposal: Proposal, num_accepted: int,
                     target: TargetOutput | None = None) -> None:
         pending = state.draft.pop("pending", None)
-        if pending is not None:
+        if pending is not None:  # a proposal of the own-cache path
             pre_len, fed = pending
             state.draft["cache"].rollback(pre_len + min(num_accepted, fed))
 

@@ -113,6 +113,7 @@ class SpeculativeDecoder:
         self.max_len = max_len or target.max_len
         self.k_max = spec_config.k_max if spec_config else 0
         self.cost = cost_model or CostModel(self.k_max + 1)
+        self.last_adaptive: AdaptiveK | None = None  # the previous request's, the next one's priors
 
     def _check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
@@ -162,7 +163,8 @@ class SpeculativeDecoder:
         if self.proposer is not None and not self.config.fixed_k and self.config.adaptive:
             if not self.cost.profiled:
                 self.cost.profile(self.target)
-            adaptive = AdaptiveK(self.k_max, self.cost)
+            adaptive = AdaptiveK(self.k_max, self.cost, previous=self.last_adaptive)
+            self.last_adaptive = adaptive
 
         t0 = time.perf_counter()
         n = len(prompt_ids)

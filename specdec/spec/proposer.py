@@ -105,6 +105,11 @@ class Proposer(ABC):
     def propose(self, state: RequestState, k: int) -> Proposal:
         """Up to k tokens continuing state.token_ids. May return fewer (or none)."""
 
+    def propose_batch(self, states: list[RequestState], ks: list[int]) -> list[Proposal]:
+        """Proposals for several requests of one decode batch (up to ks[b] tokens for states[b]).
+        Row by row here; a model drafter overrides it to run one forward per draft step for all rows."""
+        return [self.propose(s, k) for s, k in zip(states, ks)]
+
     def on_verified(self, state: RequestState, proposal: Proposal, num_accepted: int,
                     target: TargetOutput | None = None) -> None:
         """Called after every target pass (also plain ones, with an empty proposal). The target
