@@ -393,3 +393,20 @@ def test_greedy_equals_plain_real_model(real_refs, method):
             assert r.metrics.acceptance_rate >= 0.98
     ids, ref = real_refs[0]
     assert adaptive_decoder(spec).generate(ids, greedy(64, ignore_eos=False)).token_ids == ref
+
+
+@pytest.mark.parametrize("method, carried", [("draft_model", True), ("ngram", False)])
+def test_model_drafters_start_from_the_previous_requests_estimates(tiny_dir, method, carried):
+    """A drafter with a per-token cost starts a request from the previous one's acceptance and probe
+    wait; a lookup drafter (no cost: a miss is one verify column) starts each request fresh."""
+    d = tiny_dir("llama")
+    spec = llm(d, spec_config(method, tiny_dir("llama", seed=1)))
+    dec = adaptive_decoder(spec)
+    dec.generate(ids_of(spec, VARIED), greedy(16))
+    first = dec.last_adaptive
+    first._accepted, first._tested, first.acceptance, first.probes.interval = 0.01, 1.0, 0.01, 128
+    dec.generate(ids_of(spec, VARIED), greedy(16))
+    second = dec.last_adaptive
+    assert second is not first
+    assert (second.probes.interval == 128) == carried
+    assert (second.acceptance < 0.3) == carried

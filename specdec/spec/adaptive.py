@@ -18,7 +18,10 @@ a losing draft model ~5% below plain decoding when probes came every 16 steps.
 A request starts from what the previous request of the same decoder ended with (`previous`): its
 acceptance as the prior, the drafter's and the step's measured costs, and its probe wait. Starting
 each request from the fixed prior (0.6) made a useless draft model draft on every request's second
-step, paying its catch-up over the whole prompt each time (0.87-0.98x on 64-token answers).
+step, paying its catch-up over the whole prompt each time (0.87-0.98x on 64-token answers). The
+decoder does this for model drafters only: a lookup drafter's probe costs one verify column, and
+carrying its wait made n-gram and suffix drafting skip a whole translation request after an answer on
+a document that copied nothing.
 """
 from __future__ import annotations
 

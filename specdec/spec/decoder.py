@@ -163,7 +163,11 @@ class SpeculativeDecoder:
         if self.proposer is not None and not self.config.fixed_k and self.config.adaptive:
             if not self.cost.profiled:
                 self.cost.profile(self.target)
-            adaptive = AdaptiveK(self.k_max, self.cost, previous=self.last_adaptive)
+            # a model drafter starts from the previous request's estimates; a lookup drafter (no
+            # per-token cost: a miss costs one verify column) starts fresh, as its acceptance swings
+            # the most between requests (a translation copies its source, an answer on a document may not)
+            previous = self.last_adaptive if self.proposer.draft_cost_per_token > 0 else None
+            adaptive = AdaptiveK(self.k_max, self.cost, previous=previous)
             self.last_adaptive = adaptive
 
         t0 = time.perf_counter()
