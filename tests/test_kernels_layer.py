@@ -68,3 +68,44 @@ def test_fused_layer_redescribes_moved_weights(tiny_dir):
         layer.o_proj.weight.data = layer.o_proj.weight.data.clone()
     second = fused_layer._layer_weights(layer)
     assert second is not first and second.o_proj.weight == layer.o_proj.weight.data_ptr()
+
+
+def _run_paged(model, monkeypatch, fused: bool):
+    """Three sequences prefilled alone (per-op: > 32 rows), then one left-padded batch of 1, 3 and 5
+    new tokens (a chain, a chain, a tree of 5) over the paged pool: the batch's logits and the pool."""
+    from specdec.cache.paged_cache import BatchKV, PagedKVPool
+    calls = []
+
+    def counted(*args):
+        out = fused_layer.decoder_layer(*args) if fused else None
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(llama, "decoder_layer", counted)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (40, 12, 35)]
+    new = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (1, 3, 5)]
+    pool = PagedKVPool.for_model(model.config, 32, 8, torch.float32)
+    tables = [[3, 1, 0, 2, 4, 5, 6], [9, 8], [10, 12, 11, 13, 14, 15]]  # not in the sequences' order
+    for p, table in zip(prompts, tables):
+        model(torch.tensor([p]), torch.arange(len(p))[None], BatchKV(pool, [table], [0], [len(p)]))
+    parents = [-1, -1, 0, 1]  # drafted nodes 1-4 under the root row: a tree of 5 rows
+    positions = [[40], [12, 13, 14], [35 + d for d in tree_positions(parents).tolist()]]
+    ids, pos = torch.zeros(3, 5, dtype=torch.long), torch.zeros(3, 5, dtype=torch.long)
+    for b, (toks, p) in enumerate(zip(new, positions)):
+        ids[b, 5 - len(toks):], pos[b, 5 - len(toks):] = torch.tensor(toks), torch.tensor(p)
+    del calls[:]
+    kv = BatchKV(pool, tables, [len(p) for p in prompts], [len(t) for t in new], [None, None, tree_mask(parents)])
+    return model(ids, pos, kv).logits, pool, calls
+
+
+@pytest.mark.parametrize("scheme", [None, QuantScheme(4, 32, False)], ids=["fp32", "int4"])
+def test_fused_layer_on_the_paged_batch_is_bitwise_the_per_op_path(tiny_dir, monkeypatch, scheme):
+    model = load_model(tiny_dir("qwen2"), torch.float32)
+    if scheme is not None:
+        model = quantize_model(model, scheme)
+    want, want_pool, _ = _run_paged(model, monkeypatch, fused=False)
+    got, got_pool, calls = _run_paged(model, monkeypatch, fused=True)
+    assert len(calls) == len(model.layers) and all(calls)  # the batch of 3 x 5 rows ran fused
+    assert torch.equal(got, want)
+    assert torch.equal(got_pool.k, want_pool.k) and torch.equal(got_pool.v, want_pool.v)

@@ -90,6 +90,7 @@ class PagedAttention:
         self.new_slot = new_slot  # [B, T], -1 on padding
         self.gather = cache.gather.contiguous()  # [B, L]
         self.mask = cache.mask[:, 0].to(torch.uint8).contiguous()  # [B, T, L]
+        self.layer_shape = None  # layer.c's description of this pass (specdec.kernels.layer), made once
 
     @classmethod
     def build(cls, rotary, positions: torch.Tensor, cache, x: torch.Tensor) -> "PagedAttention | None":

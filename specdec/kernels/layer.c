@@ -6,7 +6,9 @@
  *     x += o_proj(attention(rotary(qkv(rms_norm(x)))))
  *     x += down(silu(gate) * up),  gate|up = gate_up(rms_norm(x))
  *
- * x: [T, H] fp32, updated in place; T <= 32 new tokens of one sequence in a static fp32 cache.
+ * x: [T, H] fp32, updated in place; T <= 32 new tokens of one sequence in a static fp32 cache, or
+ * (B > 0) the serving engine's B left-padded rows of T tokens over the paged pool, B * T <= 32, whose
+ * attention is specdec_paged_attention_f32 (k_cache, v_cache: the pool's [num_slots, Hkv, D] layer).
  * Each linear is described by a `Linear` (fp32 matrix, or a packed int8/int4 matrix, see qgemv.c).
  */
 #include <stdint.h>
@@ -30,10 +32,12 @@ typedef struct {
 
 typedef struct {
     const float *cos, *sin; /* [max_pos, D] */
-    const int64_t *pos;     /* [T] */
-    const uint8_t *mask;    /* [T, T] or NULL (causal) */
+    const int64_t *pos;     /* [T], paged: [B, T] */
+    const uint8_t *mask;    /* [T, T] or NULL (causal), paged: [B, T, L] */
     int64_t T, H, Hq, Hkv, D, past, max_len;
     float eps, scale;
+    int64_t B, L;                     /* paged rows and gathered keys per row; B = 0: static cache */
+    const int64_t *new_slot, *gather; /* paged: [B, T] pool slot of each new token (-1: padding), [B, L] */
 } LayerShape;
 
 void specdec_linear_f32(const float *x, const float *W, const float *bias, float *y, int64_t T, int64_t K, int64_t N);
@@ -44,6 +48,10 @@ int specdec_qlinear_i4(const float *x, const uint8_t *q, const uint16_t *scales,
 int specdec_attention_f32(const float *qkv, const float *cos, const float *sin, const int64_t *pos,
                           float *kc, float *vc, const uint8_t *mask, float *out, int64_t T, int64_t Hq,
                           int64_t Hkv, int64_t D, int64_t past, int64_t max_len, float scale);
+int specdec_paged_attention_f32(const float *qkv, const float *cos, const float *sin, const int64_t *pos,
+                                float *kc, float *vc, const int64_t *new_slot, const int64_t *gather,
+                                const uint8_t *mask, float *out, int64_t B, int64_t T, int64_t L, int64_t Hq,
+                                int64_t Hkv, int64_t D, float scale);
 void specdec_rmsnorm_f32(const float *x, const float *w, float *y, int64_t T, int64_t H, float eps);
 void specdec_silu_mul_f32(const float *gu, float *y, int64_t T, int64_t I);
 
@@ -64,8 +72,17 @@ static void add_into(float *x, const float *y, int64_t n) {
 
 /* 0 on success, -1 when a buffer cannot be allocated (x is then unchanged or partly updated:
  * the caller raises, and the cache length is not advanced). */
+static int attention(const float *qkv, const LayerWeights *w, const LayerShape *s, float *out) {
+    if (s->B > 0)
+        return specdec_paged_attention_f32(qkv, s->cos, s->sin, s->pos, w->k_cache, w->v_cache, s->new_slot,
+                                           s->gather, s->mask, out, s->B, s->T, s->L, s->Hq, s->Hkv, s->D,
+                                           s->scale);
+    return specdec_attention_f32(qkv, s->cos, s->sin, s->pos, w->k_cache, w->v_cache, s->mask, out, s->T, s->Hq,
+                                 s->Hkv, s->D, s->past, s->max_len, s->scale);
+}
+
 int specdec_decoder_layer_f32(float *x, const LayerWeights *w, const LayerShape *s) {
-    const int64_t T = s->T, H = s->H, I = w->down.K;
+    const int64_t T = s->B > 0 ? s->B * s->T : s->T, H = s->H, I = w->down.K; /* T: rows of x */
     const int64_t widest = w->qkv.N > w->gate_up.N ? w->qkv.N : w->gate_up.N;
     /* normed x [T, H] | projection out [T, widest] | attention or silu out [T, max(Hq D, I)] | [T, H] */
     const int64_t mid = s->Hq * s->D > I ? s->Hq * s->D : I;
@@ -76,9 +93,7 @@ int specdec_decoder_layer_f32(float *x, const LayerWeights *w, const LayerShape 
     int rc = 0;
     specdec_rmsnorm_f32(x, w->input_norm, normed, T, H, s->eps);
     rc = apply(&w->qkv, normed, proj, T);
-    if (rc == 0)
-        rc = specdec_attention_f32(proj, s->cos, s->sin, s->pos, w->k_cache, w->v_cache, s->mask, act, T, s->Hq,
-                                   s->Hkv, s->D, s->past, s->max_len, s->scale);
+    if (rc == 0) rc = attention(proj, w, s, act);
     if (rc == 0) rc = apply(&w->o_proj, act, delta, T);
     if (rc == 0) {
         add_into(x, delta, T * H);
@@ -94,4 +109,4 @@ int specdec_decoder_layer_f32(float *x, const LayerWeights *w, const LayerShape 
     return rc;
 }
 
-int specdec_layer_abi(void) { return 1; }
+int specdec_layer_abi(void) { return 2; }

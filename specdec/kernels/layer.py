@@ -1,7 +1,8 @@
 """A whole decoder layer in one C call (layer.c) for decode-shaped passes; None where it does not apply.
 
-Applies exactly where the fused attention does (one sequence, fp32, static cache, <= 32 new tokens,
-no q/k norm) and every projection is an fp32 matrix or a packed int8/int4 weight on the CPU. The
+Applies where the fused attention does (fp32, no q/k norm; one sequence in a static cache with <= 32
+new tokens, or the serving engine's paged batch with <= 32 rows in all: B x T, padding included,
+which is where the per-op path's linears run the same kernels) and every projection is an fp32 matrix or a packed int8/int4 weight on the CPU. The
 result is bitwise the one of the per-op path (same kernels, same order), so callers fall back to
 that path freely. The layer's pointers are described once and re-described only when a weight moves.
 """
@@ -14,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from specdec.kernels import load_library
-from specdec.kernels.attention import FusedAttention
+from specdec.kernels import MAX_ROWS, load_library
+from specdec.kernels.attention import FusedAttention, PagedAttention
 
 _DIR = Path(__file__).parent
 _lib = None
@@ -36,7 +37,8 @@ class _LayerWeights(ctypes.Structure):
 class _LayerShape(ctypes.Structure):
     _fields_ = [("cos", c_void_p), ("sin", c_void_p), ("pos", c_void_p), ("mask", c_void_p),
                 ("T", c_int64), ("H", c_int64), ("Hq", c_int64), ("Hkv", c_int64), ("D", c_int64),
-                ("past", c_int64), ("max_len", c_int64), ("eps", c_float), ("scale", c_float)]
+                ("past", c_int64), ("max_len", c_int64), ("eps", c_float), ("scale", c_float),
+                ("B", c_int64), ("L", c_int64), ("new_slot", c_void_p), ("gather", c_void_p)]
 
 
 def _load():
@@ -100,21 +102,28 @@ def _layer_weights(layer) -> _LayerWeights | None:
 
 
 def decoder_layer(layer, x: torch.Tensor, fused, layer_idx: int) -> torch.Tensor | None:
-    """layer(x) for x [1, T, H] through layer.c, writing this layer's k/v; None if it does not apply.
-    `fused` is the pass's FusedAttention (positions, mask, cache)."""
-    if type(fused) is not FusedAttention or torch.is_grad_enabled() or _load() is None:
+    """layer(x) for x [B, T, H] through layer.c, writing this layer's k/v; None if it does not apply.
+    `fused` is the pass's FusedAttention (one sequence, static cache) or PagedAttention (paged batch)."""
+    paged = type(fused) is PagedAttention
+    if not (paged or type(fused) is FusedAttention) or torch.is_grad_enabled() or _load() is None:
+        return None
+    if paged and x.shape[0] * x.shape[1] > MAX_ROWS:
         return None
     weights = _layer_weights(layer)
     if weights is None:
         return None
-    cache = fused.cache
-    weights.k_cache = cache.k[layer_idx, 0].data_ptr()  # [Hkv, max_len, D]
-    weights.v_cache = cache.v[layer_idx, 0].data_ptr()
-    out = x.contiguous().clone()  # [1, T, H], updated in place by the kernel
-    shape = fused.layer_shape  # the same for every layer of the pass
+    if paged:
+        weights.k_cache = fused.cache.pool.k[layer_idx].data_ptr()  # [num_slots, Hkv, D]
+        weights.v_cache = fused.cache.pool.v[layer_idx].data_ptr()
+    else:
+        weights.k_cache = fused.cache.k[layer_idx, 0].data_ptr()  # [Hkv, max_len, D]
+        weights.v_cache = fused.cache.v[layer_idx, 0].data_ptr()
+    out = x.contiguous().clone()  # [B, T, H], updated in place by the kernel
+    shape = getattr(fused, "layer_shape", None)  # the same for every layer of the pass
     if shape is None:
-        shape = fused.layer_shape = _layer_shape(fused, out.shape[1], out.shape[2], layer.n_heads, layer.n_kv,
-                                                 layer.head_dim, layer.input_norm.eps)
+        make = _paged_shape if paged else _layer_shape
+        shape = fused.layer_shape = make(fused, out.shape[1], out.shape[2], layer.n_heads, layer.n_kv,
+                                         layer.head_dim, layer.input_norm.eps)
     if _lib.specdec_decoder_layer_f32(out.data_ptr(), ctypes.byref(weights), ctypes.byref(shape)) != 0:
         raise MemoryError("decoder layer kernel: out of memory for its buffers")
     return out
@@ -123,4 +132,11 @@ def decoder_layer(layer, x: torch.Tensor, fused, layer_idx: int) -> torch.Tensor
 def _layer_shape(fused, T: int, H: int, Hq: int, Hkv: int, D: int, eps: float) -> _LayerShape:
     return _LayerShape(fused.cos.data_ptr(), fused.sin.data_ptr(), fused.positions.data_ptr(),
                        None if fused.mask is None else fused.mask.data_ptr(), T, H, Hq, Hkv, D, fused.past,
-                       fused.cache.max_len, eps, 1.0 / math.sqrt(D))
+                       fused.cache.max_len, eps, 1.0 / math.sqrt(D), 0, 0, None, None)
+
+
+def _paged_shape(fused, T: int, H: int, Hq: int, Hkv: int, D: int, eps: float) -> _LayerShape:
+    B, L = fused.gather.shape
+    return _LayerShape(fused.cos.data_ptr(), fused.sin.data_ptr(), fused.positions.data_ptr(),
+                       fused.mask.data_ptr(), T, H, Hq, Hkv, D, 0, 0, eps, 1.0 / math.sqrt(D), B, L,
+                       fused.new_slot.data_ptr(), fused.gather.data_ptr())
