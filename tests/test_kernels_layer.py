@@ -16,9 +16,8 @@ def _need_kernel():
         pytest.skip("layer kernel unavailable")
 
 
-def _run(model, ids, monkeypatch, fused: bool):
-    """Prefill 36 tokens (> 32: the per-op path), 3 single-token steps, a causal block of 4 and a tree
-    of 7: all logits and the cache."""
+def _count_fused_layers(monkeypatch, fused: bool) -> list[bool]:
+    """Route every layer through layer.c (fused) or the per-op path; the list records which ran."""
     calls = []
 
     def counted(*args):
@@ -27,6 +26,13 @@ def _run(model, ids, monkeypatch, fused: bool):
         return out
 
     monkeypatch.setattr(llama, "decoder_layer", counted)
+    return calls
+
+
+def _run(model, ids, monkeypatch, fused: bool):
+    """Prefill 36 tokens (> 32: the per-op path), 3 single-token steps, a causal block of 4 and a tree
+    of 7: all logits and the cache."""
+    calls = _count_fused_layers(monkeypatch, fused)
     cache = model.new_cache(64)
     outs = [model(ids[:, :36], torch.arange(36)[None], cache).logits]
     for i in range(36, 39):
@@ -74,14 +80,7 @@ def _run_paged(model, monkeypatch, fused: bool):
     """Three sequences prefilled alone (per-op: > 32 rows), then one left-padded batch of 1, 3 and 5
     new tokens (a chain, a chain, a tree of 5) over the paged pool: the batch's logits and the pool."""
     from specdec.cache.paged_cache import BatchKV, PagedKVPool
-    calls = []
-
-    def counted(*args):
-        out = fused_layer.decoder_layer(*args) if fused else None
-        calls.append(out is not None)
-        return out
-
-    monkeypatch.setattr(llama, "decoder_layer", counted)
+    calls = _count_fused_layers(monkeypatch, fused)
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (40, 12, 35)]
     new = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (1, 3, 5)]
