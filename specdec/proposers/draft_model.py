@@ -29,8 +29,6 @@ from specdec.config import ConfigError
 from specdec.sampler import sample, warp
 from specdec.spec.proposer import EMPTY, Proposal, Proposer, RequestState, TargetOutput, register_proposer
 
-COST_EMA = 0.3
-
 
 def draft_chain(logits: torch.Tensor, step: Callable[[int], torch.Tensor], state: RequestState, k: int,
                 threshold: float = 0.0) -> Proposal:
@@ -152,7 +150,7 @@ class DraftModelProposer(Proposer):
                 self.begin(state)
             proposal, per_token = self.universal.propose(state, k)
             if proposal.tokens:
-                self.draft_cost_per_token = (1 - COST_EMA) * self.draft_cost_per_token + COST_EMA * per_token
+                self.observe_draft_cost(per_token)
             return proposal
         cache = state.draft.get("cache")
         ids = state.token_ids
@@ -167,7 +165,7 @@ class DraftModelProposer(Proposer):
         state.draft["pending"] = (pre_len, cache.length - pre_len)
         if proposal.tokens:
             per_token = (time.perf_counter() - t0) / len(proposal.tokens)
-            self.draft_cost_per_token = (1 - COST_EMA) * self.draft_cost_per_token + COST_EMA * per_token
+            self.observe_draft_cost(per_token)
         return proposal
 
     def on_verified(self, state: RequestState, proposal: Proposal, num_accepted: int,

@@ -30,7 +30,7 @@ import torch
 
 from specdec.cache.kv_cache import KVCache
 from specdec.config import ConfigError
-from specdec.proposers.draft_model import COST_EMA, draft_chain, time_one_step
+from specdec.proposers.draft_model import draft_chain, time_one_step
 from specdec.spec.proposer import EMPTY, Proposal, Proposer, RequestState, register_proposer
 
 SEARCH_VERSION = "1"
@@ -216,5 +216,5 @@ class LayerSkipProposer(Proposer):
         finally:
             cache.rollback(start)  # the verify pass rewrites every layer at these slots
         per_token = (time.perf_counter() - t0) / max(len(proposal.tokens), 1)
-        self.draft_cost_per_token = (1 - COST_EMA) * self.draft_cost_per_token + COST_EMA * per_token
+        self.observe_draft_cost(per_token)
         return proposal

@@ -88,6 +88,8 @@ class ProposerContext:
     load_model: Callable[[str], tuple[Any, Any]] | None = None  # name -> (model, tokenizer)
 
 
+DRAFT_COST_EMA = 0.3  # weight of the newest measurement in Proposer.draft_cost_per_token
+
 class Proposer(ABC):
     name: ClassVar[str] = ""
     deterministic: ClassVar[bool] = True  # gives no q: verified as one-hot proposals
@@ -104,6 +106,10 @@ class Proposer(ABC):
     @abstractmethod
     def propose(self, state: RequestState, k: int) -> Proposal:
         """Up to k tokens continuing state.token_ids. May return fewer (or none)."""
+
+    def observe_draft_cost(self, per_token: float) -> None:
+        """Fold one measured cost per drafted token (seconds) into draft_cost_per_token (an EMA)."""
+        self.draft_cost_per_token = (1 - DRAFT_COST_EMA) * self.draft_cost_per_token + DRAFT_COST_EMA * per_token
 
     def propose_batch(self, states: list[RequestState], ks: list[int]) -> list[Proposal]:
         """Proposals for several requests of one decode batch (up to ks[b] tokens for states[b]).
