@@ -92,6 +92,36 @@ def test_resume_on_more_data_keeps_the_checkpoint_vocabulary(dataset, tmp_path):
     torch.testing.assert_close(resumed.lm_head_d, target.lm_head.weight[first])
 
 
+def test_init_from_a_trained_head_fine_tunes_it(dataset, tmp_path):
+    """--init-from starts from a head's weights and draft vocabulary, with a fresh schedule; a head of
+    another shape is refused."""
+    from specdec.config import ConfigError
+    from specdec.model.loader import load_model
+    from specdec.train.trainer import TrainSpec, Trainer
+
+    d, data = dataset
+    target = load_model(d, torch.float32, 512)
+    spec = TrainSpec(kind="eagle3", data=(str(data),), out=str(tmp_path / "base"), epochs=1, batch_size=2,
+                     warmup=1, draft_vocab_size=40, eval_every=100, save_dtype="float32", max_train_seqs=2)
+    base = Trainer(spec, target, progress=False)
+    base.run()
+    head_dir = base.export({})
+    tuned = Trainer(TrainSpec(**{**spec.__dict__, "out": str(tmp_path / "tuned"), "max_train_seqs": None,
+                                 "init_from": str(head_dir)}), target, progress=False)
+    fresh = Trainer(TrainSpec(**{**spec.__dict__, "out": str(tmp_path / "fresh"), "max_train_seqs": None}),
+                    target, progress=False)
+    assert not torch.equal(fresh.draft_ids, base.draft_ids)  # this data alone ranks another vocabulary
+    assert torch.equal(tuned.draft_ids, base.draft_ids) and torch.equal(tuned.head.draft_ids, base.draft_ids)
+    for k, v in base.head.state_dict().items():
+        assert torch.equal(v, tuned.head.state_dict()[k]), k
+    assert tuned.step == 0 and tuned.history == []  # a new run: the schedule starts afresh
+    tuned.run()
+    assert any(not torch.equal(v, tuned.head.state_dict()[k]) for k, v in base.head.state_dict().items())
+    with pytest.raises(ConfigError, match="draft_vocab_size"):
+        Trainer(TrainSpec(**{**spec.__dict__, "draft_vocab_size": 50, "init_from": str(head_dir)}), target,
+                progress=False)
+
+
 def test_seeded_training_is_reproducible(dataset, tmp_path):
     from specdec.model.loader import load_model
     from specdec.train.trainer import TrainSpec, Trainer

@@ -72,6 +72,8 @@ def _train_args(p) -> None:
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--ckpt-every", type=int, default=10)
     p.add_argument("--save-dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--init-from", type=Path, default=None, metavar="HEAD_DIR",
+                   help="fine-tune this trained head (its weights and draft vocabulary) instead of a fresh one")
 
 
 def _hardware() -> dict:
@@ -102,7 +104,8 @@ def run_head(args) -> int:
     spec = TrainSpec(kind=args.kind, data=tuple(args.data), out=str(args.out), epochs=args.epochs, lr=args.lr, warmup=args.warmup,
                      batch_size=args.batch_size, ttt_steps=args.ttt_steps, draft_vocab_size=args.draft_vocab_size,
                      intermediate_size=args.intermediate_size, medusa_heads=args.medusa_heads, seed=args.seed,
-                     eval_every=args.eval_every, ckpt_every=args.ckpt_every, max_train_seqs=args.max_train_seqs, save_dtype=args.save_dtype)
+                     eval_every=args.eval_every, ckpt_every=args.ckpt_every, max_train_seqs=args.max_train_seqs, save_dtype=args.save_dtype,
+                     init_from=str(args.init_from) if args.init_from else None)
     trainer = Trainer(spec, target, progress=not args.no_progress)
     held = trainer.heldout
     depth = min(args.eval_depth, args.medusa_heads) if args.kind == "medusa" else args.eval_depth

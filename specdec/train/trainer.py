@@ -52,6 +52,7 @@ class TrainSpec:
     ckpt_every: int = 25
     max_train_seqs: int | None = None
     save_dtype: str = "bfloat16"
+    init_from: str | None = None  # a head dir: fine-tune its weights and draft vocabulary (fresh optimizer)
 
 
 def _pad(seqs: list[Shard.Sequence], max_len: int, aux_layers: tuple[int, ...]):
@@ -95,7 +96,10 @@ class Trainer:
         self.embed = target.embed.weight.detach()
         self._use_vocab(ranked.topk(Vd).indices.sort().values)
         self.head.set_vocab(self.draft_ids)
-        self._init_from_target()
+        if spec.init_from:
+            self._init_from_head(Path(spec.init_from))
+        else:
+            self._init_from_target()
         self.opt = torch.optim.AdamW([p for p in self.head.parameters() if p.requires_grad], lr=spec.lr,
                                      weight_decay=spec.weight_decay, betas=(0.9, 0.95))
         steps_per_epoch = math.ceil(len(self.train) / spec.batch_size)
@@ -107,6 +111,23 @@ class Trainer:
         self.draft_ids = draft_ids
         self.coverage = float(self.counts[draft_ids].sum() / self.counts.sum().clamp_min(1))
         self.lm_head_d = self.target.lm_head.weight.detach()[draft_ids]  # [Vd, H]
+
+    def _init_from_head(self, path: Path) -> None:
+        """Start from a trained head (fine-tuning on other data): its weights, and its draft vocabulary,
+        which its rows follow; the optimizer and the schedule start afresh."""
+        from specdec.config import ConfigError
+        from specdec.proposers.heads import load_head
+
+        src = load_head(path)
+        shape = ("kind", "hidden_size", "vocab_size", "intermediate_size", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "draft_vocab_size", "aux_layers", "medusa_num_heads")
+        differ = [f for f in shape if getattr(src.cfg, f) != getattr(self.head.cfg, f)]
+        if differ:
+            raise ConfigError(f"{path}: its {src.cfg.kind} head differs from this run's {self.spec.kind} head in "
+                              + ", ".join(f"{f} ({getattr(src.cfg, f)} vs {getattr(self.head.cfg, f)})" for f in differ))
+        self._use_vocab(src.draft_ids.clone())
+        self.head.set_vocab(self.draft_ids)
+        self.head.load_state_dict(src.state_dict())
 
     def _init_from_target(self) -> None:
         with torch.no_grad():
