@@ -122,6 +122,39 @@ def test_init_from_a_trained_head_fine_tunes_it(dataset, tmp_path):
                 progress=False)
 
 
+def test_online_features_train_as_the_stored_ones(dataset, tmp_path):
+    """--online shards hold tokens only; the trainer computes the features with the target, and a
+    batch's loss and the held-out tau equal those from the stored (fp16) features."""
+    from safetensors import safe_open
+
+    from specdec.model.loader import load_model
+    from specdec.train.trainer import TrainSpec, Trainer, chain_acceptance
+
+    d, offline = dataset
+    online = tmp_path / "online"
+    build_dataset(str(d), online, DataSpec(num_prompts=6, num_heldout=3, max_new_tokens=10, batch_size=3, scan=300,
+                                           online=True), progress=False)
+    with safe_open(str(next((online / "train").glob("shard-*.safetensors"))), "pt") as f:
+        assert set(f.keys()) == {"tokens", "offsets", "prompt_lens"}
+    on, off = read_split(online / "train"), read_split(offline / "train")
+    assert [s.tokens for s in on] == [s.tokens for s in off] and all(s.hidden is None for s in on)
+    target = load_model(d, torch.float32, 512)
+    runs = {}
+    for name, data in (("online", online), ("offline", offline)):
+        spec = TrainSpec(kind="eagle3", data=(str(data),), out=str(tmp_path / name), epochs=1, batch_size=3,
+                         warmup=1, draft_vocab_size=100, eval_every=100, seed=3)
+        runs[name] = Trainer(spec, target, progress=False)
+    t_on, t_off = runs["online"], runs["offline"]
+    t_on.head.load_state_dict(t_off.head.state_dict())
+    loss_on, _ = t_on.loss(t_on.train[:3])
+    loss_off, _ = t_off.loss(t_off.train[:3])
+    torch.testing.assert_close(loss_on, loss_off, rtol=1e-2, atol=1e-3)
+    tau = [chain_acceptance(t.head, target, t.heldout, 2, t.aux_layers)["tau"] for t in (t_on, t_off)]
+    assert abs(tau[0] - tau[1]) < 0.05
+    t_on.run()
+    assert t_on.step == t_on.total_steps
+
+
 def test_seeded_training_is_reproducible(dataset, tmp_path):
     from specdec.model.loader import load_model
     from specdec.train.trainer import TrainSpec, Trainer

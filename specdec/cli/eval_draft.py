@@ -64,14 +64,15 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     from specdec.llm import load_target
     from specdec.proposers.heads import load_head
-    from specdec.train.features import read_split
+    from specdec.train.features import read_split, with_features
     from specdec.train.trainer import chain_acceptance
 
     head = load_head(args.head)
     report: dict = {"head": str(args.head), "kind": head.cfg.kind}
     if args.data:
         _, target, _ = load_target(args.model, "float32", None, progress=False)
-        held = [s for d in args.data for s in read_split(Path(d) / "heldout")]
+        held = with_features(target, [s for d in args.data for s in read_split(Path(d) / "heldout")],
+                             head.cfg.aux_layers)
         depth = min(args.depth, head.cfg.medusa_num_heads) if head.cfg.kind == "medusa" else args.depth
         report["offline_chain"] = chain_acceptance(head, target, held, depth, head.cfg.aux_layers)
     if args.engine:

@@ -33,6 +33,8 @@ def register(sub) -> None:
     d.add_argument("--max-batches", type=int, default=None, help="stop after N train batches (rerun to extend)")
     d.add_argument("--teacher-forced", type=int, default=0, metavar="N",
                    help="instead: N ShareGPT answers as they are (one target pass each, no generation)")
+    d.add_argument("--online", action="store_true",
+                   help="store tokens only (disk short): the trainer computes the target's features per batch")
     d.set_defaults(func=run_data)
     for kind in KINDS:
         h = tsub.add_parser(kind, help=f"train a {kind} head on stored features")
@@ -86,10 +88,11 @@ def run_data(args) -> int:
     from specdec.train.data import DataSpec, build_dataset, build_teacher_forced
 
     if args.teacher_forced:
-        stats = build_teacher_forced(args.model, args.out, args.teacher_forced, progress=not args.no_progress)
+        stats = build_teacher_forced(args.model, args.out, args.teacher_forced, progress=not args.no_progress,
+                                     online=args.online)
     else:
         spec = DataSpec(args.num_prompts, args.num_heldout, args.max_prompt_tokens, args.max_new_tokens,
-                        args.batch_size, args.seed, max_batches=args.max_batches)
+                        args.batch_size, args.seed, max_batches=args.max_batches, online=args.online)
         stats = build_dataset(args.model, args.out, spec, progress=not args.no_progress)
     print(json.dumps(stats, indent=2, default=str))
     return 0

@@ -61,6 +61,7 @@ class DataSpec:
     seed: int = 0
     scan: int = 20000  # ShareGPT conversations read to pick prompts from
     max_batches: int | None = None  # stop after this many train batches (a budget cut; rerun to extend)
+    online: bool = False  # store tokens only; the trainer computes the features (specdec.train.features)
 
 
 def select_prompts(tokenizer, spec: DataSpec) -> tuple[list[list[int]], list[list[int]]]:
@@ -153,7 +154,8 @@ def build_dataset(model: str, out: Path, spec: DataSpec, progress: bool = True) 
     train, held = select_prompts(tok, spec)
     hf = tf.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     meta = {"model": model, "model_dir": str(src), "spec": spec.__dict__, "aux_layers": list(aux),
-            "hidden_size": cfg.hidden_size, "num_layers": cfg.num_hidden_layers, "feature_dtype": "float16"}
+            "hidden_size": cfg.hidden_size, "num_layers": cfg.num_hidden_layers, "feature_dtype": "float16",
+            "features": "online" if spec.online else "offline"}
     out.mkdir(parents=True, exist_ok=True)
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
     t0, new_tokens = time.perf_counter(), 0
@@ -169,6 +171,8 @@ def build_dataset(model: str, out: Path, spec: DataSpec, progress: bool = True) 
                 continue
             seqs = generate_batch(hf, [prompts[i] for i in batch], spec.max_new_tokens, set(tok.eos_token_ids), aux)
             new_tokens += sum(len(s.tokens) - s.prompt_len for s in seqs)
+            if spec.online:
+                seqs = [Shard.Sequence(s.tokens, s.prompt_len, None) for s in seqs]
             write_shard(path, seqs)
     elapsed = time.perf_counter() - t0
     stats = {"generated_tokens_this_run": new_tokens, "seconds_this_run": round(elapsed, 1),
@@ -178,10 +182,11 @@ def build_dataset(model: str, out: Path, spec: DataSpec, progress: bool = True) 
 
 
 def build_teacher_forced(model: str, out: Path, num: int, max_tokens: int = 384, skip: int = 10000,
-                         shard_size: int = 32, progress: bool = True) -> dict:
+                         shard_size: int = 32, progress: bool = True, online: bool = False) -> dict:
     """Cheaper data when generation is too slow for the budget: ShareGPT's own first answers (from
     conversation `skip` on, disjoint from the regenerated prompts), chat template applied, one target
-    pass each (our engine) for the features; the loss still follows the target's distributions."""
+    pass each (our engine) for the features, or none when `online` (the trainer runs it); the loss
+    still follows the target's distributions."""
     from tqdm import tqdm
 
     from specdec.model.loader import load_model, read_config, resolve_model
@@ -204,7 +209,8 @@ def build_teacher_forced(model: str, out: Path, num: int, max_tokens: int = 384,
             continue
         path = out / "train" / f"shard-{shard:05d}.safetensors"
         if not path.exists():
-            seqs.append(compute_features(target, ids[:max_tokens], len(prompt), aux))
+            seqs.append(Shard.Sequence(ids[:max_tokens], len(prompt), None) if online
+                        else compute_features(target, ids[:max_tokens], len(prompt), aux))
             n_tok += min(len(ids), max_tokens)
         else:
             seqs.append(None)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from specdec.config import ConfigError
 from specdec.model.layers import apply_rotary
-from specdec.train.features import Shard, read_split, token_counts
+from specdec.train.features import Shard, read_split, token_counts, with_features
 
 
 def train_forward(model, ids: torch.Tensor) -> torch.Tensor:
@@ -91,7 +91,7 @@ def distill(target, draft, data_dirs: list[str], out: Path, epochs: float = 1.0,
     random.Random(seed).shuffle(order)
     t0, seen = time.perf_counter(), 0
     for step, i in enumerate(tqdm(order, desc="distill draft", disable=not progress)):
-        s = train[i]
+        s = with_features(target, [train[i]], (), max_len)[0]  # online shards: one target pass
         n = min(len(s.tokens), max_len)
         for g in opt.param_groups:
             g["lr"] = lr * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / total))

@@ -8,6 +8,11 @@ Shard layout (one file per generation batch, S sequences, N tokens in all):
                                       last (sequence s: rows offsets[s] - s .. offsets[s+1] - s - 1)
     aux.<l>      float16 [N - S, H]   output of target layer l (EAGLE-3 low/mid/high), same rows
 E.g. two sequences of 4 and 3 tokens: offsets [0, 4, 7], feature rows [0..3) and [3..5).
+
+Online mode (`specdec train data --online`, for when the disk is short: features take ~4.6 KB a token
+for EAGLE-3 on the default model, tokens 4 bytes): shards hold tokens, offsets and prompt_lens only,
+and `with_features` runs the target over each sequence when a batch needs it (one pass each, the
+same features as the offline shards' up to their fp16 rounding).
 """
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ class Shard:
     class Sequence:
         tokens: list[int]  # [n]
         prompt_len: int
-        hidden: torch.Tensor  # [n - 1, H]
+        hidden: torch.Tensor | None  # [n - 1, H]; None: online, computed when needed (with_features)
         aux: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [n - 1, H]
 
         @property
@@ -43,10 +48,14 @@ def write_shard(path: Path, seqs: list[Shard.Sequence]) -> None:
         "tokens": torch.tensor([t for s in seqs for t in s.tokens], dtype=torch.int32),
         "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]),
         "prompt_lens": torch.tensor([s.prompt_len for s in seqs], dtype=torch.long),
-        "hidden": torch.cat([s.hidden for s in seqs]).half().contiguous(),
     }
-    for layer in seqs[0].aux:
-        tensors[f"aux.{layer}"] = torch.cat([s.aux[layer] for s in seqs]).half().contiguous()
+    online = [s.hidden is None for s in seqs]
+    if any(online) and not all(online):
+        raise ValueError("a shard holds features for every sequence or for none")
+    if not online[0]:
+        tensors["hidden"] = torch.cat([s.hidden for s in seqs]).half().contiguous()
+        for layer in seqs[0].aux:
+            tensors[f"aux.{layer}"] = torch.cat([s.aux[layer] for s in seqs]).half().contiguous()
     tmp = path.with_suffix(".tmp")
     save_file(tensors, str(tmp))
     tmp.replace(path)  # a killed run never leaves a half-written shard behind
@@ -59,7 +68,8 @@ def read_shard(path: Path) -> list[Shard.Sequence]:
     for s in range(len(off) - 1):
         a, b = off[s], off[s + 1]
         rows = slice(a - s, b - s - 1)
-        seqs.append(Shard.Sequence(t["tokens"][a:b].tolist(), int(t["prompt_lens"][s]), t["hidden"][rows],
+        hidden = t["hidden"][rows] if "hidden" in t else None
+        seqs.append(Shard.Sequence(t["tokens"][a:b].tolist(), int(t["prompt_lens"][s]), hidden,
                                    {int(k[4:]): t[k][rows] for k in aux_keys}))
     return seqs
 
@@ -81,6 +91,15 @@ def compute_features(model, tokens: list[int], prompt_len: int, aux_layers: tupl
     out = model(torch.tensor([tokens]), torch.arange(n)[None], cache, num_logits=1, output_layers=aux_layers)
     return Shard.Sequence(list(tokens), prompt_len, out.hidden[0, :n - 1].float(),
                           {l: out.layer_hidden[l][0, :n - 1].float() for l in aux_layers})
+
+
+def with_features(model, seqs: list[Shard.Sequence], aux_layers: tuple[int, ...] = (),
+                  max_len: int | None = None) -> list[Shard.Sequence]:
+    """seqs, each with its features: stored ones as they are, online ones (hidden None) computed by a
+    target pass over their first max_len tokens (the trainer's cut: no pass over tokens it drops)."""
+    return [s if s.hidden is not None else
+            compute_features(model, s.tokens[:max_len] if max_len else s.tokens, s.prompt_len, aux_layers)
+            for s in seqs]
 
 
 def token_counts(seqs: list[Shard.Sequence], vocab_size: int, response_only: bool = True) -> torch.Tensor:

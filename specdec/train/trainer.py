@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.proposers.heads import HeadConfig, make_head, save_head
-from specdec.train.features import Shard, read_split, token_counts
+from specdec.train.features import Shard, read_split, token_counts, with_features
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ class Trainer:
         self.aux_layers = tuple(meta["aux_layers"]) if spec.kind == "eagle3" else ()
         self.train = [s for d in spec.data for s in read_split(Path(d) / "train")][:spec.max_train_seqs]
         held = [s for d in spec.data for s in read_split(Path(d) / "heldout")]
-        self.heldout = held
+        self.heldout = with_features(target, held, self.aux_layers)  # online shards: computed once here
         tc = target.config
         cfg = HeadConfig.for_target(spec.kind, tc, spec.draft_vocab_size, spec.medusa_heads, self.aux_layers,
                                     target=meta.get("model", ""))
@@ -193,6 +193,7 @@ class Trainer:
         return total, stats
 
     def loss(self, seqs):
+        seqs = with_features(self.target, seqs, self.aux_layers, self.spec.max_len)  # online shards: a pass each
         batch = _pad(seqs, self.spec.max_len, self.aux_layers)
         if self.spec.kind == "medusa":
             return self.medusa_loss(batch)
