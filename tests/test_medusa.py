@@ -45,3 +45,19 @@ def test_medusa_reproduces_greedy(tiny_dir, tmp_path, nodes):
         "method": "medusa", "model": str(path), "num_draft_tokens": nodes + 1, "num_speculative_tokens": nodes})
     sampled = SamplingParams(temperature=0.8, max_tokens=16, seed=3, ignore_eos=True)
     assert fixed.generate_one(ids, sampled).token_ids == fixed.generate_one(ids, sampled).token_ids
+
+
+def test_draft_rows_are_gathered_once_and_follow_the_vocabulary():
+    """The restricted LM head is cached across calls and refreshed when the vocabulary changes."""
+    from specdec.proposers.heads import HeadConfig, draft_rows, make_head
+
+    cfg = HeadConfig("medusa", hidden_size=8, vocab_size=20, draft_vocab_size=5, medusa_num_heads=2)
+    head, lm = make_head(cfg), torch.randn(20, 8)
+    head.set_vocab(torch.tensor([1, 3, 5, 7, 9]))
+    first = draft_rows(head, lm)
+    assert torch.equal(first, lm[[1, 3, 5, 7, 9]]) and draft_rows(head, lm) is first
+    head.set_vocab(torch.tensor([0, 2, 4, 6, 8]))
+    assert torch.equal(draft_rows(head, lm), lm[[0, 2, 4, 6, 8]])
+    h = torch.randn(3, 8)
+    assert head(h, lm, 1).shape == (1, 3, 5)
+    torch.testing.assert_close(head(h, lm)[1], head.blocks[1](h) @ lm[[0, 2, 4, 6, 8]].t())

@@ -134,6 +134,21 @@ class EagleLayer(torch.nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def draft_rows(head: torch.nn.Module, target_lm_head: torch.Tensor) -> torch.Tensor:
+    """The target LM head's rows of the head's draft vocabulary [Vd, H], gathered once and kept (a
+    gather per drafted token copied ~9 MB on the default model, more than the head's own work); the
+    whole matrix when the head drafts the full vocabulary. Refreshed when the target's matrix or the
+    head's vocabulary changes."""
+    if head.cfg.draft_vocab_size == 0:
+        return target_lm_head
+    key = (target_lm_head.data_ptr(), target_lm_head._version, head.vocab_version)
+    cached = head.__dict__.get("_draft_rows")
+    if cached is None or cached[0] != key:
+        cached = (key, target_lm_head[head.draft_ids])
+        head.__dict__["_draft_rows"] = cached
+    return cached[1]
+
+
 class EagleHead(torch.nn.Module):
     """EAGLE-1 / EAGLE-3 draft head. The target's embedding (and, for EAGLE-1, LM head) are passed in."""
 
@@ -164,6 +179,11 @@ class EagleHead(torch.nn.Module):
     def draft_ids(self) -> torch.Tensor:
         """[Vd] target token id of each draft id."""
         return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    @property
+    def vocab_version(self) -> int:
+        """Changes whenever the draft vocabulary may have (set_vocab, load_state_dict)."""
+        return self.d2t._version
 
     def set_vocab(self, draft_ids: torch.Tensor) -> None:
         """draft_ids [Vd] ascending target ids -> d2t offsets and t2d mask."""
@@ -201,8 +221,7 @@ class EagleHead(torch.nn.Module):
         """[.., H] -> [.., Vd] draft-vocabulary logits (eagle: rows of the target LM head)."""
         if self.cfg.kind == "eagle3":
             return self.lm_head(self.norm(out))
-        w = target_lm_head if self.cfg.draft_vocab_size == 0 else target_lm_head[self.draft_ids]
-        return out @ w.t()
+        return out @ draft_rows(self, target_lm_head).t()
 
 
 class DraftKV:
@@ -238,13 +257,17 @@ class MedusaHead(torch.nn.Module):
     def draft_ids(self) -> torch.Tensor:
         return self.token_map
 
+    @property
+    def vocab_version(self) -> int:
+        return self.token_map._version
+
     def set_vocab(self, draft_ids: torch.Tensor) -> None:
         self.token_map.copy_(draft_ids)
 
-    def forward(self, h: torch.Tensor, target_lm_head: torch.Tensor) -> torch.Tensor:
-        """h [N, H] -> logits [K, N, Vd]."""
-        w = target_lm_head if self.cfg.draft_vocab_size == 0 else target_lm_head[self.token_map]
-        return torch.stack([blk(h) @ w.t() for blk in self.blocks])
+    def forward(self, h: torch.Tensor, target_lm_head: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        """h [N, H] -> logits [K, N, Vd] of the first num_heads heads (all by default)."""
+        w = draft_rows(self, target_lm_head)
+        return torch.stack([blk(h) @ w.t() for blk in self.blocks[:num_heads]])
 
 
 class _ResBlock(torch.nn.Module):

@@ -72,8 +72,11 @@ class MedusaProposer(Proposer):
         h = state.draft.get("h")
         if h is None:
             return EMPTY
-        logits = self.head(h[None].to(self.lm_head.dtype), self.lm_head)[:, 0]  # [K, Vd]
-        top = self.draft_ids[logits.topk(self.max_rank, dim=-1).indices].tolist()  # [K, ranks] target ids
         n = min(k, len(self.paths))
+        if n <= 0:
+            return EMPTY
         paths = self.paths[:n]  # topological order: any prefix of the list is a tree
+        depth = max(len(p) for p in paths)  # only the heads these nodes use
+        logits = self.head(h[None].to(self.lm_head.dtype), self.lm_head, depth)[:, 0]  # [depth, Vd]
+        top = self.draft_ids[logits.topk(self.max_rank, dim=-1).indices].tolist()  # [depth, ranks] target ids
         return Proposal([top[len(p) - 1][p[-1]] for p in paths], None, self.parents[:n])
