@@ -89,9 +89,10 @@ def hf_layer_index(our_layer: int) -> int:
 
 @torch.inference_mode()
 def generate_batch(hf_model, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int],
-                   aux_layers: tuple[int, ...]) -> list[Shard.Sequence]:
+                   aux_layers: tuple[int, ...], features: bool = True) -> list[Shard.Sequence]:
     """Greedy generation for a batch of prompts; returns per sequence the tokens and the target's
-    features for every position but the last (hidden [N-1, H], aux {layer: [N-1, H]})."""
+    features for every position but the last (hidden [N-1, H], aux {layer: [N-1, H]}), or the
+    tokens only (hidden None) when not `features` (online mode: the trainer computes them)."""
     B, L = len(prompts), max(len(p) for p in prompts)
     ids = torch.full((B, L), 0, dtype=torch.long)
     attn = torch.zeros(B, L, dtype=torch.long)
@@ -105,9 +106,10 @@ def generate_batch(hf_model, prompts: list[list[int]], max_new_tokens: int, eos_
     step_ids, step_pos = ids, pos
     for _ in range(max_new_tokens):
         out = hf_model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos, past_key_values=past,
-                       use_cache=True, output_hidden_states=True)
-        hs = out.hidden_states
-        feats.append([hs[-1].half()] + [hs[i].half() for i in keep])
+                       use_cache=True, output_hidden_states=features)
+        if features:
+            hs = out.hidden_states
+            feats.append([hs[-1].half()] + [hs[i].half() for i in keep])
         nxt = out.logits[:, -1].argmax(-1)
         nxt = torch.where(done, torch.zeros_like(nxt), nxt)
         out_tokens.append(nxt)
@@ -118,7 +120,8 @@ def generate_batch(hf_model, prompts: list[list[int]], max_new_tokens: int, eos_
         step_pos = step_pos[:, -1:] + 1
         attn = torch.cat([attn, torch.ones(B, 1, dtype=torch.long)], dim=1)
     gen = torch.stack(out_tokens, 1)  # [B, steps]
-    cat = [torch.cat([f[j] for f in feats], dim=1) for j in range(1 + len(keep))]  # [B, L + steps - 1, H]
+    # [B, L + steps - 1, H] per kept layer (final normed state first)
+    cat = [torch.cat([f[j] for f in feats], dim=1) for j in range(1 + len(keep))] if features else []
     seqs = []
     for b, p in enumerate(prompts):
         resp = gen[b].tolist()
@@ -127,6 +130,9 @@ def generate_batch(hf_model, prompts: list[list[int]], max_new_tokens: int, eos_
                 resp = resp[:j + 1]
                 break
         n = len(p) + len(resp)
+        if not features:
+            seqs.append(Shard.Sequence(p + resp, len(p), None))
+            continue
         rows = slice(L - len(p), L - len(p) + n - 1)  # features of positions 0..n-2
         seqs.append(Shard.Sequence(p + resp, len(p), cat[0][b, rows].clone(),
                                    {l: cat[1 + j][b, rows].clone() for j, l in enumerate(aux_layers)}))
@@ -169,10 +175,9 @@ def build_dataset(model: str, out: Path, spec: DataSpec, progress: bool = True) 
             path = out / split / f"shard-{bi:05d}.safetensors"
             if path.exists():
                 continue
-            seqs = generate_batch(hf, [prompts[i] for i in batch], spec.max_new_tokens, set(tok.eos_token_ids), aux)
+            seqs = generate_batch(hf, [prompts[i] for i in batch], spec.max_new_tokens, set(tok.eos_token_ids), aux,
+                                  features=not spec.online)
             new_tokens += sum(len(s.tokens) - s.prompt_len for s in seqs)
-            if spec.online:
-                seqs = [Shard.Sequence(s.tokens, s.prompt_len, None) for s in seqs]
             write_shard(path, seqs)
     elapsed = time.perf_counter() - t0
     stats = {"generated_tokens_this_run": new_tokens, "seconds_this_run": round(elapsed, 1),

@@ -126,8 +126,7 @@ class Trainer:
             raise ConfigError(f"{path}: its {src.cfg.kind} head differs from this run's {self.spec.kind} head in "
                               + ", ".join(f"{f} ({getattr(src.cfg, f)} vs {getattr(self.head.cfg, f)})" for f in differ))
         self._use_vocab(src.draft_ids.clone())
-        self.head.set_vocab(self.draft_ids)
-        self.head.load_state_dict(src.state_dict())
+        self.head.load_state_dict(src.state_dict())  # the vocabulary buffers (d2t/t2d, token_map) too
 
     def _init_from_target(self) -> None:
         with torch.no_grad():
