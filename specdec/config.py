@@ -140,7 +140,15 @@ def _gemma3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 SPEC_METHODS = ("draft_model", "ngram", "suffix", "layerskip", "lookahead", "medusa", "eagle", "eagle3", "qdraft")
-LEARNED_TREE_METHODS = ("medusa", "eagle", "eagle3")  # learned heads; `model` = the head dir (default: shipped)
+LEARNED_TREE_METHODS = ("medusa", "eagle", "eagle3")
+LOOKUP_METHODS = ("ngram", "suffix")  # free drafters a model drafter can be paired with (`lookup`)
+
+
+def split_method(name: str) -> tuple[str, str | None]:
+    """'qdraft+ngram' -> ('qdraft', 'ngram'): a model drafter with a lookup (the bench's and the
+    server's per-request name for {"method": "qdraft", "lookup": "ngram"}); 'ngram' -> ('ngram', None)."""
+    method, _, lookup = name.partition("+")
+    return method, lookup or None  # learned heads; `model` = the head dir (default: shipped)
 
 
 @dataclass(frozen=True)
@@ -175,6 +183,10 @@ class SpeculativeConfig:
     num_steps: int = 3
     eagle_topk: int = 1
     num_draft_tokens: int | None = None
+    # a lookup drafter ("ngram" | "suffix") tried first at every step; the method's model drafter
+    # drafts when the lookup matches fewer than lookup_min_match context tokens (proposers/hybrid.py)
+    lookup: str | None = None
+    lookup_min_match: int = 2
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -191,6 +203,12 @@ class SpeculativeConfig:
             raise ConfigError("draft_confidence_threshold must be in [0, 1)")
         if self.method in LEARNED_TREE_METHODS:
             self._check_tree()
+        if self.lookup is not None and self.lookup not in LOOKUP_METHODS:
+            raise ConfigError(f"lookup must be one of {', '.join(LOOKUP_METHODS)}, got {self.lookup!r}")
+        if self.lookup is not None and self.method in LOOKUP_METHODS + ("lookahead",):
+            raise ConfigError(f"'lookup' pairs a lookup with a model drafter; method {self.method!r} is a lookup itself")
+        if not (1 <= self.lookup_min_match <= 64):
+            raise ConfigError(f"lookup_min_match must be in [1, 64], got {self.lookup_min_match}")
 
     def _check_tree(self) -> None:
         if not (1 <= self.num_steps <= 16 and 1 <= self.eagle_topk <= 16):

@@ -23,7 +23,7 @@ import torch
 
 from specdec.bench.costs import PeakRSS, rss_mb
 from specdec.bench.systems import BASELINE, Generated, SpecdecSystem, System
-from specdec.config import ConfigError
+from specdec.config import ConfigError, split_method
 
 
 
@@ -160,6 +160,7 @@ def set_threads(threads: int | None) -> int:
 # ---------------------------------------------------------------- the whole benchmark
 DEFAULT_METHOD_CONFIGS: dict[str, dict] = {"draft_model": {}, "ngram": {}, "suffix": {}, "layerskip": {},
                                            "lookahead": {}}
+DEFAULT_PAIRS = ("qdraft+ngram",)  # model drafter + lookup pairs run by default beside the methods
 
 
 @dataclass(frozen=True)
@@ -236,20 +237,21 @@ def our_systems(cfg: BenchConfig, target, tokenizer, source_dir: Path, draft_dir
                 k: int | None = None) -> tuple[list[System], list[tuple[str, str]]]:
     from specdec.spec.proposer import available_methods
 
-    methods = available_methods() if cfg.methods is None else list(cfg.methods)
+    methods = available_methods() + list(DEFAULT_PAIRS) if cfg.methods is None else list(cfg.methods)
     systems: list[System] = [] if k is not None else [SpecdecSystem(target, tokenizer, source_dir)]
     skipped = []
-    for m in methods:
-        spec = dict(DEFAULT_METHOD_CONFIGS.get(m, {}), **cfg.method_configs.get(m, {}))
+    for name in methods:
+        m, _ = split_method(name)
+        spec = dict(DEFAULT_METHOD_CONFIGS.get(m, {}), **cfg.method_configs.get(name, {}))
         if m == "draft_model" and "model" not in spec:
             if draft_dir is None:
-                skipped.append((f"specdec:{m}", "no draft model available (--draft-model)"))
+                skipped.append((f"specdec:{name}", "no draft model available (--draft-model)"))
                 continue
             spec["model"] = str(draft_dir)
-        label = m
+        label = name
         if k is not None:
-            spec["num_speculative_tokens"], label = k, f"{m}@k{k}"
-        systems.append(SpecdecSystem(target, tokenizer, source_dir, m, spec, load_aux, label))
+            spec["num_speculative_tokens"], label = k, f"{name}@k{k}"
+        systems.append(SpecdecSystem(target, tokenizer, source_dir, name, spec, load_aux, label))
     return systems, skipped
 
 

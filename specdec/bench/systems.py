@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from specdec.config import SpeculativeConfig
+from specdec.config import SpeculativeConfig, split_method
 from specdec.sampling_params import SamplingParams
 
 BASELINE = "specdec:plain"
@@ -64,10 +64,11 @@ class SpecdecSystem(System):
     def __init__(self, target, tokenizer, target_dir: Path, method: str | None = None, spec: dict | None = None,
                  load_aux: Callable | None = None, label: str | None = None):
         self.target, self.tokenizer, self.target_dir = target, tokenizer, target_dir
-        self.method = method or "plain"
+        self.method = method or "plain"  # "qdraft+ngram": a model drafter with a lookup (config key `lookup`)
         self.name = f"specdec:{label or self.method}"
         self.precision = str(target.dtype).replace("torch.", "")
-        self.config = dict(spec or {}, method=method) if method else {}
+        base, lookup = split_method(self.method)
+        self.config = dict(spec or {}, method=base, **({"lookup": lookup} if lookup else {})) if method else {}
         self.load_aux = load_aux
         self.decoder = None
         self.cost = None

@@ -24,6 +24,8 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-speculative-tokens", type=int, default=None, help="fix k (default: adaptive)")
     g.add_argument("--prompt-lookup-min", type=int, default=None)
     g.add_argument("--prompt-lookup-max", type=int, default=None)
+    g.add_argument("--speculative-lookup", choices=("ngram", "suffix"), default=None,
+                   help="try this lookup first at every step, the method's model drafter when it finds no match")
     g.add_argument("--speculative-config", default=None, help="JSON with vLLM's keys, e.g. '{\"method\": \"ngram\"}'")
 
 
@@ -38,7 +40,8 @@ def spec_config_from_args(args) -> dict | None:
             raise ConfigError("--speculative-config must be a JSON object")
     flags = {"method": args.speculative_method, "model": args.speculative_model,
              "num_speculative_tokens": args.num_speculative_tokens,
-             "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}
+             "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max,
+             "lookup": args.speculative_lookup}
     cfg.update({k: v for k, v in flags.items() if v is not None})
     if cfg and "method" not in cfg:
         raise ConfigError("speculative flags given without --speculative-method")

@@ -235,7 +235,8 @@ class Engine:
         elif seq.begun:
             seq.metrics.record(k, verdict.num_accepted, len(verdict.tokens))
             self.totals.record(k, verdict.num_accepted, len(verdict.tokens))
-            seq.adaptive.update(k, verdict.num_accepted)
+            if not proposal.lookup:
+                seq.adaptive.update(k, verdict.num_accepted)
         if seq.out.finish_reason is not None:
             self._finish(seq)
             return True

@@ -36,7 +36,7 @@ import time
 import torch
 
 from specdec.cache.paged_cache import BatchKV, PagedKVPool, SeqKV
-from specdec.config import ConfigError, SpeculativeConfig
+from specdec.config import ConfigError, SpeculativeConfig, split_method
 from specdec.spec.adaptive import ProbeBackoff, StepOverhead
 from specdec.spec.proposer import EMPTY, Proposal, ProposerContext, available_methods, make_proposer
 from specdec.spec.rejection import Verdict, verify_greedy, verify_sampling
@@ -145,11 +145,13 @@ class Speculation:
         with self._lock:
             if method in self.proposers:
                 return self.proposers[method]
-            if method not in available_methods():
-                raise ConfigError(f"speculative method {method!r} is not available; available: "
+            name, lookup = split_method(method)
+            if name not in available_methods():
+                raise ConfigError(f"speculative method {name!r} is not available; available: "
                                   f"{', '.join(available_methods())}")
             base = self.default_config
-            cfg = SpeculativeConfig(method=method, model=base.model if base and base.method == method else None)
+            cfg = SpeculativeConfig(method=name, model=base.model if base and base.method == name else None,
+                                    lookup=lookup)
             llm = self.llm
             ctx = ProposerContext(llm.model, llm.tokenizer, cfg, llm.source.directory, llm.dtype, llm.model.max_len,
                                   llm._load_aux)
@@ -223,4 +225,4 @@ class Speculation:
         if not tokens:
             return EMPTY
         probs = None if proposal.probs is None else proposal.probs[:len(tokens)]
-        return Proposal(list(tokens), probs)
+        return Proposal(list(tokens), probs, lookup=proposal.lookup)

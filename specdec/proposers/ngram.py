@@ -8,8 +8,8 @@ import numpy as np
 from specdec.spec.proposer import EMPTY, Proposal, Proposer, RequestState, register_proposer
 
 
-def find_continuation(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> list[int]:
-    """Tokens following the most recent earlier match of the last n tokens (longest n first).
+def find_continuation(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> tuple[list[int], int]:
+    """Tokens following the most recent earlier match of the last n tokens (longest n first), and n.
 
     E.g. tokens = [a b c x a b] with n=2: suffix [a b] matches at 0, so propose [c x a ...][:k]."""
     L = len(tokens)
@@ -19,8 +19,10 @@ def find_continuation(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> lis
         hits = np.flatnonzero((windows == suffix).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + n
-            return tokens[start:start + k].tolist()
-    return []
+            found = tokens[start:start + k].tolist()
+            if found:
+                return found, n
+    return [], 0
 
 
 @register_proposer("ngram")
@@ -28,11 +30,16 @@ class NgramProposer(Proposer):
     deterministic = True
 
     def propose(self, state: RequestState, k: int) -> Proposal:
+        found, _ = self.lookup(state, k, self.ctx.config.prompt_lookup_min)
+        return Proposal(found) if found else EMPTY
+
+    def lookup(self, state: RequestState, k: int, min_match: int) -> tuple[list[int], int]:
+        """Up to k tokens after a match of at least min_match context tokens, and the match length."""
         cfg = self.ctx.config
         tokens = state.draft.get("array")
         ids = state.token_ids
         if tokens is None or len(tokens) != len(ids):
             tokens = np.asarray(ids, dtype=np.int64)
             state.draft["array"] = tokens
-        found = find_continuation(tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max, k)
-        return Proposal(found) if found else EMPTY
+        n_min = max(cfg.prompt_lookup_min, min_match)
+        return find_continuation(tokens, n_min, max(cfg.prompt_lookup_max, n_min), k)

@@ -164,19 +164,25 @@ class SuffixProposer(Proposer):
         d["gseen"] = len(ids)
 
     def propose(self, state: RequestState, k: int) -> Proposal:
+        best, _ = self.lookup(state, k, 1)
+        return Proposal(best) if best else EMPTY
+
+    def lookup(self, state: RequestState, k: int, min_match: int) -> tuple[list[int], int]:
+        """The best-scoring continuation after a match of at least min_match context tokens, and the
+        match length."""
         if "trie" not in state.draft:
             self.begin(state)
         self._sync(state)
         best, best_key = [], (0.0, 0)
         for cursor in (state.draft["cursor"], state.draft["gcursor"]):
-            for m in range(1, len(cursor)):  # cursor[m]: the node of the context's last m tokens
+            for m in range(min_match, len(cursor)):  # cursor[m]: the node of the context's last m tokens
                 limit = min(k, math.floor(self.factor * m), self.depth - m)
                 if limit <= 0:
                     continue
                 tokens, score = best_chain(cursor[m], limit, self.min_prob)
                 if tokens and (score, m) > best_key:
                     best, best_key = tokens, (score, m)
-        return Proposal(best) if best else EMPTY
+        return best, best_key[1]
 
     def end(self, state: RequestState) -> None:
         if self.max_cached > 0 and state.output_ids:

@@ -199,7 +199,8 @@ class SpeculativeDecoder:
         k = self._choose_k(state, adaptive, cache.length)
         proposal = self.proposer.propose(state, k) if k > 0 else EMPTY
         if not proposal.is_tree:  # a chain is cut to k; a tree's size is the proposer's own budget
-            proposal = Proposal(proposal.tokens[:k], None if proposal.probs is None else proposal.probs[:k])
+            proposal = Proposal(proposal.tokens[:k], None if proposal.probs is None else proposal.probs[:k],
+                                lookup=proposal.lookup)
         t1 = time.perf_counter()
         start = cache.length
         tokens = [state.token_ids[-1]] + proposal.tokens
@@ -227,7 +228,7 @@ class SpeculativeDecoder:
             self.proposer.on_verified(state, proposal, verdict.num_accepted, TargetOutput(fwd, rows))
         t3 = time.perf_counter()
         self.cost.observe(T, t2 - t1)
-        if adaptive is not None:
+        if adaptive is not None and not proposal.lookup:
             adaptive.update(len(proposal), verdict.num_accepted)
             adaptive.observe_step(len(proposal), t1 - t0, t3 - t2)
         metrics.record(len(proposal), verdict.num_accepted, len(verdict.tokens))

@@ -51,6 +51,9 @@ class Proposal:
     tokens: list[int]  # [k] drafted tokens (tree: one per node)
     probs: torch.Tensor | None = None  # [k, V] warped draft distribution each token was drawn from; None: one-hot q
     parents: list[int] | None = None  # [k] parent node index per node, -1 = root; None: a chain
+    # drafted by a free lookup beside a model drafter (proposers/hybrid.py): adaptive k, which prices
+    # the model drafter's tokens, learns neither acceptance nor cost from such a step
+    lookup: bool = False
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -148,4 +151,8 @@ def make_proposer(ctx: ProposerContext) -> Proposer:
     if ctx.config.method not in _REGISTRY:
         raise ConfigError(f"speculative method {ctx.config.method!r} is not available; "
                           f"available: {', '.join(methods)}")
-    return _REGISTRY[ctx.config.method](ctx)
+    proposer = _REGISTRY[ctx.config.method](ctx)
+    if ctx.config.lookup is None:
+        return proposer
+    from specdec.proposers.hybrid import HybridProposer
+    return HybridProposer(ctx, proposer, _REGISTRY[ctx.config.lookup](ctx))

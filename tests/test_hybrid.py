@@ -1,0 +1,126 @@
+"""A model drafter paired with a lookup (`lookup`: n-gram or suffix first, the model drafter when the
+lookup has no match): greedy output equals plain decoding (single request and the engine's batch),
+both parts draft, lookup steps do not move adaptive k's estimates, the settings are checked."""
+import pytest
+import torch
+
+from specdec import SamplingParams
+from specdec.config import ConfigError, SpeculativeConfig, split_method
+from specdec.engine.engine import Engine, EngineConfig, EngineRequest
+from specdec.llm import LLM
+from specdec.proposers.hybrid import HybridProposer
+from specdec.spec.proposer import ProposerContext, RequestState, make_proposer
+
+from conftest import CHAT_PROMPTS
+
+PROMPTS = ["The quick brown fox", "one two three four five six. one two three four five six. one two"]
+
+
+def greedy(n=48):
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def llm(path, spec=None):
+    return LLM(str(path), speculative_config=spec, dtype="float32", max_model_len=256, progress=False)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    return tiny_dir("llama")
+
+
+@pytest.mark.parametrize("lookup", ["ngram", "suffix"])
+def test_greedy_equals_plain_and_both_parts_draft(tiny, lookup):
+    plain = llm(tiny)
+    spec = llm(tiny, {"method": "qdraft", "lookup": lookup, "num_speculative_tokens": 4})
+    assert isinstance(spec.proposer, HybridProposer) and spec.proposer.name == f"qdraft+{lookup}"
+    model_calls = []
+    real = spec.proposer.model.propose
+    spec.proposer.model.propose = lambda state, k: model_calls.append(k) or real(state, k)
+    for prompt in PROMPTS:
+        ids = plain.tokenizer.encode(prompt)
+        assert spec.generate_one(ids, greedy()).token_ids == plain.generate_one(ids, greedy()).token_ids
+    assert spec.proposer.lookup_steps > 0 and model_calls  # the repetitive prompt matches, the other not
+
+
+def test_lookup_steps_leave_adaptive_k_alone(tiny):
+    """Adaptive k prices the model drafter's tokens: a lookup's rejected chain must not lower its
+    acceptance estimate (a lookup with a low bar once switched qdraft off for a whole request)."""
+    spec = llm(tiny, {"method": "qdraft", "lookup": "ngram", "lookup_min_match": 1})
+    updates = []
+    ids = spec.tokenizer.encode(PROMPTS[1])
+    spec.generate_one(ids, greedy(8))  # profiles the cost model
+    from specdec.spec import adaptive
+    real = adaptive.AdaptiveK.update
+    adaptive.AdaptiveK.update = lambda self, n, a: updates.append(n) or real(self, n, a)
+    before = spec.proposer.lookup_steps
+    try:
+        r = spec.generate_one(ids, greedy(32))
+    finally:
+        adaptive.AdaptiveK.update = real
+    lookup_steps = spec.proposer.lookup_steps - before
+    assert lookup_steps > 0
+    assert len(updates) == r.metrics.target_passes - lookup_steps  # every step but the lookup's
+
+
+def test_a_missing_match_goes_to_the_model_drafter(tiny):
+    cfg = SpeculativeConfig("qdraft", lookup="ngram", lookup_min_match=3)
+    plain = llm(tiny)
+    proposer = make_proposer(ProposerContext(plain.model, plain.tokenizer, cfg, None, torch.float32, 256))
+    state = RequestState([1, 2, 3, 4, 5, 1, 2, 3], greedy(), None, [4])  # ... 1 2 3 4: matches [2 3 4]
+    proposer.begin(state)
+    p = proposer.propose(state, 3)
+    assert p.lookup and p.tokens == [5, 1, 2]
+    state2 = RequestState([1, 2, 3, 4, 5, 6, 7], greedy(), None, [8])  # no 3-token match: the int4 copy drafts
+    proposer.begin(state2)
+    p2 = proposer.propose(state2, 3)
+    assert not p2.lookup and len(p2.tokens) == 3
+
+
+def test_bad_settings_are_config_errors(tiny):
+    with pytest.raises(ConfigError, match="lookup must be one of"):
+        SpeculativeConfig("qdraft", lookup="medusa")
+    with pytest.raises(ConfigError, match="is a lookup itself"):
+        SpeculativeConfig("ngram", lookup="suffix")
+    with pytest.raises(ConfigError, match="lookup_min_match"):
+        SpeculativeConfig("qdraft", lookup="ngram", lookup_min_match=0)
+    assert split_method("qdraft+ngram") == ("qdraft", "ngram") and split_method("eagle3") == ("eagle3", None)
+
+
+def test_engine_batch_with_a_hybrid_equals_single_request(tiny):
+    """The serving engine's batched path: lookup rows and model-drafted rows in one decode batch, and
+    the per-request method name 'qdraft+ngram'."""
+    plain = LLM(str(tiny), dtype="float32", max_model_len=160, progress=False, num_threads=1)
+    spec = LLM(str(tiny), dtype="float32", max_model_len=160, progress=False, num_threads=1,
+               speculative_config={"method": "qdraft", "lookup": "ngram"})
+    engine = Engine(spec, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, block_size=8))
+    assert engine.spec.proposer("qdraft+ngram") is spec.proposer
+    reqs = [EngineRequest(str(i), spec.tokenizer.encode(t), greedy(24)) for i, t in enumerate(PROMPTS * 2)]
+    for r in reqs:
+        r.speculative = {"method": "qdraft+ngram", "num_speculative_tokens": 3}
+        engine.add_request(r)
+    got: dict[str, list[int]] = {}
+    drafted = 0
+    while engine.has_unfinished():
+        for o in engine.step():
+            got.setdefault(o.request_id, []).extend(o.token_ids)
+            if o.finished:
+                drafted += o.metrics.num_draft_tokens
+    assert engine.blocks.num_used == 0
+    for r in reqs:
+        assert got[r.request_id] == plain.generate_one(r.prompt_ids, r.params).token_ids, r.request_id
+    assert drafted > 0 and spec.proposer.lookup_steps > 0
+
+
+@pytest.mark.slow
+def test_real_model_greedy_equal(smollm_llm):
+    """qdraft + n-gram on the default model: 64 tokens on two chat prompts equal plain decoding."""
+    target, tok = smollm_llm.model, smollm_llm.tokenizer
+    cfg = SpeculativeConfig("qdraft", lookup="ngram")
+    from specdec.spec.decoder import SpeculativeDecoder
+    proposer = make_proposer(ProposerContext(target, tok, cfg, None, torch.float32, target.max_len))
+    spec = SpeculativeDecoder(target, tok, proposer, cfg)
+    for text in CHAT_PROMPTS[:2]:
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
+        params = SamplingParams(temperature=0, max_tokens=64)
+        assert spec.generate(ids, params).token_ids == smollm_llm.generate_one(ids, params).token_ids
