@@ -31,6 +31,7 @@ import time
 from itertools import islice
 from pathlib import Path
 
+from specdec.config import split_method
 from specdec.jsonstream import iter_json_array
 
 PCTS = (50, 90, 99)
@@ -41,7 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--threads", type=int, default=None, help="server CPU threads (default: all cores)")
-    p.add_argument("--speculative-method", default="ngram", help="the 'on' setting's method")
+    p.add_argument("--speculative-method", default="ngram",
+                   help="the 'on' setting's method; METHOD+LOOKUP pairs a model drafter with a lookup (qdraft+ngram)")
     p.add_argument("--num-speculative-tokens", type=int, default=None, help="fix k (default: adaptive)")
     p.add_argument("--settings", default="off,on", help="which of off,on to run")
     p.add_argument("--concurrency", default="1,4,16")
@@ -178,7 +180,8 @@ def start_server(args, speculative: bool) -> tuple[subprocess.Popen, str]:
     if args.threads:
         argv += ["--threads", str(args.threads)]
     if speculative:
-        argv += ["--speculative-method", args.speculative_method]
+        method, lookup = split_method(args.speculative_method)  # "qdraft+ngram": qdraft with an n-gram lookup
+        argv += ["--speculative-method", method] + (["--speculative-lookup", lookup] if lookup else [])
         if args.num_speculative_tokens:
             argv += ["--num-speculative-tokens", str(args.num_speculative_tokens)]
     code = "import sys; from specdec.cli import main; sys.exit(main())"
