@@ -92,3 +92,15 @@ def test_a_request_starts_from_the_previous_requests_estimates():
     recovered = AdaptiveK(8, _cost(), previous=losing)
     ks = _run(recovered, 200, 1.0, draft_s=0.0001, overhead_s=0.0)
     assert sum(k > 0 for k in ks[140:]) >= 55
+
+
+def test_the_proposers_prior_sets_the_first_steps_k():
+    """A drafter that is a copy of the target (qdraft: prior 0.9) starts at a long draft; the generic
+    prior (0.6) starts short, with the same measured costs (draft 0.4 of a target step)."""
+    def first_k(prior: float) -> int:
+        a = AdaptiveK(8, _cost(c1=0.020, growth=0.07), prior=prior)
+        a.draft_seconds = 0.008
+        a.choose(draft_cost_rel=0.4)  # the first step measures plain decoding
+        return a.choose(draft_cost_rel=0.4)
+    assert first_k(0.6) <= 1 and first_k(0.9) >= 3
+

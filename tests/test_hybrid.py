@@ -34,6 +34,7 @@ def test_greedy_equals_plain_and_both_parts_draft(tiny, lookup):
     plain = llm(tiny)
     spec = llm(tiny, {"method": "qdraft", "lookup": lookup, "num_speculative_tokens": 4})
     assert isinstance(spec.proposer, HybridProposer) and spec.proposer.name == f"qdraft+{lookup}"
+    assert spec.proposer.acceptance_prior == 0.9 > spec.proposer.lookup.acceptance_prior  # the model drafter's
     model_calls = []
     real = spec.proposer.model.propose
     spec.proposer.model.propose = lambda state, k: model_calls.append(k) or real(state, k)

@@ -28,6 +28,7 @@ from specdec.engine.speculation import Speculation, verify_rows
 from specdec.model.llama import ForwardOutput
 from specdec.sampler import make_generator, sample, warp
 from specdec.sampling_params import SamplingParams
+from specdec.spec.adaptive import PRIOR_ACCEPTANCE, AdaptiveK
 from specdec.spec.metrics import SpecMetrics
 from specdec.spec.proposer import TargetOutput
 from specdec.spec.rejection import Verdict
@@ -95,6 +96,11 @@ def _choice(proposer, k: int | None = None) -> SpecChoice:
     return SpecChoice(proposer, k or cfg.k_max, k is not None or cfg.fixed_k or not cfg.adaptive)
 
 
+def _adaptive(spec: SpecChoice) -> AdaptiveK:
+    """A row's acceptance estimate, starting from its proposer's prior (K itself is the batch's choice)."""
+    return AdaptiveK(0, None, prior=spec.proposer.acceptance_prior if spec.proposer is not None else PRIOR_ACCEPTANCE)
+
+
 class Engine:
     def __init__(self, llm, config: EngineConfig = EngineConfig()):
         self.llm, self.config = llm, config
@@ -150,7 +156,7 @@ class Engine:
             grammar = GrammarState(req.grammar, req.grammar.initial()) if req.grammar is not None else None
             seqs.append(Sequence.create(next(self._ids), req.request_id, i, req.prompt_ids, params, self.tokenizer,
                                         gen, self.max_model_len, spec=spec, cache_salt=req.cache_salt,
-                                        grammar=grammar))
+                                        grammar=grammar, adaptive=_adaptive(spec)))
         self.seqs[req.request_id] = seqs
         for s in seqs:
             self.scheduler.add(s)

@@ -55,6 +55,10 @@ class HybridProposer(Proposer):
     def draft_cost_per_token(self) -> float:
         return self.model.draft_cost_per_token
 
+    @property
+    def acceptance_prior(self) -> float:
+        return self.model.acceptance_prior
+
     def begin(self, state: RequestState, prefill: TargetOutput | None = None) -> None:
         self.model.begin(_view(state, "model"), prefill)
         self.lookup.begin(_view(state, "lookup"), prefill)

@@ -114,11 +114,13 @@ class CostModel:
 class AdaptiveK:
     """Per-request choice of k."""
 
-    def __init__(self, k_max: int, cost: CostModel, probe_interval: int = 16, previous: "AdaptiveK | None" = None):
+    def __init__(self, k_max: int, cost: CostModel, probe_interval: int = 16, previous: "AdaptiveK | None" = None,
+                 prior: float = PRIOR_ACCEPTANCE):
+        """prior: the acceptance assumed before any step is seen (the proposer's acceptance_prior)."""
         self.k_max = k_max
         self.cost = cost
-        self.acceptance = PRIOR_ACCEPTANCE
-        self._accepted, self._tested = PRIOR_ACCEPTANCE, 1.0  # EMAs of positions accepted / observed
+        self.acceptance = prior
+        self._accepted, self._tested = prior, 1.0  # EMAs of positions accepted / observed
         self.probes = ProbeBackoff(probe_interval)
         self.draft_seconds: float | None = None  # per drafted token, EMA over this request's steps
         self.overhead = StepOverhead()  # outside the draft and verify forwards

@@ -98,6 +98,7 @@ class Proposer(ABC):
     deterministic: ClassVar[bool] = True  # gives no q: verified as one-hot proposals
     feature_layers: ClassVar[tuple[int, ...]] = ()  # target layers whose hidden states this proposer reads
     draft_cost_per_token: float = 0.0  # seconds per drafted token, measured; 0 for lookup drafters
+    acceptance_prior: float = 0.6  # per-token acceptance adaptive k assumes before a request's first step
 
     def __init__(self, ctx: ProposerContext):
         self.ctx = ctx
