@@ -125,3 +125,24 @@ def test_real_model_greedy_equal(smollm_llm):
         ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
         params = SamplingParams(temperature=0, max_tokens=64)
         assert spec.generate(ids, params).token_ids == smollm_llm.generate_one(ids, params).token_ids
+
+
+def test_the_lookup_drafts_while_adaptive_k_keeps_the_model_drafter_off(tiny, monkeypatch):
+    """Where the model drafter does not pay (adaptive k = 0 on every step here), the free lookup still
+    drafts, and output stays exact."""
+    from specdec.spec import adaptive
+    plain, spec = llm(tiny), llm(tiny, {"method": "qdraft", "lookup": "ngram"})
+    ids = plain.tokenizer.encode(PROMPTS[1])
+    spec.generate_one(ids, greedy(4))  # profiles the cost model
+    monkeypatch.setattr(adaptive.AdaptiveK, "choose", lambda self, rel: 0)
+    monkeypatch.setattr(spec.decoder.cost, "relative", lambda T: 1.0)  # a verify column costs nothing
+    model_calls = []
+    monkeypatch.setattr(spec.proposer.model, "propose", lambda state, k: model_calls.append(k))
+    before = spec.proposer.lookup_steps
+    r = spec.generate_one(ids, greedy(32))
+    assert r.token_ids == plain.generate_one(ids, greedy(32)).token_ids
+    assert spec.proposer.lookup_steps > before and r.metrics.num_accepted_tokens > 0 and not model_calls
+    monkeypatch.setattr(spec.decoder.cost, "relative", lambda T: 1.0 + 0.2 * (T - 1))  # a column costs 20%
+    before = spec.proposer.lookup_steps
+    spec.generate_one(ids, greedy(32))
+    assert spec.proposer.lookup_steps == before  # no free room in the verify pass: plain decoding

@@ -8,7 +8,10 @@ Why: a model drafter pays for every token it drafts (qdraft: ~0.4 of a target st
 CPU), a lookup pays nothing, and where the output copies its context (quotes, code, lists, repeated
 phrasing) a match of several tokens predicts many tokens well. A step takes the lookup's chain when
 its match covers at least `lookup_min_match` context tokens, else the model drafter's proposal.
-Either way the target verifies it as usual, so the output is exactly the target's.
+Either way the target verifies it as usual, so the output is exactly the target's. On steps where
+adaptive k turns the model drafter off (it costs more than it saves there), the lookup still drafts
+(`propose_free`): as many tokens as a verify pass absorbs for <= 1.15x a plain step, so pairing a
+drafter with a lookup never does worse than the drafter being off.
 
 Each part keeps its own per-request state: it sees a view of the request (the same prompt and
 output lists, its own `draft` dict), and hears every verification, so the model drafter's caches
@@ -17,7 +20,7 @@ stay in step after the lookup's steps (qdraft and EAGLE catch up lazily on the t
 from __future__ import annotations
 
 from specdec.config import ConfigError
-from specdec.spec.proposer import Proposal, Proposer, RequestState, TargetOutput
+from specdec.spec.proposer import EMPTY, Proposal, Proposer, RequestState, TargetOutput
 
 LOOKUPS = ("ngram", "suffix")
 MODEL_DRAFTERS = ("draft_model", "qdraft", "layerskip", "medusa", "eagle", "eagle3")
@@ -73,6 +76,9 @@ class HybridProposer(Proposer):
     def propose(self, state: RequestState, k: int) -> Proposal:
         found = self._from_lookup(state, k)
         return found if found is not None else self.model.propose(_view(state, "model"), k)
+
+    def propose_free(self, state: RequestState, k: int) -> Proposal:
+        return self._from_lookup(state, k) or EMPTY
 
     def propose_batch(self, states: list[RequestState], ks: list[int]) -> list[Proposal]:
         proposals = [self._from_lookup(s, k) for s, k in zip(states, ks)]

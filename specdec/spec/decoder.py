@@ -23,6 +23,8 @@ from specdec.spec.metrics import SpecMetrics
 from specdec.spec.proposer import EMPTY, Proposal, Proposer, RequestState, TargetOutput
 from specdec.spec.rejection import Verdict, verify_greedy, verify_sampling
 
+FREE_VERIFY_COST = 1.15  # a free (lookup) proposal on a plain step may raise the verify pass's cost this much
+
 
 class RequestError(ValueError):
     """The request cannot be served as given (empty prompt, too long, ...)."""
@@ -141,6 +143,15 @@ class SpeculativeDecoder:
             k = adaptive.choose(rel)
         return max(0, min(k, remaining - 1, room))
 
+    def _free_k(self, state: RequestState, cache_len: int) -> int:
+        """How many tokens a free proposal may hold on a step adaptive k made plain: as many as a verify
+        pass absorbs for at most FREE_VERIFY_COST of a plain step (measured cost curve)."""
+        cap = min(state.params.max_tokens - len(state.output_ids) - 1, self.max_len - cache_len - 2, self.k_max)
+        k = 0
+        while k < cap and self.cost.relative(k + 2) <= FREE_VERIFY_COST:
+            k += 1
+        return k
+
     def _verify(self, proposal: Proposal, logits: torch.Tensor, params: SamplingParams, gen) -> Verdict:
         if params.greedy:
             return verify_greedy(proposal.tokens, logits.argmax(-1).tolist())
@@ -197,7 +208,12 @@ class SpeculativeDecoder:
     def _step(self, state: RequestState, cache, out: _Output, metrics: SpecMetrics, adaptive) -> None:
         t0 = time.perf_counter()
         k = self._choose_k(state, adaptive, cache.length)
-        proposal = self.proposer.propose(state, k) if k > 0 else EMPTY
+        if k > 0:
+            proposal = self.proposer.propose(state, k)
+        elif adaptive is not None and (k := self._free_k(state, cache.length)) > 0:
+            proposal = self.proposer.propose_free(state, k)  # the model drafter is off; a lookup is not
+        else:
+            proposal = EMPTY
         if not proposal.is_tree:  # a chain is cut to k; a tree's size is the proposer's own budget
             proposal = Proposal(proposal.tokens[:k], None if proposal.probs is None else proposal.probs[:k],
                                 lookup=proposal.lookup)

@@ -111,6 +111,11 @@ class Proposer(ABC):
     def propose(self, state: RequestState, k: int) -> Proposal:
         """Up to k tokens continuing state.token_ids. May return fewer (or none)."""
 
+    def propose_free(self, state: RequestState, k: int) -> Proposal:
+        """Up to k tokens that cost nothing to draft (a lookup beside a model drafter), asked for on the
+        steps where adaptive k turned the drafter off. None by default."""
+        return EMPTY
+
     def observe_draft_cost(self, per_token: float) -> None:
         """Fold one measured cost per drafted token (seconds) into draft_cost_per_token (an EMA)."""
         self.draft_cost_per_token = (1 - DRAFT_COST_EMA) * self.draft_cost_per_token + DRAFT_COST_EMA * per_token
