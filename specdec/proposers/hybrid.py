@@ -11,7 +11,9 @@ its match covers at least `lookup_min_match` context tokens, else the model draf
 Either way the target verifies it as usual, so the output is exactly the target's. On steps where
 adaptive k turns the model drafter off (it costs more than it saves there), the lookup still drafts
 (`propose_free`): as many tokens as a verify pass absorbs for <= 1.15x a plain step, so pairing a
-drafter with a lookup never does worse than the drafter being off.
+drafter with a lookup does not lose the lookup where the drafter is off. (That is the single-request
+decoder; in the serving engine a batch-wide K of 0 keeps both off, as every verify column there is
+paid for by the whole batch.)
 
 Each part keeps its own per-request state: it sees a view of the request (the same prompt and
 output lists, its own `draft` dict), and hears every verification, so the model drafter's caches
