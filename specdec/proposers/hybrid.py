@@ -24,7 +24,6 @@ from __future__ import annotations
 from specdec.config import ConfigError
 from specdec.spec.proposer import EMPTY, Proposal, Proposer, RequestState, TargetOutput
 
-LOOKUPS = ("ngram", "suffix")
 MODEL_DRAFTERS = ("draft_model", "qdraft", "layerskip", "medusa", "eagle", "eagle3")
 
 
