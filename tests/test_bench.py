@@ -37,7 +37,10 @@ def test_report_structure(bench):
     summary = summarize_run(run)
     assert summary["categories"] == list(CATEGORIES) + ["all"]
     names = set(summary["systems"])
-    assert {BASELINE, "specdec:ngram", "transformers:greedy", "transformers:prompt_lookup"} <= names
+    assert {BASELINE, "specdec:ngram", "specdec:qdraft+ngram", "transformers:greedy",
+            "transformers:prompt_lookup"} <= names  # a model drafter paired with a lookup runs by default
+    pair = next(s for s in run["systems"] if s["name"] == "specdec:qdraft+ngram")
+    assert pair["describe"]["config"] == {"method": "qdraft", "lookup": "ngram"}
     md = paths["markdown"].read_text()
     for cat in CATEGORIES:
         assert f" {cat} |" in md
