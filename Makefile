@@ -40,6 +40,8 @@ demo: install
 	  --prompt "Repeat this sentence twice: speculative decoding drafts tokens cheaply and verifies them in one pass."
 	$(VENV)/bin/specdec generate smollm2-135m --chat --max-tokens 96 --speculative-method eagle3 \
 	  --prompt "Explain in three sentences why the sky is blue."
+	$(VENV)/bin/specdec generate smollm2-135m --chat --max-tokens 96 --speculative-method qdraft \
+	  --speculative-lookup ngram --prompt "Explain in three sentences why the sky is blue."
 
 bench: install
 	$(VENV)/bin/specdec bench --out docs/benchmarks/latest
