@@ -140,7 +140,7 @@ def _gemma3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 SPEC_METHODS = ("draft_model", "ngram", "suffix", "layerskip", "lookahead", "medusa", "eagle", "eagle3", "qdraft")
-LEARNED_TREE_METHODS = ("medusa", "eagle", "eagle3")
+LEARNED_TREE_METHODS = ("medusa", "eagle", "eagle3")  # learned heads; `model` = the head dir (default: shipped)
 LOOKUP_METHODS = ("ngram", "suffix")  # free drafters a model drafter can be paired with (`lookup`)
 
 
@@ -148,7 +148,7 @@ def split_method(name: str) -> tuple[str, str | None]:
     """'qdraft+ngram' -> ('qdraft', 'ngram'): a model drafter with a lookup (the bench's and the
     server's per-request name for {"method": "qdraft", "lookup": "ngram"}); 'ngram' -> ('ngram', None)."""
     method, _, lookup = name.partition("+")
-    return method, lookup or None  # learned heads; `model` = the head dir (default: shipped)
+    return method, lookup or None
 
 
 @dataclass(frozen=True)

@@ -21,10 +21,7 @@ stay in step after the lookup's steps (qdraft and EAGLE catch up lazily on the t
 """
 from __future__ import annotations
 
-from specdec.config import ConfigError
 from specdec.spec.proposer import EMPTY, Proposal, Proposer, RequestState, TargetOutput
-
-MODEL_DRAFTERS = ("draft_model", "qdraft", "layerskip", "medusa", "eagle", "eagle3")
 
 
 def _view(state: RequestState, key: str) -> RequestState:
@@ -41,13 +38,11 @@ def _view(state: RequestState, key: str) -> RequestState:
 
 
 class HybridProposer(Proposer):
-    """model: the method's drafter; lookup: an n-gram or suffix proposer (both built on ctx)."""
+    """model: the method's drafter; lookup: an n-gram or suffix proposer (both built on ctx; the
+    config refuses a lookup method as the model drafter)."""
 
     def __init__(self, ctx, model: Proposer, lookup: Proposer):
         super().__init__(ctx)
-        if model.name not in MODEL_DRAFTERS:
-            raise ConfigError(f"'lookup' pairs a lookup with a model drafter ({', '.join(MODEL_DRAFTERS)}); "
-                              f"method {model.name!r} is not one")
         self.model, self.lookup = model, lookup
         self.name = f"{model.name}+{lookup.name}"
         self.deterministic = model.deterministic

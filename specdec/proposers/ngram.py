@@ -19,9 +19,7 @@ def find_continuation(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> tup
         hits = np.flatnonzero((windows == suffix).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + n
-            found = tokens[start:start + k].tolist()
-            if found:
-                return found, n
+            return tokens[start:start + k].tolist(), n  # start + n <= L - 1: never empty for k >= 1
     return [], 0
 
 
