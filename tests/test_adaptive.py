@@ -12,7 +12,7 @@ def _cost(c1=0.040, growth=0.02) -> CostModel:
 def _run(adaptive: AdaptiveK, steps: int, accepted_rate: float, draft_s: float, overhead_s: float) -> list[int]:
     ks = []
     for _ in range(steps):
-        k = adaptive.choose(draft_cost_rel=0.01)
+        k = adaptive.choose(draft_cost_rel=0.01).k
         ks.append(k)
         adaptive.update(k, round(k * accepted_rate))
         adaptive.observe_step(k, k * draft_s, overhead_s if k else 0.001)
@@ -101,6 +101,39 @@ def test_the_proposers_prior_sets_the_first_steps_k():
         a = AdaptiveK(8, _cost(c1=0.020, growth=0.07), prior=prior)
         a.draft_seconds = 0.008
         a.choose(draft_cost_rel=0.4)  # the first step measures plain decoding
-        return a.choose(draft_cost_rel=0.4)
+        return a.choose(draft_cost_rel=0.4).k
     assert first_k(0.6) <= 1 and first_k(0.9) >= 3
 
+
+
+def test_lookup_chains_are_estimated_by_match_length():
+    """Chains after 1-token matches rejected, after 5-token matches accepted: the next 1-token match
+    drafts little or nothing, the next 5-token match drafts long; the model drafter's estimate is
+    untouched by both."""
+    ad = AdaptiveK(8, _cost(c1=0.020, growth=0.07))
+    ad.choose(0.0, model=False)  # the plain refresh step
+    for _ in range(20):
+        ad.update(4, 0, match_len=1)
+        ad.update(8, 8, match_len=5)
+        ad.update(8, 8, match_len=9)
+    short = ad.choose(0.0, lookup_match=1, lookup_len=8, model=False)
+    long = ad.choose(0.0, lookup_match=5, lookup_len=8, model=False)
+    assert short.k <= 1 and long.k >= 6 and long.lookup
+    assert ad.acceptance == 0.6  # the prior: no model-drafted step was seen
+    assert ad.choose(0.0, lookup_match=12, lookup_len=8, model=False).k == long.k  # >= 8 tokens: one estimate
+    assert ad.choose(0.0, lookup_match=7, lookup_len=8, model=False).k < long.k  # unseen: the prior
+    assert ad.choose(0.0, lookup_match=5, lookup_len=3, model=False).k == 3  # never past the chain
+
+
+def test_the_dearer_drafter_loses_the_step():
+    """A free lookup chain with a good estimate beats a model drafter whose tokens cost 0.4 of a target
+    step; with a poor estimate for the chain's match length, the model drafter drafts."""
+    ad = AdaptiveK(8, _cost(c1=0.020, growth=0.07), prior=0.9)
+    ad.draft_seconds = 0.008
+    ad.choose(0.4)  # the plain refresh step
+    for _ in range(20):
+        ad.update(4, 4, match_len=3)
+        ad.update(4, 0, match_len=1)
+    assert ad.choose(0.4, lookup_match=3, lookup_len=8).lookup
+    model = ad.choose(0.4, lookup_match=1, lookup_len=8)
+    assert not model.lookup and model.k >= 3

@@ -9,7 +9,7 @@ from specdec.config import ConfigError, SpeculativeConfig, split_method
 from specdec.engine.engine import Engine, EngineConfig, EngineRequest
 from specdec.llm import LLM
 from specdec.proposers.hybrid import HybridProposer
-from specdec.spec.proposer import ProposerContext, RequestState, make_proposer
+from specdec.spec.proposer import EMPTY, ProposerContext, RequestState, make_proposer
 
 from conftest import CHAT_PROMPTS
 
@@ -44,24 +44,23 @@ def test_greedy_equals_plain_and_both_parts_draft(tiny, lookup):
     assert spec.proposer.lookup_steps > 0 and model_calls  # the repetitive prompt matches, the other not
 
 
-def test_lookup_steps_leave_adaptive_k_alone(tiny):
-    """Adaptive k prices the model drafter's tokens: a lookup's rejected chain must not lower its
-    acceptance estimate (a lookup with a low bar once switched qdraft off for a whole request)."""
+def test_lookup_steps_leave_the_model_drafters_estimate_alone(tiny, monkeypatch):
+    """Adaptive k prices the model drafter's tokens by its own acceptance: a lookup's rejected chains
+    must not lower it (a lookup with a low bar once switched qdraft off for a whole request); they go
+    to the lookup's estimates, by match length."""
     spec = llm(tiny, {"method": "qdraft", "lookup": "ngram", "lookup_min_match": 1})
-    updates = []
     ids = spec.tokenizer.encode(PROMPTS[1])
     spec.generate_one(ids, greedy(8))  # profiles the cost model
     from specdec.spec import adaptive
+    updates = []
     real = adaptive.AdaptiveK.update
-    adaptive.AdaptiveK.update = lambda self, n, a: updates.append(n) or real(self, n, a)
+    monkeypatch.setattr(adaptive.AdaptiveK, "update",
+                        lambda self, n, a, match_len=0: updates.append(match_len) or real(self, n, a, match_len))
     before = spec.proposer.lookup_steps
-    try:
-        r = spec.generate_one(ids, greedy(32))
-    finally:
-        adaptive.AdaptiveK.update = real
+    r = spec.generate_one(ids, greedy(32))
     lookup_steps = spec.proposer.lookup_steps - before
-    assert lookup_steps > 0
-    assert len(updates) == r.metrics.target_passes - lookup_steps  # every step but the lookup's
+    assert lookup_steps > 0 and len(updates) == r.metrics.target_passes
+    assert sum(m > 0 for m in updates) == lookup_steps  # the lookup's steps, keyed by their match
 
 
 def test_a_missing_match_goes_to_the_model_drafter(tiny):
@@ -128,21 +127,24 @@ def test_real_model_greedy_equal(smollm_llm):
 
 
 def test_the_lookup_drafts_while_adaptive_k_keeps_the_model_drafter_off(tiny, monkeypatch):
-    """Where the model drafter does not pay (adaptive k = 0 on every step here), the free lookup still
-    drafts, and output stays exact."""
+    """Where the model drafter does not pay (its best k is 0 on every step here), the free lookup still
+    drafts, and output stays exact; where a verify column costs as much as a plain step, neither does."""
     from specdec.spec import adaptive
     plain, spec = llm(tiny), llm(tiny, {"method": "qdraft", "lookup": "ngram"})
     ids = plain.tokenizer.encode(PROMPTS[1])
     spec.generate_one(ids, greedy(4))  # profiles the cost model
-    monkeypatch.setattr(adaptive.AdaptiveK, "choose", lambda self, rel: 0)
+    real_best = adaptive.AdaptiveK._best
+    monkeypatch.setattr(adaptive.AdaptiveK, "_best", lambda self, rel, match_len, k_max:
+                        (0, 1.0) if match_len == 0 else real_best(self, rel, match_len, k_max))
     monkeypatch.setattr(spec.decoder.cost, "relative", lambda T: 1.0)  # a verify column costs nothing
     model_calls = []
-    monkeypatch.setattr(spec.proposer.model, "propose", lambda state, k: model_calls.append(k))
+    monkeypatch.setattr(spec.proposer.model, "propose", lambda state, k: model_calls.append(k) or EMPTY)
     before = spec.proposer.lookup_steps
     r = spec.generate_one(ids, greedy(32))
     assert r.token_ids == plain.generate_one(ids, greedy(32)).token_ids
-    assert spec.proposer.lookup_steps > before and r.metrics.num_accepted_tokens > 0 and not model_calls
-    monkeypatch.setattr(spec.decoder.cost, "relative", lambda T: 1.0 + 0.2 * (T - 1))  # a column costs 20%
+    assert spec.proposer.lookup_steps > before and r.metrics.num_accepted_tokens > 0
+    assert set(model_calls) <= {1}  # at most probes of one token
+    monkeypatch.setattr(spec.decoder.cost, "relative", lambda T: float(T))  # compute-bound: no free columns
     before = spec.proposer.lookup_steps
     spec.generate_one(ids, greedy(32))
-    assert spec.proposer.lookup_steps == before  # no free room in the verify pass: plain decoding
+    assert spec.proposer.lookup_steps == before

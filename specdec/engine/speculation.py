@@ -225,4 +225,4 @@ class Speculation:
         if not tokens:
             return EMPTY
         probs = None if proposal.probs is None else proposal.probs[:len(tokens)]
-        return Proposal(list(tokens), probs, lookup=proposal.lookup)
+        return Proposal(list(tokens), probs, match_len=proposal.match_len)

@@ -6,14 +6,15 @@ long enough match, as Arctic Inference pairs suffix decoding with its draft mode
 
 Why: a model drafter pays for every token it drafts (qdraft: ~0.4 of a target step each on a 2-core
 CPU), a lookup pays nothing, and where the output copies its context (quotes, code, lists, repeated
-phrasing) a match of several tokens predicts many tokens well. A step takes the lookup's chain when
-its match covers at least `lookup_min_match` context tokens, else the model drafter's proposal.
-Either way the target verifies it as usual, so the output is exactly the target's. On steps where
-adaptive k turns the model drafter off (it costs more than it saves there), the lookup still drafts
-(`propose_free`): as many tokens as a verify pass absorbs for <= 1.15x a plain step, so pairing a
-drafter with a lookup does not lose the lookup where the drafter is off. (That is the single-request
-decoder; in the serving engine a batch-wide K of 0 keeps both off, as every verify column there is
-paid for by the whole batch.)
+phrasing) a match of several tokens predicts many tokens well. The lookup is asked first, and only
+matches of at least `lookup_min_match` context tokens count; with a fixed k a step takes its chain
+whenever it has one, else the model drafter's proposal.
+Either way the target verifies it as usual, so the output is exactly the target's. In the
+single-request decoder, adaptive k weighs the two at every step (`propose_lookup` first, it is free;
+`propose_model` if its expected speedup is higher): the lookup's chain is priced by its own acceptance
+at that match length and costs nothing to draft, the model drafter's by its acceptance and measured
+cost, so the lookup still drafts where the model drafter does not pay. (In the serving engine a
+batch-wide K of 0 keeps both off, as every verify column there is paid for by the whole batch.)
 
 Each part keeps its own per-request state: it sees a view of the request (the same prompt and
 output lists, its own `draft` dict), and hears every verification, so the model drafter's caches
@@ -43,12 +44,12 @@ class HybridProposer(Proposer):
 
     def __init__(self, ctx, model: Proposer, lookup: Proposer):
         super().__init__(ctx)
+        self.lookup_steps = 0  # verified steps that drafted the lookup's chain (for reports and tests)
         self.model, self.lookup = model, lookup
         self.name = f"{model.name}+{lookup.name}"
         self.deterministic = model.deterministic
         self.feature_layers = model.feature_layers
         self.min_match = ctx.config.lookup_min_match
-        self.lookup_steps = 0  # steps whose proposal came from the lookup (for reports)
 
     @property
     def draft_cost_per_token(self) -> float:
@@ -62,23 +63,21 @@ class HybridProposer(Proposer):
         self.model.begin(_view(state, "model"), prefill)
         self.lookup.begin(_view(state, "lookup"), prefill)
 
-    def _from_lookup(self, state: RequestState, k: int) -> Proposal | None:
-        tokens, _ = self.lookup.lookup(_view(state, "lookup"), k, self.min_match)
-        if not tokens:
-            return None
-        self.lookup_steps += 1
-        return Proposal(tokens, lookup=True)
+    def propose_lookup(self, state: RequestState, k: int) -> Proposal:
+        tokens, n = self.lookup.lookup(_view(state, "lookup"), k, self.min_match)
+        return Proposal(tokens, match_len=n) if tokens else EMPTY
+
+    def propose_model(self, state: RequestState, k: int) -> Proposal:
+        return self.model.propose(_view(state, "model"), k)
 
     def propose(self, state: RequestState, k: int) -> Proposal:
-        found = self._from_lookup(state, k)
-        return found if found is not None else self.model.propose(_view(state, "model"), k)
-
-    def propose_free(self, state: RequestState, k: int) -> Proposal:
-        return self._from_lookup(state, k) or EMPTY
+        """The lookup's chain when it matches, else the model drafter's (fixed k, and the engine's rows)."""
+        found = self.propose_lookup(state, k)
+        return found if found else self.propose_model(state, k)
 
     def propose_batch(self, states: list[RequestState], ks: list[int]) -> list[Proposal]:
-        proposals = [self._from_lookup(s, k) for s, k in zip(states, ks)]
-        rest = [i for i, p in enumerate(proposals) if p is None]
+        proposals = [self.propose_lookup(s, k) for s, k in zip(states, ks)]
+        rest = [i for i, p in enumerate(proposals) if not p]
         if rest:
             drafted = self.model.propose_batch([_view(states[i], "model") for i in rest], [ks[i] for i in rest])
             for i, p in zip(rest, drafted):
@@ -87,6 +86,8 @@ class HybridProposer(Proposer):
 
     def on_verified(self, state: RequestState, proposal: Proposal, num_accepted: int,
                     target: TargetOutput | None = None) -> None:
+        if proposal.lookup:
+            self.lookup_steps += 1
         self.model.on_verified(_view(state, "model"), proposal, num_accepted, target)
         self.lookup.on_verified(_view(state, "lookup"), proposal, num_accepted, target)
 

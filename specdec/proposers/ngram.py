@@ -26,10 +26,13 @@ def find_continuation(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> tup
 @register_proposer("ngram")
 class NgramProposer(Proposer):
     deterministic = True
+    has_model_drafter = False
 
     def propose(self, state: RequestState, k: int) -> Proposal:
-        found, _ = self.lookup(state, k, self.ctx.config.prompt_lookup_min)
-        return Proposal(found) if found else EMPTY
+        found, n = self.lookup(state, k, self.ctx.config.prompt_lookup_min)
+        return Proposal(found, match_len=n) if found else EMPTY
+
+    propose_lookup = propose
 
     def lookup(self, state: RequestState, k: int, min_match: int) -> tuple[list[int], int]:
         """Up to k tokens after a match of at least min_match context tokens, and the match length."""

@@ -132,6 +132,7 @@ def best_chain(node: Node, limit: int, min_prob: float) -> tuple[list[int], floa
 @register_proposer("suffix")
 class SuffixProposer(Proposer):
     deterministic = True
+    has_model_drafter = False
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -164,8 +165,10 @@ class SuffixProposer(Proposer):
         d["gseen"] = len(ids)
 
     def propose(self, state: RequestState, k: int) -> Proposal:
-        best, _ = self.lookup(state, k, 1)
-        return Proposal(best) if best else EMPTY
+        best, n = self.lookup(state, k, 1)
+        return Proposal(best, match_len=n) if best else EMPTY
+
+    propose_lookup = propose
 
     def lookup(self, state: RequestState, k: int, min_match: int) -> tuple[list[int], int]:
         """The best-scoring continuation after a match of at least min_match context tokens, and the

@@ -22,10 +22,21 @@ step, paying its catch-up over the whole prompt each time (0.87-0.98x on 64-toke
 decoder does this for model drafters only: a lookup drafter's probe costs one verify column, and
 carrying its wait made n-gram and suffix drafting skip a whole translation request after an answer on
 a document that copied nothing.
+
+A lookup's chains (n-gram, suffix) are estimated apart from a model drafter's, per request and by
+the length of the context match that found them (1, 2, ..., >= MAX_MATCH_KEY tokens): the lookup
+runs first (it is free), and the step drafts its chain, cut to the k its own estimate favours, when
+that beats the model drafter's best option (a pairing, proposers/hybrid.py) or plain decoding. One
+estimate for all of a lookup's chains mixed 1-token matches (mostly wrong) with long copies (mostly
+right), so k was too long for the first and too short for the second: replaying 48 target answers
+(8 prompts x 6 categories, 256 tokens) through the measured cost curve gave 1.13-2.48x per category
+with one estimate and 1.41-2.98x with one per match length (summarization 1.49x -> 1.68x, rag
+1.78x -> 1.95x, chat 1.65x -> 1.71x).
 """
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -33,6 +44,7 @@ PRIOR_ACCEPTANCE = 0.6
 EMA = 0.3
 PLAIN_REFRESH = 32  # one plain step in this many keeps o_plain measured
 MAX_PROBE_INTERVAL = 128
+MAX_MATCH_KEY = 8  # lookup chains after matches of >= 8 tokens share one estimate
 
 
 class StepOverhead:
@@ -111,69 +123,131 @@ class CostModel:
         return (self.seconds[T] or base * T) / base if base else float(T)
 
 
+class Acceptance:
+    """Per-position acceptance from truncated-geometric observations: m of k drafts accepted shows m
+    successes and, if m < k, one failure; positions after it were never tested. The estimate is
+    (EMA of successes) / (EMA of tested positions), the pooled maximum-likelihood one. (It was m / k
+    per step, which counts untested positions as failures and so pulled a, and k, down as k grew:
+    qdraft at adaptive k drafted 2.5 tokens a step at 0.91 acceptance, 1.49x, where fixed k = 4 gave 1.77x.)"""
+
+    def __init__(self, prior: float):
+        self.accepted, self.tested = prior, 1.0  # EMAs of positions accepted / observed
+
+    @property
+    def value(self) -> float:
+        return min(self.accepted / self.tested, 0.99)
+
+    def update(self, num_drafted: int, num_accepted: int) -> None:
+        if num_drafted == 0:
+            return
+        tested = num_accepted + (1 if num_accepted < num_drafted else 0)
+        self.accepted = (1 - EMA) * self.accepted + EMA * num_accepted
+        self.tested = (1 - EMA) * self.tested + EMA * tested
+
+
+class Choice(NamedTuple):
+    k: int  # tokens to draft; 0: a plain step
+    lookup: bool  # draft the lookup's chain (else the model drafter's)
+
+
 class AdaptiveK:
-    """Per-request choice of k."""
+    """Per-request choice of k, and of the drafter on steps where a free lookup and a model drafter
+    both could draft (proposers/hybrid.py)."""
 
     def __init__(self, k_max: int, cost: CostModel, probe_interval: int = 16, previous: "AdaptiveK | None" = None,
                  prior: float = PRIOR_ACCEPTANCE):
-        """prior: the acceptance assumed before any step is seen (the proposer's acceptance_prior)."""
+        """prior: the model drafter's acceptance assumed before any step is seen (its acceptance_prior)."""
         self.k_max = k_max
         self.cost = cost
-        self.acceptance = prior
-        self._accepted, self._tested = prior, 1.0  # EMAs of positions accepted / observed
+        self.model = Acceptance(prior)  # the model drafter's tokens (or a lookup drafter's, engine rows)
+        # a lookup's chains by match length (min(n, MAX_MATCH_KEY)), fresh per request: a chain after a
+        # 6-token match is accepted far more often than one after a 1-token match (see the module doc)
+        self.lookups: dict[int, Acceptance] = {}
         self.probes = ProbeBackoff(probe_interval)
         self.draft_seconds: float | None = None  # per drafted token, EMA over this request's steps
         self.overhead = StepOverhead()  # outside the draft and verify forwards
         self.steps = 0
         if previous is not None:  # the previous request's estimates are this one's priors
-            self._accepted, self._tested, self.acceptance = previous._accepted, previous._tested, previous.acceptance
+            self.model.accepted, self.model.tested = previous.model.accepted, previous.model.tested
             self.draft_seconds = previous.draft_seconds
             self.overhead.spec, self.overhead.plain = previous.overhead.spec, previous.overhead.plain
             self.probes.interval = previous.probes.interval
 
-    def update(self, num_drafted: int, num_accepted: int) -> None:
-        """Per-position acceptance a from truncated-geometric observations: m of k drafts accepted shows
-        m successes and, if m < k, one failure; positions after it were never tested. The estimate is
-        (EMA of successes) / (EMA of tested positions), the pooled maximum-likelihood one. (It was m / k
-        per step, which counts untested positions as failures and so pulled a, and k, down as k grew:
-        qdraft at adaptive k drafted 2.5 tokens a step at 0.91 acceptance, 1.49x, where fixed k = 4 gave 1.77x.)"""
-        if num_drafted == 0:
-            return
-        tested = num_accepted + (1 if num_accepted < num_drafted else 0)
-        self._accepted = (1 - EMA) * self._accepted + EMA * num_accepted
-        self._tested = (1 - EMA) * self._tested + EMA * tested
-        self.acceptance = min(self._accepted / self._tested, 0.99)
+    @property
+    def acceptance(self) -> float:
+        return self.model.value
 
-    def observe_step(self, num_drafted: int, draft_seconds: float, other_seconds: float) -> None:
-        """A step's measured costs: the proposer's time, and what is neither drafting nor the verify
-        forward (verification, the drafter's bookkeeping on the accepted tokens, output)."""
+    @acceptance.setter
+    def acceptance(self, a: float) -> None:
+        self.model.accepted, self.model.tested = a, 1.0
+
+    def _estimate(self, match_len: int) -> Acceptance:
+        """The model drafter's estimate (match_len 0) or the lookup's for chains after a match_len match."""
+        if match_len <= 0:
+            return self.model
+        key = min(match_len, MAX_MATCH_KEY)
+        if key not in self.lookups:
+            self.lookups[key] = Acceptance(PRIOR_ACCEPTANCE)
+        return self.lookups[key]
+
+    def update(self, num_drafted: int, num_accepted: int, match_len: int = 0) -> None:
+        """A verified step: num_accepted of num_drafted tokens, drafted by the model drafter (match_len 0)
+        or by a lookup after a match of match_len tokens."""
+        self._estimate(match_len).update(num_drafted, num_accepted)
+
+    def observe_step(self, num_drafted: int, draft_seconds: float, other_seconds: float, model: bool = True) -> None:
+        """A step's measured costs: the proposer's time (kept per drafted token for model drafters; a
+        lookup's is part of the step's overhead), and what is neither drafting nor the verify forward
+        (verification, the drafter's bookkeeping on the accepted tokens, output)."""
+        if not model:
+            other_seconds += draft_seconds
         self.overhead.observe(num_drafted > 0, other_seconds)
-        if num_drafted == 0:
+        if num_drafted == 0 or not model:
             return
         per_token = draft_seconds / num_drafted
         self.draft_seconds = per_token if self.draft_seconds is None else (1 - EMA) * self.draft_seconds + EMA * per_token
 
-    def expected_speedup(self, k: int, draft_cost_rel: float) -> float:
+    def expected_speedup(self, k: int, draft_cost_rel: float, match_len: int = 0) -> float:
         """Tokens per second at k over plain decoding's. draft_cost_rel: the proposer's own estimate of
-        a drafted token's cost relative to one target token, used until steps have been measured."""
-        a = min(self.acceptance, 0.99)
+        a drafted token's cost relative to one target token, used until steps have been measured;
+        match_len > 0: a lookup's chain after a match of that length (free to draft)."""
+        a = self._estimate(match_len).value
         tokens = (1 - a ** (k + 1)) / (1 - a)
         base = self.cost.seconds[1]
+        if match_len > 0:
+            draft_cost_rel, draft = 0.0, 0.0
         if not base:
             return tokens / (self.cost.relative(k + 1) + k * draft_cost_rel)
-        draft = self.draft_seconds if self.draft_seconds is not None else draft_cost_rel * base
+        if match_len <= 0:
+            draft = self.draft_seconds if self.draft_seconds is not None else draft_cost_rel * base
         spec = self.cost.relative(k + 1) * base + k * draft + self.overhead.spec
         return tokens * (base + self.overhead.plain) / spec
 
-    def choose(self, draft_cost_rel: float) -> int:
-        self.steps += 1
-        if self.steps % PLAIN_REFRESH == 1:  # the first step, then one in PLAIN_REFRESH: measure plain
-            return 0
+    def _best(self, draft_cost_rel: float, match_len: int, k_max: int) -> tuple[int, float]:
         best_k, best = 0, 1.0
-        for k in range(1, self.k_max + 1):
-            s = self.expected_speedup(k, draft_cost_rel)
+        for k in range(1, k_max + 1):
+            s = self.expected_speedup(k, draft_cost_rel, match_len)
             if s > best * 1.02:  # a 2% margin: do not speculate for noise-level gains
                 best_k, best = k, s
-        if self.probes.should_probe(best_k > 0):
-            return 1  # probe: re-measure acceptance and cost
-        return best_k
+        return best_k, best
+
+    def choose(self, draft_cost_rel: float, lookup_match: int = 0, lookup_len: int = 0,
+               model: bool = True) -> Choice:
+        """This step's draft: lookup_match > 0 offers a lookup's chain of lookup_len tokens after a
+        match of that many context tokens; model: whether a model drafter may draft. The option with
+        the higher expected speedup wins; neither paying: a plain step (with probes)."""
+        self.steps += 1
+        if self.steps % PLAIN_REFRESH == 1:  # the first step, then one in PLAIN_REFRESH: measure plain
+            return Choice(0, False)
+        best = Choice(0, False), 1.0
+        if model:
+            k, s = self._best(draft_cost_rel, 0, self.k_max)
+            best = Choice(k, False), s
+        if lookup_match > 0 and lookup_len > 0:
+            k, s = self._best(0.0, lookup_match, min(lookup_len, self.k_max))
+            if k > 0 and s > best[1]:
+                best = Choice(k, True), s
+        choice = best[0]
+        if self.probes.should_probe(choice.k > 0):
+            return Choice(1, not model)  # probe: re-measure acceptance and cost
+        return choice

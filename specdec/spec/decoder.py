@@ -23,7 +23,12 @@ from specdec.spec.metrics import SpecMetrics
 from specdec.spec.proposer import EMPTY, Proposal, Proposer, RequestState, TargetOutput
 from specdec.spec.rejection import Verdict, verify_greedy, verify_sampling
 
-FREE_VERIFY_COST = 1.15  # a free (lookup) proposal on a plain step may raise the verify pass's cost this much
+def _cut(proposal: Proposal, k: int) -> Proposal:
+    """A chain cut to k tokens; a tree's size is the proposer's own budget."""
+    if proposal.is_tree or len(proposal) <= k:
+        return proposal
+    return Proposal(proposal.tokens[:k], None if proposal.probs is None else proposal.probs[:k],
+                    match_len=proposal.match_len)
 
 
 class RequestError(ValueError):
@@ -131,26 +136,31 @@ class SpeculativeDecoder:
             return int(logits.argmax(-1))
         return sample(warp(logits[None], params)[0], gen)
 
-    def _choose_k(self, state: RequestState, adaptive: AdaptiveK | None, cache_len: int) -> int:
+    def _cap(self, state: RequestState, cache_len: int) -> int:
+        """The most tokens this step may draft: k_max, tokens left, context room."""
         remaining = state.params.max_tokens - len(state.output_ids)
         room = self.max_len - (cache_len + 1) - 1  # a step emits up to k + 1 tokens
         if self.proposer is None or remaining <= 1 or room <= 0:
             return 0
-        if adaptive is None:
-            k = self.k_max
-        else:
-            rel = self.proposer.draft_cost_per_token / self.cost.seconds[1] if self.cost.seconds[1] else 0.0
-            k = adaptive.choose(rel)
-        return max(0, min(k, remaining - 1, room))
+        return max(0, min(self.k_max, remaining - 1, room))
 
-    def _free_k(self, state: RequestState, cache_len: int) -> int:
-        """How many tokens a free proposal may hold on a step adaptive k made plain: as many as a verify
-        pass absorbs for at most FREE_VERIFY_COST of a plain step (measured cost curve)."""
-        cap = min(state.params.max_tokens - len(state.output_ids) - 1, self.max_len - cache_len - 2, self.k_max)
-        k = 0
-        while k < cap and self.cost.relative(k + 2) <= FREE_VERIFY_COST:
-            k += 1
-        return k
+    def _propose(self, state: RequestState, adaptive: AdaptiveK | None, cap: int) -> Proposal:
+        """This step's draft: the lookup's chain (free) or the model drafter's, whichever adaptive k
+        expects to pay more, cut to its k; EMPTY for a plain step."""
+        if cap <= 0:
+            return EMPTY
+        if adaptive is None:
+            return _cut(self.proposer.propose(state, cap), cap)
+        found = self.proposer.propose_lookup(state, cap)
+        has_model = self.proposer.has_model_drafter
+        rel = self.proposer.draft_cost_per_token / self.cost.seconds[1] if self.cost.seconds[1] else 0.0
+        choice = adaptive.choose(rel, found.match_len, len(found), has_model)
+        k = min(choice.k, cap)
+        if k == 0:
+            return EMPTY
+        if choice.lookup:
+            return _cut(found, k)
+        return _cut(self.proposer.propose_model(state, k), k)
 
     def _verify(self, proposal: Proposal, logits: torch.Tensor, params: SamplingParams, gen) -> Verdict:
         if params.greedy:
@@ -207,16 +217,7 @@ class SpeculativeDecoder:
 
     def _step(self, state: RequestState, cache, out: _Output, metrics: SpecMetrics, adaptive) -> None:
         t0 = time.perf_counter()
-        k = self._choose_k(state, adaptive, cache.length)
-        if k > 0:
-            proposal = self.proposer.propose(state, k)
-        elif adaptive is not None and (k := self._free_k(state, cache.length)) > 0:
-            proposal = self.proposer.propose_free(state, k)  # the model drafter is off; a lookup is not
-        else:
-            proposal = EMPTY
-        if not proposal.is_tree:  # a chain is cut to k; a tree's size is the proposer's own budget
-            proposal = Proposal(proposal.tokens[:k], None if proposal.probs is None else proposal.probs[:k],
-                                lookup=proposal.lookup)
+        proposal = self._propose(state, adaptive, self._cap(state, cache.length))
         t1 = time.perf_counter()
         start = cache.length
         tokens = [state.token_ids[-1]] + proposal.tokens
@@ -244,9 +245,9 @@ class SpeculativeDecoder:
             self.proposer.on_verified(state, proposal, verdict.num_accepted, TargetOutput(fwd, rows))
         t3 = time.perf_counter()
         self.cost.observe(T, t2 - t1)
-        if adaptive is not None and not proposal.lookup:
-            adaptive.update(len(proposal), verdict.num_accepted)
-            adaptive.observe_step(len(proposal), t1 - t0, t3 - t2)
+        if adaptive is not None:
+            adaptive.update(len(proposal), verdict.num_accepted, proposal.match_len)
+            adaptive.observe_step(len(proposal), t1 - t0, t3 - t2, model=not proposal.lookup)
         metrics.record(len(proposal), verdict.num_accepted, len(verdict.tokens))
         metrics.draft_time += t1 - t0
         metrics.verify_time += t3 - t1

@@ -51,12 +51,16 @@ class Proposal:
     tokens: list[int]  # [k] drafted tokens (tree: one per node)
     probs: torch.Tensor | None = None  # [k, V] warped draft distribution each token was drawn from; None: one-hot q
     parents: list[int] | None = None  # [k] parent node index per node, -1 = root; None: a chain
-    # drafted by a free lookup beside a model drafter (proposers/hybrid.py): adaptive k, which prices
-    # the model drafter's tokens, learns neither acceptance nor cost from such a step
-    lookup: bool = False
+    # > 0: drafted by a free context lookup (n-gram, suffix) after a match of this many tokens; adaptive
+    # k keeps such chains' acceptance apart from a model drafter's, by match length
+    match_len: int = 0
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    @property
+    def lookup(self) -> bool:
+        return self.match_len > 0
 
     @property
     def is_tree(self) -> bool:
@@ -98,6 +102,7 @@ class Proposer(ABC):
     deterministic: ClassVar[bool] = True  # gives no q: verified as one-hot proposals
     feature_layers: ClassVar[tuple[int, ...]] = ()  # target layers whose hidden states this proposer reads
     draft_cost_per_token: float = 0.0  # seconds per drafted token, measured; 0 for lookup drafters
+    has_model_drafter: ClassVar[bool] = True  # False: a lookup alone (n-gram, suffix), free to ask
     acceptance_prior: float = 0.6  # per-token acceptance adaptive k assumes before a request's first step
 
     def __init__(self, ctx: ProposerContext):
@@ -111,10 +116,15 @@ class Proposer(ABC):
     def propose(self, state: RequestState, k: int) -> Proposal:
         """Up to k tokens continuing state.token_ids. May return fewer (or none)."""
 
-    def propose_free(self, state: RequestState, k: int) -> Proposal:
-        """Up to k tokens that cost nothing to draft (a lookup beside a model drafter), asked for on the
-        steps where adaptive k turned the drafter off. None by default."""
+    def propose_lookup(self, state: RequestState, k: int) -> Proposal:
+        """Up to k tokens from a free context lookup, with its match_len (n-gram, suffix, or the lookup
+        paired with a model drafter), asked first on every adaptive step: adaptive k then weighs the
+        chain against the model drafter's option (propose_model). EMPTY when there is none."""
         return EMPTY
+
+    def propose_model(self, state: RequestState, k: int) -> Proposal:
+        """Up to k tokens from the model drafter alone (a pairing's without its lookup)."""
+        return self.propose(state, k)
 
     def observe_draft_cost(self, per_token: float) -> None:
         """Fold one measured cost per drafted token (seconds) into draft_cost_per_token (an EMA)."""
