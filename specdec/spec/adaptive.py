@@ -28,10 +28,11 @@ the length of the context match that found them (1, 2, ..., >= MAX_MATCH_KEY tok
 runs first (it is free), and the step drafts its chain, cut to the k its own estimate favours, when
 that beats the model drafter's best option (a pairing, proposers/hybrid.py) or plain decoding. One
 estimate for all of a lookup's chains mixed 1-token matches (mostly wrong) with long copies (mostly
-right), so k was too long for the first and too short for the second: replaying 48 target answers
-(8 prompts x 6 categories, 256 tokens) through the measured cost curve gave 1.13-2.48x per category
-with one estimate and 1.41-2.98x with one per match length (summarization 1.49x -> 1.68x, rag
-1.78x -> 1.95x, chat 1.65x -> 1.71x).
+right), so k was too long for the first and too short for the second. Replaying 48 of the target's
+greedy answers (8 prompts x 6 categories, up to 256 tokens) through this class and the measured cost
+curve: one estimate 1.28-2.99x per category, one per match length 1.41-2.97x (summarization 1.49x ->
+1.69x, rag 1.78x -> 1.88x, chat 1.65x -> 1.70x, code 1.28x -> 1.41x); measured, interleaved, 64 tokens,
+n-gram decode: summarization 1.35x -> 1.49x, rag 1.10x -> 1.20x, chat 1.46x -> 1.57x.
 """
 from __future__ import annotations
 
