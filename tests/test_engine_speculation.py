@@ -127,3 +127,26 @@ def test_a_model_drafters_time_is_not_counted_twice():
                               draft_yield=0.0)
         assert spec.propose([seq], 2, caps=[4])[0].tokens == [1, 1]
         assert (spec.propose_seconds >= 0.05) == counted
+
+
+def test_lookup_chains_are_priced_by_their_match_length():
+    """Lookups are asked before K is chosen: rows whose chains follow a long match (estimate 0.95)
+    speculate where the same rows' pooled estimate (0) would not; lookup-only rows that found no
+    chain this step draft nothing, whatever their history."""
+    from specdec.spec.adaptive import AdaptiveK
+    spec = cpu_like_speculation()
+    seqs, caps = rows(2, acceptance=0.0)
+    for s in seqs:
+        s.adaptive = AdaptiveK(0, None, prior=0.0)
+        s.spec.proposer.has_model_drafter = False
+        s.grammar = None
+        for _ in range(30):
+            s.adaptive.update(8, 8, match_len=6)
+    assert spec.choose_k(seqs, caps) == 0  # priced by the pooled estimate
+    chains = [Proposal([7] * 8, match_len=6) for _ in seqs]
+    k = spec.choose_k(seqs, caps, chains)
+    assert k >= 4
+    assert [p.tokens for p in spec.propose(seqs, k, caps, chains)] == [[7] * k] * 2
+    nothing = [Proposal([])] * len(seqs)
+    assert spec.choose_k(seqs, caps, nothing) == 0
+    assert all(not p for p in spec.propose(seqs, 4, caps, nothing))

@@ -143,10 +143,12 @@ class FixedQProposer(Proposer):
 
 
 def test_sampling_marginals_match_target(tiny_dir):
-    """temperature 1, top_k 4: speculative first/second-token marginals equal the exact ones."""
+    """temperature 1, top_k 4: speculative first/second/third-token marginals equal the exact ones
+    (the second step drafts one token from q; with two tokens a request never drafted, its last step
+    having no room for a draft, as this test once did)."""
     d = tiny_dir("llama", seed=3)
     model, tok = load_model(d), Tokenizer(d)
-    params = dict(temperature=1.0, top_k=4, max_tokens=2, ignore_eos=True)
+    params = dict(temperature=1.0, top_k=4, max_tokens=3, ignore_eos=True)
     ids = tok.encode("Once upon a time")
     from specdec.sampler import warp
     sp = SamplingParams(**params)
@@ -158,18 +160,23 @@ def test_sampling_marginals_match_target(tiny_dir):
     p1 = dist(ids)
     support = p1.nonzero().flatten().tolist()
     p2 = sum(float(p1[y]) * dist(ids + [y]) for y in support)
+    p3 = sum(float(p1[y]) * float(dist(ids + [y])[z]) * dist(ids + [y, z])
+             for y in support for z in dist(ids + [y]).nonzero().flatten().tolist())
     q = torch.zeros(model.config.vocab_size)
     q[torch.cat([p1.topk(6).indices, p2.topk(6).indices])] = 1.0  # overlaps p's support, not equal to p
     q /= q.sum()
     cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=1, adaptive=False)
     dec = SpeculativeDecoder(model, tok, FixedQProposer(ProposerContext(model, tok, cfg), q), cfg)
     n = 3000
-    c1, c2 = torch.zeros_like(p1), torch.zeros_like(p1)
+    counts = torch.zeros(3, len(p1))
+    drafted = 0
     for seed in range(n):
         r = dec.generate(ids, SamplingParams(**params, seed=seed))
-        c1[r.token_ids[0]] += 1
-        c2[r.token_ids[1]] += 1
-    for counts, p in ((c1, p1), (c2, p2)):
+        drafted += r.metrics.num_draft_tokens
+        for i, t in enumerate(r.token_ids):
+            counts[i, t] += 1
+    assert drafted == n  # every request drafted once
+    for counts, p in zip(counts, (p1, p2, p3)):
         nz = p > 0
         bound = 0.5 * sum(4 * math.sqrt(float(x) * (1 - float(x)) / n) for x in p[nz]) + 0.01
         assert 0.5 * float((counts / n - p).abs().sum()) < bound

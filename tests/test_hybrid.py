@@ -1,6 +1,7 @@
 """A model drafter paired with a lookup (`lookup`: n-gram or suffix first, the model drafter when the
 lookup has no match): greedy output equals plain decoding (single request and the engine's batch),
-both parts draft, lookup steps do not move adaptive k's estimates, the settings are checked."""
+both parts draft, lookup steps do not move the model drafter's estimate, sampling through the pairing
+keeps the target's distribution (with a negative control), the settings are checked."""
 import pytest
 import torch
 
@@ -9,7 +10,7 @@ from specdec.config import ConfigError, SpeculativeConfig, split_method
 from specdec.engine.engine import Engine, EngineConfig, EngineRequest
 from specdec.llm import LLM
 from specdec.proposers.hybrid import HybridProposer
-from specdec.spec.proposer import EMPTY, ProposerContext, RequestState, make_proposer
+from specdec.spec.proposer import EMPTY, Proposer, ProposerContext, RequestState, make_proposer
 
 from conftest import CHAT_PROMPTS
 
@@ -148,3 +149,82 @@ def test_the_lookup_drafts_while_adaptive_k_keeps_the_model_drafter_off(tiny, mo
     before = spec.proposer.lookup_steps
     spec.generate_one(ids, greedy(32))
     assert spec.proposer.lookup_steps == before
+
+
+class ScriptedLookup(Proposer):
+    """A lookup that matches (one token) after the first sampled token when it is in `after`, and then
+    proposes `token`; otherwise it finds nothing and the model drafter drafts."""
+
+    def __init__(self, ctx, after: set[int], token: int):
+        super().__init__(ctx)
+        self.after, self.token = after, token
+
+    def propose(self, state, k):
+        return EMPTY
+
+    def lookup(self, state, k, min_match):
+        return ([self.token], 1) if state.output_ids[-1] in self.after else ([], 0)
+
+
+def _marginals(dec, ids, params: dict, n: int) -> list[torch.Tensor]:
+    """Frequencies of each output position's token over n seeds."""
+    counts = torch.zeros(params["max_tokens"], dec.target.config.vocab_size)
+    for seed in range(n):
+        r = dec.generate(ids, SamplingParams(**params, seed=seed))
+        for i, t in enumerate(r.token_ids):
+            counts[i, t] += 1
+    return list(counts / n)
+
+
+def test_sampling_through_the_pairing_keeps_the_target_distribution(tiny_dir, monkeypatch):
+    """temperature 1, top_k 4, three tokens: the second is drafted by the lookup (verified as one-hot
+    q) after half of the possible first tokens, by a model drafter sampling from a fixed q after the
+    others; the third is the bonus or the next step's. Every token's marginal equals the exact one
+    (total variation within a bound from the sample size); a verifier that accepts every draft fails
+    the same check (negative control)."""
+    import math
+    from specdec.model.loader import load_model
+    from specdec.model.tokenizer import Tokenizer
+    from specdec.sampler import sample, warp
+    from specdec.spec import decoder as decoder_mod
+    from specdec.spec.decoder import SpeculativeDecoder
+    from specdec.spec.rejection import Verdict
+    from test_equivalence import FixedQProposer
+
+    d = tiny_dir("llama", seed=3)
+    model, tok = load_model(d), Tokenizer(d)
+    params = dict(temperature=1.0, top_k=4, max_tokens=3, ignore_eos=True)
+    sp, ids = SamplingParams(**params), tok.encode("Once upon a time")
+
+    def dist(prefix):
+        c = model.new_cache(32)
+        return warp(model(torch.tensor([prefix]), torch.arange(len(prefix))[None], c).logits[0, -1:], sp)[0]
+
+    p1 = dist(ids)
+    support = p1.nonzero().flatten().tolist()
+    p2 = sum(float(p1[y]) * dist(ids + [y]) for y in support)
+    p3 = sum(float(p1[y]) * float(dist(ids + [y])[z]) * dist(ids + [y, z])
+             for y in support for z in dist(ids + [y]).nonzero().flatten().tolist())
+    q = torch.zeros(model.config.vocab_size)
+    q[torch.cat([p1.topk(6).indices, p2.topk(6).indices])] = 1.0  # overlaps p's support, not equal to p
+    q /= q.sum()
+    cfg = SpeculativeConfig("qdraft", lookup="ngram", lookup_min_match=1, num_speculative_tokens=1, adaptive=False)
+    ctx = ProposerContext(model, tok, cfg)
+    proposer = HybridProposer(ctx, FixedQProposer(ctx, q), ScriptedLookup(ctx, set(support[::2]), int(p2.argmax())))
+    dec = SpeculativeDecoder(model, tok, proposer, cfg)
+    n = 2000
+
+    def tv_within_bound(freq, p) -> bool:
+        nz = p > 0
+        bound = 0.5 * sum(4 * math.sqrt(float(x) * (1 - float(x)) / n) for x in p[nz]) + 0.01
+        return 0.5 * float((freq - p).abs().sum()) < bound
+
+    freqs = _marginals(dec, ids, params, n)
+    assert 0.2 * n < proposer.lookup_steps < 0.8 * n  # both parts drafted
+    assert all(tv_within_bound(f, p) for f, p in zip(freqs, (p1, p2, p3)))
+
+    def accept_all(tokens, p, q, generator):
+        return Verdict(len(tokens), list(tokens) + [sample(p[len(tokens)], generator)])
+    monkeypatch.setattr(decoder_mod, "verify_sampling", accept_all)
+    _, f2_wrong, _ = _marginals(dec, ids, params, n)
+    assert not tv_within_bound(f2_wrong, p2)

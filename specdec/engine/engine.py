@@ -241,10 +241,7 @@ class Engine:
         elif seq.begun:
             seq.metrics.record(k, verdict.num_accepted, len(verdict.tokens))
             self.totals.record(k, verdict.num_accepted, len(verdict.tokens))
-            # a row's K comes from its drafter's estimate: a pairing's model drafter (the lookup's
-            # chains kept apart), or a lookup proposer's own chains
-            paired = seq.spec.proposer is not None and seq.spec.proposer.has_model_drafter
-            seq.adaptive.update(k, verdict.num_accepted, proposal.match_len if paired else 0)
+            seq.adaptive.update(k, verdict.num_accepted, proposal.match_len)  # a lookup's chains: by match length
         if seq.out.finish_reason is not None:
             self._finish(seq)
             return True

@@ -101,8 +101,10 @@ class Scheduler:
                     break
             else:
                 ready.append(seq)
-        k = self.spec.choose_k(ready, [caps[s] for s in ready])
-        proposals = self.spec.propose(ready, k, [caps[s] for s in ready])
+        row_caps = [caps[s] for s in ready]
+        found = self.spec.lookups(ready, row_caps)  # free: asked first, priced by their match lengths
+        k = self.spec.choose_k(ready, row_caps, found)
+        proposals = self.spec.propose(ready, k, row_caps, found)
         return [Row(s, 1, p) for s, p in zip(ready, proposals)]
 
     def _schedule_prefill(self) -> list[Row]:

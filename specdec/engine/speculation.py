@@ -7,10 +7,14 @@ token rows. On a CPU c(N) is flat while the matmuls are memory-bound (small N) a
 once they are compute-bound, so speculation is nearly free at small batches and expensive at large
 ones. The rule (documented in docs/benchmarks/serving.md):
 
-    E_b(k)   = (1 - a_b^(k+1)) / (1 - a_b)           tokens row b emits per pass when it drafts (a_b: EMA acceptance)
-    y_b      = EMA of "row b had a draft when asked"   (n-gram lookups often find nothing: no draft, no cost)
+    E_b(k)   = (1 - a_b^(k+1)) / (1 - a_b)           tokens row b emits per pass when it drafts
+    a_b      = acceptance estimate of what row b would draft: its free lookup's chain (n-gram, suffix,
+               a pairing's lookup; asked before K is chosen), by that chain's match length, else its
+               model drafter's (AdaptiveK, per request)
+    y_b      = 1 for a row with a lookup chain, 0 for a lookup-only row without one (no draft, no
+               cost), else EMA of "the model drafter had a draft when asked"
     P0       = prod_b (1 - y_b)                        no row drafts: the pass stays a plain one, c(B)
-    rate(K)  = (B + sum_b y_b (E_b(min(K, cap_b)) - 1))
+    rate(K)  = (B + sum_b y_b (E_b(min(K, cap_b)) - 1))            (cap_b: a chain's length at most)
                / ((1 - P0) (c(B (K+1)) + sum_b min(K, cap_b) draft_cost_b + B o_spec) + P0 (c(B) + B o_plain))
     K        = argmax rate(K) over 0..k_max, kept only if > 1.02 x rate(0)
 
@@ -172,18 +176,38 @@ class Speculation:
         catch-up of a prompt or of the tokens of plain steps, a one-off per request)."""
         self.overhead.observe(drafted, seconds / max(rows, 1))
 
-    def choose_k(self, seqs, caps: list[int]) -> int:
-        drafting = [(s, c) for s, c in zip(seqs, caps) if c > 0 and not s.spec.fixed_k]
+    def lookups(self, seqs, caps: list[int]) -> list[Proposal]:
+        """Each adaptive row's free lookup chain (n-gram, suffix, a pairing's lookup; EMPTY where there is
+        none), asked before K is chosen: a lookup costs nothing, and its chain's match length says how
+        likely it is to be accepted (AdaptiveK keeps one estimate per match length)."""
+        return [s.spec.proposer.propose_lookup(s.state, c) if c > 0 and not s.spec.fixed_k else EMPTY
+                for s, c in zip(seqs, caps)]
+
+    @staticmethod
+    def _drafter(seq, cap: int, chain: Proposal | None) -> tuple[float, float, int, float] | None:
+        """(yield, acceptance, longest draft, seconds per drafted token) of what a row would draft:
+        its lookup chain if it has one, else its model drafter; None: it cannot draft."""
+        if chain:
+            return 1.0, seq.adaptive.lookup_acceptance(chain.match_len), min(cap, len(chain)), 0.0
+        if chain is not None and not seq.spec.proposer.has_model_drafter:
+            return None  # a lookup alone that found nothing this step
+        return seq.draft_yield, seq.adaptive.acceptance, cap, seq.spec.proposer.draft_cost_per_token
+
+    def choose_k(self, seqs, caps: list[int], found: list[Proposal] | None = None) -> int:
+        """found: the rows' lookup chains (Speculation.lookups); None: every row's drafter is priced by
+        its yield and its model estimate."""
+        drafting = [self._drafter(s, c, found[i] if found is not None else None)
+                    for i, (s, c) in enumerate(zip(seqs, caps)) if c > 0 and not s.spec.fixed_k]
+        drafting = [d for d in drafting if d is not None]
         if not drafting:
             return 0
         B = len(seqs)
-        p_none = math.prod(1.0 - s.draft_yield for s, _ in drafting)  # no row drafts: a plain pass
+        p_none = math.prod(1.0 - y for y, _, _, _ in drafting)  # no row drafts: a plain pass
         plain = self.cost.estimate(B) + B * self.overhead.plain
         best_k, best = 0, B / plain
-        for K in range(1, max(c for _, c in drafting) + 1):
-            gain = B + sum(s.draft_yield * (expected_tokens(s.adaptive.acceptance, min(K, c)) - 1)
-                           for s, c in drafting)
-            draft = sum(min(K, c) * s.spec.proposer.draft_cost_per_token for s, c in drafting)
+        for K in range(1, max(c for _, _, c, _ in drafting) + 1):
+            gain = B + sum(y * (expected_tokens(a, min(K, c)) - 1) for y, a, c, _ in drafting)
+            draft = sum(min(K, c) * d for _, _, c, d in drafting)
             cost = (1 - p_none) * (self.cost.estimate(B * (K + 1)) + draft + B * self.overhead.spec) + p_none * plain
             rate = gain / cost
             if rate > best * 1.02:
@@ -192,21 +216,30 @@ class Speculation:
             return 1  # probe, the whole batch at once: re-measure acceptance
         return best_k
 
-    def propose(self, seqs, k: int, caps: list[int]) -> list[Proposal]:
+    def propose(self, seqs, k: int, caps: list[int], found: list[Proposal] | None = None) -> list[Proposal]:
         """Up to k drafted tokens for each row (caps: each row's limit; the blocks for them are already
-        allocated). The rows that share a proposer draft together (Proposer.propose_batch)."""
+        allocated): its lookup chain when `found` holds one, else its model drafter's; the rows that
+        share a proposer draft together (Proposer.propose_batch / propose_model_batch)."""
         ks = [0 if c <= 0 else c if s.spec.fixed_k else min(k, c) for s, c in zip(seqs, caps)]
-        groups: dict[int, list[int]] = {}  # id(proposer) -> row indices
-        for i, (seq, n) in enumerate(zip(seqs, ks)):
-            if n > 0:
-                groups.setdefault(id(seq.spec.proposer), []).append(i)
-                if self.pool is not None:  # self-speculation drafts into / reads the sequence's own blocks
-                    seq.state.draft["target_cache"] = SeqKV(self.pool, seq.block_table, seq.num_computed)
         proposals = [EMPTY] * len(seqs)
-        for rows in groups.values():
+        # (id(proposer), whole) -> row indices; whole: the proposer's own choice (a pairing's lookup
+        # first), else its model drafter alone (the lookup was asked already and had nothing)
+        groups: dict[tuple[int, bool], list[int]] = {}
+        for i, (seq, n) in enumerate(zip(seqs, ks)):
+            chain = found[i] if found is not None and not seq.spec.fixed_k else None
+            if n <= 0 or (chain is not None and not chain and not seq.spec.proposer.has_model_drafter):
+                continue
+            if chain:
+                proposals[i] = self._fit(seq, chain, n)
+                continue
+            groups.setdefault((id(seq.spec.proposer), chain is None), []).append(i)
+            if self.pool is not None:  # self-speculation drafts into / reads the sequence's own blocks
+                seq.state.draft["target_cache"] = SeqKV(self.pool, seq.block_table, seq.num_computed)
+        for (_, whole), rows in groups.items():
             proposer = seqs[rows[0]].spec.proposer
             t0 = time.perf_counter()
-            drafted = proposer.propose_batch([seqs[i].state for i in rows], [ks[i] for i in rows])
+            states, row_ks = [seqs[i].state for i in rows], [ks[i] for i in rows]
+            drafted = (proposer.propose_batch if whole else proposer.propose_model_batch)(states, row_ks)
             if proposer.draft_cost_per_token > 0:  # it costs its drafting itself (lookups leave 0)
                 self.propose_seconds += time.perf_counter() - t0
             for i, p in zip(rows, drafted):

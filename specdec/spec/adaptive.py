@@ -191,6 +191,10 @@ class AdaptiveK:
             self.lookups[key] = Acceptance(PRIOR_ACCEPTANCE)
         return self.lookups[key]
 
+    def lookup_acceptance(self, match_len: int) -> float:
+        """The estimate for a lookup's chain after a match of match_len tokens (the prior if unseen)."""
+        return self._estimate(match_len).value
+
     def update(self, num_drafted: int, num_accepted: int, match_len: int = 0) -> None:
         """A verified step: num_accepted of num_drafted tokens, drafted by the model drafter (match_len 0)
         or by a lookup after a match of match_len tokens."""

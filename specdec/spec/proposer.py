@@ -135,6 +135,10 @@ class Proposer(ABC):
         Row by row here; a model drafter overrides it to run one forward per draft step for all rows."""
         return [self.propose(s, k) for s, k in zip(states, ks)]
 
+    def propose_model_batch(self, states: list[RequestState], ks: list[int]) -> list[Proposal]:
+        """propose_batch from the model drafter alone (a pairing's without its lookup)."""
+        return self.propose_batch(states, ks)
+
     def on_verified(self, state: RequestState, proposal: Proposal, num_accepted: int,
                     target: TargetOutput | None = None) -> None:
         """Called after every target pass (also plain ones, with an empty proposal). The target
