@@ -142,42 +142,62 @@ class FixedQProposer(Proposer):
         return Proposal(toks, self.q.expand(k, -1))
 
 
-def test_sampling_marginals_match_target(tiny_dir):
-    """temperature 1, top_k 4: speculative first/second/third-token marginals equal the exact ones
-    (the second step drafts one token from q; with two tokens a request never drafted, its last step
-    having no room for a draft, as this test once did)."""
-    d = tiny_dir("llama", seed=3)
-    model, tok = load_model(d), Tokenizer(d)
-    params = dict(temperature=1.0, top_k=4, max_tokens=3, ignore_eos=True)
-    ids = tok.encode("Once upon a time")
+SAMPLING = dict(temperature=1.0, top_k=4, max_tokens=3, ignore_eos=True)
+
+
+def exact_marginals(model, ids: list[int], params: SamplingParams) -> list[torch.Tensor]:
+    """The exact distributions of the first three sampled tokens (warped as params say)."""
     from specdec.sampler import warp
-    sp = SamplingParams(**params)
 
     def dist(prefix):
-        c = model.new_cache(32)
-        return warp(model(torch.tensor([prefix]), torch.arange(len(prefix))[None], c).logits[0, -1:], sp)[0]
+        c = model.new_cache(len(prefix) + 1)
+        return warp(model(torch.tensor([prefix]), torch.arange(len(prefix))[None], c).logits[0, -1:], params)[0]
 
     p1 = dist(ids)
     support = p1.nonzero().flatten().tolist()
     p2 = sum(float(p1[y]) * dist(ids + [y]) for y in support)
     p3 = sum(float(p1[y]) * float(dist(ids + [y])[z]) * dist(ids + [y, z])
              for y in support for z in dist(ids + [y]).nonzero().flatten().tolist())
-    q = torch.zeros(model.config.vocab_size)
-    q[torch.cat([p1.topk(6).indices, p2.topk(6).indices])] = 1.0  # overlaps p's support, not equal to p
-    q /= q.sum()
-    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=1, adaptive=False)
-    dec = SpeculativeDecoder(model, tok, FixedQProposer(ProposerContext(model, tok, cfg), q), cfg)
-    n = 3000
-    counts = torch.zeros(3, len(p1))
+    return [p1, p2, p3]
+
+
+def skewed_q(p1: torch.Tensor, p2: torch.Tensor) -> torch.Tensor:
+    """A draft distribution that overlaps the target's support without equalling it."""
+    q = torch.zeros_like(p1)
+    q[torch.cat([p1.topk(6).indices, p2.topk(6).indices])] = 1.0
+    return q / q.sum()
+
+
+def sampled_marginals(dec, ids: list[int], n: int) -> tuple[list[torch.Tensor], int]:
+    """Frequencies of each output position's token over seeds 0..n-1, and the tokens drafted."""
+    counts = torch.zeros(SAMPLING["max_tokens"], dec.target.config.vocab_size)
     drafted = 0
     for seed in range(n):
-        r = dec.generate(ids, SamplingParams(**params, seed=seed))
+        r = dec.generate(ids, SamplingParams(**SAMPLING, seed=seed))
         drafted += r.metrics.num_draft_tokens
         for i, t in enumerate(r.token_ids):
             counts[i, t] += 1
+    return list(counts / n), drafted
+
+
+def within_tv_bound(freq: torch.Tensor, p: torch.Tensor, n: int) -> bool:
+    """Total variation to p below a bound from the sample size (4 sigma per support entry, + 0.01)."""
+    nz = p > 0
+    bound = 0.5 * sum(4 * math.sqrt(float(x) * (1 - float(x)) / n) for x in p[nz]) + 0.01
+    return 0.5 * float((freq - p).abs().sum()) < bound
+
+
+def test_sampling_marginals_match_target(tiny_dir):
+    """temperature 1, top_k 4: speculative first/second/third-token marginals equal the exact ones
+    (the second step drafts one token from q; with two tokens a request never drafted, its last step
+    having no room for a draft, as this test once did)."""
+    d = tiny_dir("llama", seed=3)
+    model, tok = load_model(d), Tokenizer(d)
+    ids = tok.encode("Once upon a time")
+    exact = exact_marginals(model, ids, SamplingParams(**SAMPLING))
+    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=1, adaptive=False)
+    dec = SpeculativeDecoder(model, tok, FixedQProposer(ProposerContext(model, tok, cfg), skewed_q(*exact[:2])), cfg)
+    n = 3000
+    freqs, drafted = sampled_marginals(dec, ids, n)
     assert drafted == n  # every request drafted once
-    for counts, p in zip(counts, (p1, p2, p3)):
-        nz = p > 0
-        bound = 0.5 * sum(4 * math.sqrt(float(x) * (1 - float(x)) / n) for x in p[nz]) + 0.01
-        assert 0.5 * float((counts / n - p).abs().sum()) < bound
-    assert dec.proposer is not None
+    assert all(within_tv_bound(f, p, n) for f, p in zip(freqs, exact))

@@ -166,65 +166,39 @@ class ScriptedLookup(Proposer):
         return ([self.token], 1) if state.output_ids[-1] in self.after else ([], 0)
 
 
-def _marginals(dec, ids, params: dict, n: int) -> list[torch.Tensor]:
-    """Frequencies of each output position's token over n seeds."""
-    counts = torch.zeros(params["max_tokens"], dec.target.config.vocab_size)
-    for seed in range(n):
-        r = dec.generate(ids, SamplingParams(**params, seed=seed))
-        for i, t in enumerate(r.token_ids):
-            counts[i, t] += 1
-    return list(counts / n)
-
-
 def test_sampling_through_the_pairing_keeps_the_target_distribution(tiny_dir, monkeypatch):
     """temperature 1, top_k 4, three tokens: the second is drafted by the lookup (verified as one-hot
     q) after half of the possible first tokens, by a model drafter sampling from a fixed q after the
     others; the third is the bonus or the next step's. Every token's marginal equals the exact one
     (total variation within a bound from the sample size); a verifier that accepts every draft fails
     the same check (negative control)."""
-    import math
     from specdec.model.loader import load_model
     from specdec.model.tokenizer import Tokenizer
-    from specdec.sampler import sample, warp
+    from specdec.sampler import sample
     from specdec.spec import decoder as decoder_mod
     from specdec.spec.decoder import SpeculativeDecoder
     from specdec.spec.rejection import Verdict
-    from test_equivalence import FixedQProposer
+    from test_equivalence import (SAMPLING, FixedQProposer, exact_marginals, sampled_marginals, skewed_q,
+                                  within_tv_bound)
 
     d = tiny_dir("llama", seed=3)
     model, tok = load_model(d), Tokenizer(d)
-    params = dict(temperature=1.0, top_k=4, max_tokens=3, ignore_eos=True)
-    sp, ids = SamplingParams(**params), tok.encode("Once upon a time")
-
-    def dist(prefix):
-        c = model.new_cache(32)
-        return warp(model(torch.tensor([prefix]), torch.arange(len(prefix))[None], c).logits[0, -1:], sp)[0]
-
-    p1 = dist(ids)
-    support = p1.nonzero().flatten().tolist()
-    p2 = sum(float(p1[y]) * dist(ids + [y]) for y in support)
-    p3 = sum(float(p1[y]) * float(dist(ids + [y])[z]) * dist(ids + [y, z])
-             for y in support for z in dist(ids + [y]).nonzero().flatten().tolist())
-    q = torch.zeros(model.config.vocab_size)
-    q[torch.cat([p1.topk(6).indices, p2.topk(6).indices])] = 1.0  # overlaps p's support, not equal to p
-    q /= q.sum()
+    ids = tok.encode("Once upon a time")
+    exact = exact_marginals(model, ids, SamplingParams(**SAMPLING))
+    p1, p2, _ = exact
     cfg = SpeculativeConfig("qdraft", lookup="ngram", lookup_min_match=1, num_speculative_tokens=1, adaptive=False)
     ctx = ProposerContext(model, tok, cfg)
-    proposer = HybridProposer(ctx, FixedQProposer(ctx, q), ScriptedLookup(ctx, set(support[::2]), int(p2.argmax())))
+    first_tokens = p1.nonzero().flatten().tolist()
+    proposer = HybridProposer(ctx, FixedQProposer(ctx, skewed_q(p1, p2)),
+                              ScriptedLookup(ctx, set(first_tokens[::2]), int(p2.argmax())))
     dec = SpeculativeDecoder(model, tok, proposer, cfg)
     n = 2000
-
-    def tv_within_bound(freq, p) -> bool:
-        nz = p > 0
-        bound = 0.5 * sum(4 * math.sqrt(float(x) * (1 - float(x)) / n) for x in p[nz]) + 0.01
-        return 0.5 * float((freq - p).abs().sum()) < bound
-
-    freqs = _marginals(dec, ids, params, n)
-    assert 0.2 * n < proposer.lookup_steps < 0.8 * n  # both parts drafted
-    assert all(tv_within_bound(f, p) for f, p in zip(freqs, (p1, p2, p3)))
+    freqs, drafted = sampled_marginals(dec, ids, n)
+    assert drafted == n and 0.2 * n < proposer.lookup_steps < 0.8 * n  # both parts drafted
+    assert all(within_tv_bound(f, p, n) for f, p in zip(freqs, exact))
 
     def accept_all(tokens, p, q, generator):
         return Verdict(len(tokens), list(tokens) + [sample(p[len(tokens)], generator)])
     monkeypatch.setattr(decoder_mod, "verify_sampling", accept_all)
-    _, f2_wrong, _ = _marginals(dec, ids, params, n)
-    assert not tv_within_bound(f2_wrong, p2)
+    freqs, _ = sampled_marginals(dec, ids, n)
+    assert not within_tv_bound(freqs[1], p2, n)
