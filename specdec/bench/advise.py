@@ -48,7 +48,9 @@ class Advice:
     num_prompts: int
     regime: str  # "latency-bound" | "throughput-bound" | "in between"
     verify_cost_ratio: float  # c(B (k_max+1)) / c(B)
-    recommendation: dict  # method (None = plain), k, tree_size, expected_speedup, measured_speedup, speculative_config
+    # method (None = plain), k (None: adaptive), tree_size, expected_speedup, measured_speedup, speculative_config,
+    # adaptive, measured ({"fixed": x, "adaptive": y}: each against plain decoding on the same prompts)
+    recommendation: dict
     reason: str
     candidates: list[MethodEstimate]
     skipped: list[dict]
@@ -138,10 +140,35 @@ def _reason(regime: str, ratio: float, batch: int, k_max: int, best: MethodEstim
         parts.append(f"the best expected gain is {best.expected_speedup if best else 1.0:.2f}x, under the "
                      f"{MIN_GAIN:.2f}x bar: keep plain decoding")
     else:
-        meas = rec.get("measured_speedup")
-        parts.append(f"expected speedup {rec['expected_speedup']:.2f}x" +
-                     (f", measured {meas:.2f}x against plain decoding on the same prompts" if meas else ""))
+        meas = rec.get("measured") or {}
+        parts.append(f"expected speedup {rec['expected_speedup']:.2f}x at k={best.best_k}" + "".join(
+            f", measured {v:.2f}x {'at that k' if name == 'fixed' else 'with adaptive k'}" for name, v in meas.items())
+            + (" against plain decoding on the same prompts" if meas else ""))
+        if rec.get("adaptive"):
+            parts.append("adaptive k measured faster than the best fixed k: leave num_speculative_tokens unset")
     return "; ".join(parts) + "."
+
+
+def _verify(plain: SpecdecSystem, best: MethodEstimate, spec: dict, batch_size: int, prompts: list[list[int]],
+            max_tokens: int, log, make_system) -> dict:
+    """Measure the recommendation against plain decoding: at its fixed k and, for one request at a time,
+    with adaptive k too (per step and per match length for lookups, which a single k cannot follow);
+    the recommendation becomes the faster of the two."""
+    measured = {}
+    options = [("fixed", {k: v for k, v in spec.items() if k != "method"})]
+    if batch_size == 1:
+        options.append(("adaptive", {k: v for k, v in spec.items() if k not in ("method", "num_speculative_tokens")}))
+    for name, config in options:
+        log(f"checking {best.method} ({name} k{'=' + str(best.best_k) if name == 'fixed' else ''}) against plain decoding ...")
+        system = make_system(config)
+        system.setup()
+        system.generate(prompts[0][:32], 4)  # warm-up: adaptive k profiles the cost curve on first use
+        measured[name] = round(_measure_pair(plain, system, prompts, max_tokens), 3)
+    out = {"measured_speedup": measured["fixed"], "measured": measured, "adaptive": False}
+    if measured.get("adaptive", 0.0) > measured["fixed"]:
+        config = {k: v for k, v in spec.items() if k != "num_speculative_tokens"}
+        out.update(measured_speedup=measured["adaptive"], adaptive=True, k=None, speculative_config=config)
+    return out
 
 
 def _measure_pair(plain: SpecdecSystem, chosen: SpecdecSystem, prompts: list[list[int]], max_tokens: int) -> float:
@@ -218,17 +245,15 @@ def advise(model: str, prompts: list[list[int]], dtype: str = "auto", threads: i
                                           for e in per_k]))
     best = max(candidates, key=lambda c: c.expected_speedup, default=None)
     rec = {"method": None, "k": None, "tree_size": None, "expected_speedup": 1.0, "measured_speedup": None,
-           "speculative_config": None}
+           "speculative_config": None, "adaptive": False, "measured": {}}
     if best is not None and best.expected_speedup >= MIN_GAIN:
         spec = dict(best.config, num_speculative_tokens=best.best_k)
         rec.update(method=best.method, k=best.best_k, tree_size=best.tree_size,
                    expected_speedup=round(best.expected_speedup, 3), speculative_config=spec)
         if verify:
-            log(f"checking {best.method} at k={best.best_k} against plain decoding ...")
-            chosen = SpecdecSystem(target, tokenizer, source.directory, best.method,
-                                   {k: v for k, v in spec.items() if k != "method"}, _cached_loader(dt, max_len))
-            chosen.setup()
-            rec["measured_speedup"] = round(_measure_pair(plain, chosen, prompts, max_tokens), 3)
+            rec.update(_verify(plain, best, spec, batch_size, prompts, max_tokens, log,
+                               lambda config: SpecdecSystem(target, tokenizer, source.directory, best.method, config,
+                                                            _cached_loader(dt, max_len))))
     reason = _reason(regime, ratio, batch_size, k_max, best, rec, len(prompts))
     return Advice(model, str(dt).replace("torch.", ""), n_threads, batch_size, len(prompts), regime, round(ratio, 3),
                   rec, reason, candidates, skipped, curve.to_dict())

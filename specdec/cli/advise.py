@@ -51,7 +51,8 @@ def run(args) -> int:
     else:
         tree = f", tree size {rec['tree_size']:.0f}" if rec["tree_size"] else ""
         meas = f", measured {rec['measured_speedup']:.2f}x" if rec["measured_speedup"] else ""
-        print(f"Recommendation: --speculative-method {rec['method']} --num-speculative-tokens {rec['k']}{tree} "
+        k = f" --num-speculative-tokens {rec['k']}" if rec["k"] else " (adaptive k)"
+        print(f"Recommendation: --speculative-method {rec['method']}{k}{tree} "
               f"(expected {rec['expected_speedup']:.2f}x{meas})")
         print(f"  --speculative-config '{json.dumps(rec['speculative_config'])}'")
     print(f"Why: {adv.reason}")
