@@ -13,7 +13,8 @@ and predicts for every k (algorithms.md, the cost model; B = batch size):
 A batch of B requests verifying T tokens each is costed as one forward over B * T tokens (the matmuls
 dominate; attention is per request). Then it recommends the best (method, k) -- or plain decoding when nothing beats it by 5% -- with the reason
 (latency-bound vs throughput-bound, batch, acceptance), and checks the recommendation by measuring it
-against plain decoding on the same prompts.
+against plain decoding on the same prompts, at that k and (batch 1) with adaptive k, which chooses k
+per step and prices a lookup's chains by their match length; the faster of the two is recommended.
 """
 from __future__ import annotations
 
