@@ -23,6 +23,7 @@ from specdec.spec.metrics import SpecMetrics
 from specdec.spec.proposer import EMPTY, Proposal, Proposer, RequestState, TargetOutput
 from specdec.spec.rejection import Verdict, verify_greedy, verify_sampling
 
+
 def _cut(proposal: Proposal, k: int) -> Proposal:
     """A chain cut to k tokens; a tree's size is the proposer's own budget."""
     if proposal.is_tree or len(proposal) <= k:
