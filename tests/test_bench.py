@@ -57,6 +57,12 @@ def test_report_structure(bench):
     for png in [p for k, p in paths.items() if k.startswith("float32:")]:
         assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
     assert sum(k.startswith("float32:") for k in paths) >= 3
+    # every n-gram draft is a lookup chain, counted once by its match length
+    ngram = [r for r in run["records"] if r["system"] == "specdec:ngram"]
+    by_match = summary["table"]["specdec:ngram"]["all"]["lookup_by_match_length"]
+    assert sum(row["drafts"] for row in by_match.values()) == sum(r["num_drafts"] for r in ngram)
+    assert sum(row["draft_tokens"] for row in by_match.values()) == sum(r["num_draft_tokens"] for r in ngram)
+    assert ("### Lookup chains by match length" in md) == bool(by_match)
 
 
 def _rate(recs):

@@ -193,6 +193,8 @@ def test_chat_stream_sources_usage_and_spec_metrics(server):
     assert usage["completion_tokens"] == 30 and usage["total_tokens"] == usage["prompt_tokens"] + 30
     spec = events[-1]["metrics"]["speculative_decoding"]
     assert spec["method"] == "ngram" and 0 <= spec["draft_acceptance_rate"] <= 1
+    by_match = spec.get("lookup_by_match_length", {})  # every n-gram draft, by the match that found it
+    assert sum(row["drafts"] for row in by_match.values()) == spec["num_spec_steps"]
     # the same request with speculation off: same text, no speculative metrics
     off = httpx.post(server.url + "/v1/chat/completions", headers=headers(), timeout=60,
                      json={**body, "stream": False, "speculative": "off"}).json()

@@ -48,6 +48,7 @@ class RunRecord:
     extra_rss_mb: float | None = None  # peak minus the RSS before this generation
     phase: str = "main"  # "main" | "sweep"
     first_tokens: int = 1  # tokens emitted by the time prefill_seconds was taken
+    by_match_length: dict = field(default_factory=dict)  # lookup steps: "n" -> [drafts, drafted, accepted]
 
 
 # ---------------------------------------------------------------- the run loop
@@ -101,7 +102,8 @@ def _record(g: Generated, repeat: int, prompt, idx: int, system: System, mem: Pe
                      g.prefill_seconds, g.target_passes,
                      spec.get("num_drafts", 0), spec.get("num_draft_tokens", 0), spec.get("num_accepted_tokens", 0),
                      spec.get("drafted_per_pos", []), spec.get("accepted_per_pos", []),
-                     spec.get("draft_seconds", 0.0), mem.peak_mb, mem.extra_mb, phase, g.first_tokens)
+                     spec.get("draft_seconds", 0.0), mem.peak_mb, mem.extra_mb, phase, g.first_tokens,
+                     spec.get("by_match_length", {}))
 
 
 def run_interleaved(systems: list[System], prompts: list, max_tokens: int, repeats: int, phase: str = "main",

@@ -17,6 +17,8 @@ import json
 from pathlib import Path
 
 from specdec.bench.systems import BASELINE
+from specdec.spec.adaptive import MAX_MATCH_KEY
+from specdec.spec.metrics import match_length_table
 
 
 def _median(xs: list[float]) -> float:
@@ -72,6 +74,10 @@ def summarize_cell(recs: list[dict], base: list[dict]) -> dict:
     passes = [r["target_passes"] for r in recs if r["target_passes"] is not None]
     acc_pos = _sum_lists([r["accepted_per_pos"] for r in recs])
     drf_pos = _sum_lists([r["drafted_per_pos"] for r in recs])
+    by_match: dict[str, list[int]] = {}
+    for r in recs:
+        for n, row in (r.get("by_match_length") or {}).items():
+            by_match[n] = [a + b for a, b in zip(by_match.get(n, [0, 0, 0]), row)]
     peaks = [r["peak_rss_mb"] for r in recs if r["peak_rss_mb"] is not None]
     extras = [r["extra_rss_mb"] for r in recs if r.get("extra_rss_mb") is not None]
     return {
@@ -83,6 +89,7 @@ def summarize_cell(recs: list[dict], base: list[dict]) -> dict:
         "tokens_per_pass": (sum(max(r["new_tokens"] - 1, 0) for r in recs if r["target_passes"] is not None)
                             / sum(passes)) if passes and sum(passes) else None,
         "acceptance_by_position": [a / d if d else 0.0 for a, d in zip(acc_pos, drf_pos)],
+        "lookup_by_match_length": match_length_table(by_match),
         "draft_seconds": sum(r["draft_seconds"] for r in recs),
         "peak_rss_mb": max(peaks) if peaks else None,
         "extra_rss_mb": max(extras) if extras else None,
@@ -223,11 +230,29 @@ def markdown(result: dict, summaries: dict, plots: dict) -> str:
               "(forward hooks on the peers) and includes steps where nothing was drafted.", ""]
         L += _system_table(s, lambda c: f"{_f(c.get('tau'))} / {_f(c.get('acceptance_rate'))} / "
                                         f"{_f(c.get('tokens_per_pass'))}" if c else "-") + [""]
+        L += _match_length_section(s)
         L += _systems_section(run, s)
         L += _best_section(s)
         for title, fname in plots.get(dt, {}).items():
             L += [f"![{title}]({fname})", ""]
     return "\n".join(L) + "\n"
+
+
+def _match_length_section(s: dict) -> list[str]:
+    """Acceptance of lookup chains by the length of the context match that found them, all categories."""
+    rows = {name: cells["all"]["lookup_by_match_length"] for name, cells in s["table"].items()
+            if (cells.get("all") or {}).get("lookup_by_match_length")}
+    if not rows:
+        return []
+    lengths = sorted({int(n) for t in rows.values() for n in t})
+    L = ["### Lookup chains by match length (all categories): acceptance rate (chains drafted)", "",
+         "What adaptive k prices a lookup's chain by: the acceptance of chains found after a match of n context "
+         f"tokens (n = {MAX_MATCH_KEY} counts matches of {MAX_MATCH_KEY} or more).", "",
+         "| system | " + " | ".join(f"n = {n}" for n in lengths) + " |", "|---" * (len(lengths) + 1) + "|"]
+    for name, t in rows.items():
+        L.append(f"| {name} | " + " | ".join(
+            f"{t[str(n)]['acceptance_rate']:.2f} ({t[str(n)]['drafts']})" if str(n) in t else "-" for n in lengths) + " |")
+    return L + [""]
 
 
 def _standalone_mb(run: dict, st: dict, cell: dict) -> float | None:

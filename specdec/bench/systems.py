@@ -102,7 +102,8 @@ class SpecdecSystem(System):
         m = r.metrics
         spec = {"num_drafts": m.num_drafts, "num_draft_tokens": m.num_draft_tokens,
                 "num_accepted_tokens": m.num_accepted_tokens, "drafted_per_pos": list(m.drafted_per_pos),
-                "accepted_per_pos": list(m.accepted_per_pos), "draft_seconds": m.draft_time}
+                "accepted_per_pos": list(m.accepted_per_pos), "draft_seconds": m.draft_time,
+                "by_match_length": {str(n): list(row) for n, row in m.by_match_length.items()}}
         return Generated(list(r.token_ids), seconds, r.prefill_time, m.target_passes, spec)
 
     def close(self) -> None:

@@ -17,7 +17,7 @@ from contextlib import aclosing
 from specdec.config import ConfigError
 from specdec.engine.engine import EngineRequest, SeqOutput
 from specdec.serve.protocol import APIError
-from specdec.spec.metrics import SpecMetrics
+from specdec.spec.metrics import SpecMetrics, match_length_table
 
 
 def _event(obj) -> str:
@@ -35,7 +35,8 @@ def spec_summary(metrics: list[SpecMetrics], method: str | None) -> dict | None:
             "mean_acceptance_length": round(m.mean_acceptance_length, 4),
             "acceptance_rate_by_position": [round(x, 4) for x in m.acceptance_by_position],
             "accepted_by_position": list(m.accepted_per_pos), "drafted_by_position": list(m.drafted_per_pos),
-            "target_forward_passes": m.target_passes}
+            "target_forward_passes": m.target_passes,
+            **({"lookup_by_match_length": match_length_table(m.by_match_length)} if m.by_match_length else {})}
 
 
 class ResponseBuilder:

@@ -249,6 +249,6 @@ class SpeculativeDecoder:
         if adaptive is not None:
             adaptive.update(len(proposal), verdict.num_accepted, proposal.match_len)
             adaptive.observe_step(len(proposal), t1 - t0, t3 - t2, model=not proposal.lookup)
-        metrics.record(len(proposal), verdict.num_accepted, len(verdict.tokens))
+        metrics.record(len(proposal), verdict.num_accepted, len(verdict.tokens), proposal.match_len)
         metrics.draft_time += t1 - t0
         metrics.verify_time += t3 - t1

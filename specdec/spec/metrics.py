@@ -1,11 +1,15 @@
 """Speculative-decoding metrics, per request and summed (names as vLLM's spec-decode metrics).
 
 tau (mean acceptance length) = tokens emitted per target forward pass over speculative steps
-= 1 + accepted / drafts; acceptance rate = accepted draft tokens / drafted tokens.
+= 1 + accepted / drafts; acceptance rate = accepted draft tokens / drafted tokens. Steps that drafted
+a lookup's chain (n-gram, suffix, a pairing's lookup) are also counted by the length of the context
+match that found the chain (1, 2, ..., >= MAX_MATCH_KEY), the quantity adaptive k prices them by.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from specdec.spec.adaptive import MAX_MATCH_KEY
 
 
 @dataclass
@@ -19,8 +23,10 @@ class SpecMetrics:
     draft_time: float = 0.0
     verify_time: float = 0.0
     emitted_tokens: int = 0
+    # match length (capped at MAX_MATCH_KEY) -> [lookup drafts, drafted tokens, accepted tokens]
+    by_match_length: dict[int, list[int]] = field(default_factory=dict)
 
-    def record(self, num_drafted: int, num_accepted: int, num_emitted: int) -> None:
+    def record(self, num_drafted: int, num_accepted: int, num_emitted: int, match_len: int = 0) -> None:
         self.target_passes += 1
         self.emitted_tokens += num_emitted
         if num_drafted == 0:
@@ -28,6 +34,9 @@ class SpecMetrics:
         self.num_drafts += 1
         self.num_draft_tokens += num_drafted
         self.num_accepted_tokens += num_accepted
+        if match_len > 0:
+            row = self.by_match_length.setdefault(min(match_len, MAX_MATCH_KEY), [0, 0, 0])
+            row[0], row[1], row[2] = row[0] + 1, row[1] + num_drafted, row[2] + num_accepted
         while len(self.drafted_per_pos) < num_drafted:
             self.drafted_per_pos.append(0)
             self.accepted_per_pos.append(0)
@@ -44,6 +53,9 @@ class SpecMetrics:
             mine.extend([0] * (len(theirs) - len(mine)))
             for i, v in enumerate(theirs):
                 mine[i] += v
+        for n, (drafts, drafted, accepted) in other.by_match_length.items():
+            row = self.by_match_length.setdefault(n, [0, 0, 0])
+            row[0], row[1], row[2] = row[0] + drafts, row[1] + drafted, row[2] + accepted
 
     @property
     def acceptance_rate(self) -> float:
@@ -72,4 +84,11 @@ class SpecMetrics:
             "tokens_per_target_pass": round(self.tokens_per_pass, 4),
             "acceptance_by_position": [round(x, 4) for x in self.acceptance_by_position],
             "draft_time_s": round(self.draft_time, 4), "verify_time_s": round(self.verify_time, 4),
+            **({"lookup_by_match_length": match_length_table(self.by_match_length)} if self.by_match_length else {}),
         }
+
+
+def match_length_table(rows: dict) -> dict[str, dict]:
+    """{match length: [drafts, drafted, accepted]} as {"n": {drafts, draft_tokens, acceptance_rate}}."""
+    return {str(n): {"drafts": d, "draft_tokens": t, "acceptance_rate": round(a / t, 4) if t else 0.0}
+            for n, (d, t, a) in sorted(rows.items(), key=lambda kv: int(kv[0]))}
