@@ -82,9 +82,11 @@ def test_page_streams_a_reply_and_colours_drafted_tokens(server, tmp_path):
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
             res = browser.call("Runtime.evaluate", session, expression=probe, returnByValue=True)
-            state = json.loads(res["result"]["value"])
-            if state["done"]:
-                break
+            value = res.get("result", {}).get("value")
+            if value is not None:  # None: the page is still loading (no execution context to evaluate in yet)
+                state = json.loads(value)
+                if state["done"]:
+                    break
             time.sleep(0.25)
     finally:
         browser.close()

@@ -163,7 +163,7 @@ class AdaptiveK:
         """prior: the model drafter's acceptance assumed before any step is seen (its acceptance_prior)."""
         self.k_max = k_max
         self.cost = cost
-        self.model = Acceptance(prior)  # the model drafter's tokens (or a lookup drafter's, engine rows)
+        self.model = Acceptance(prior)  # the model drafter's tokens
         # a lookup's chains by match length (min(n, MAX_MATCH_KEY)), fresh per request: a chain after a
         # 6-token match is accepted far more often than one after a 1-token match (see the module doc)
         self.lookups: dict[int, Acceptance] = {}
