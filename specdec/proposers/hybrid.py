@@ -11,7 +11,7 @@ matches of at least `lookup_min_match` context tokens count; with a fixed k a st
 whenever it has one, else the model drafter's proposal.
 Either way the target verifies it as usual, so the output is exactly the target's. In the
 single-request decoder, adaptive k weighs the two at every step (`propose_lookup` first, it is free;
-`propose_model` if its expected speedup is higher): the lookup's chain is priced by its own acceptance
+`propose_model` if its expected speedup is 1.15x higher): the lookup's chain is priced by its own acceptance
 at that match length and costs nothing to draft, the model drafter's by its acceptance and measured
 cost, so the lookup still drafts where the model drafter does not pay. (In the serving engine a
 batch-wide K of 0 keeps both off, as every verify column there is paid for by the whole batch.)

@@ -26,7 +26,8 @@ a document that copied nothing.
 A lookup's chains (n-gram, suffix) are estimated apart from a model drafter's, per request and by
 the length of the context match that found them (1, 2, ..., >= MAX_MATCH_KEY tokens): the lookup
 runs first (it is free), and the step drafts its chain, cut to the k its own estimate favours, when
-that beats the model drafter's best option (a pairing, proposers/hybrid.py) or plain decoding. One
+that pays over plain decoding and the model drafter's best option (a pairing, proposers/hybrid.py)
+does not expect LOOKUP_MARGIN (1.15x) more. One
 estimate for all of a lookup's chains mixed 1-token matches (mostly wrong) with long copies (mostly
 right), so k was too long for the first and too short for the second. Replaying 48 of the target's
 greedy answers (8 prompts x 6 categories, up to 256 tokens) through this class and the measured cost
@@ -49,6 +50,11 @@ MAX_MATCH_KEY = 8  # lookup chains after matches of >= 8 tokens share one estima
 # acceptance assumed for a lookup's chains at a match length not seen yet in the request (0.8 measured
 # the same within +-3% on chat, code, math, summarization for n-gram and both pairings)
 LOOKUP_PRIOR = 0.6
+# a pairing drafts the lookup's chain unless the model drafter's expected speedup is this much higher:
+# the chain is free and the model drafter's estimate swings with a few steps (interleaved, 4 prompts x 2
+# rounds, decode: eagle3+ngram chat 1.56x -> 1.69x, qdraft+ngram summarization 1.64x -> 1.79x, rag
+# 1.40x -> 1.45x; qdraft+ngram chat 1.86x -> 1.83x and math 1.59x -> 1.57x, against 1.0)
+LOOKUP_MARGIN = 1.15
 
 
 class StepOverhead:
@@ -242,8 +248,9 @@ class AdaptiveK:
     def choose(self, draft_cost_rel: float, lookup_match: int = 0, lookup_len: int = 0,
                model: bool = True) -> Choice:
         """This step's draft: lookup_match > 0 offers a lookup's chain of lookup_len tokens after a
-        match of that many context tokens; model: whether a model drafter may draft. The option with
-        the higher expected speedup wins; neither paying: a plain step (with probes)."""
+        match of that many context tokens; model: whether a model drafter may draft. The lookup's chain
+        wins unless the model drafter's expected speedup is LOOKUP_MARGIN times higher; neither paying
+        (over plain decoding): a plain step (with probes)."""
         self.steps += 1
         if self.steps % PLAIN_REFRESH == 1:  # the first step, then one in PLAIN_REFRESH: measure plain
             return Choice(0, False)
@@ -253,7 +260,7 @@ class AdaptiveK:
             best = Choice(k, False), s
         if lookup_match > 0 and lookup_len > 0:
             k, s = self._best(0.0, lookup_match, min(lookup_len, self.k_max))
-            if k > 0 and s > best[1]:
+            if k > 0 and s * LOOKUP_MARGIN > best[1]:
                 best = Choice(k, True), s
         choice = best[0]
         if self.probes.should_probe(choice.k > 0):
