@@ -156,10 +156,10 @@ def _verify(plain: SpecdecSystem, best: MethodEstimate, spec: dict, batch_size: 
     with adaptive k too (per step and per match length for lookups, which a single k cannot follow);
     the recommendation becomes the faster of the two."""
     measured = {}
-    options = [("fixed", {k: v for k, v in spec.items() if k != "method"})]
-    if batch_size == 1:
-        options.append(("adaptive", {k: v for k, v in spec.items() if k not in ("method", "num_speculative_tokens")}))
-    for name, config in options:
+    adaptive_spec = {k: v for k, v in spec.items() if k != "num_speculative_tokens"}
+    options = [("fixed", spec)] + ([("adaptive", adaptive_spec)] if batch_size == 1 else [])
+    for name, option in options:
+        config = {k: v for k, v in option.items() if k != "method"}
         log(f"checking {best.method} ({name} k{'=' + str(best.best_k) if name == 'fixed' else ''}) against plain decoding ...")
         system = make_system(config)
         system.setup()
@@ -167,8 +167,7 @@ def _verify(plain: SpecdecSystem, best: MethodEstimate, spec: dict, batch_size: 
         measured[name] = round(_measure_pair(plain, system, prompts, max_tokens), 3)
     out = {"measured_speedup": measured["fixed"], "measured": measured, "adaptive": False}
     if measured.get("adaptive", 0.0) > measured["fixed"]:
-        config = {k: v for k, v in spec.items() if k != "num_speculative_tokens"}
-        out.update(measured_speedup=measured["adaptive"], adaptive=True, k=None, speculative_config=config)
+        out.update(measured_speedup=measured["adaptive"], adaptive=True, k=None, speculative_config=adaptive_spec)
     return out
 
 

@@ -227,11 +227,13 @@ class Speculation:
         groups: dict[tuple[int, bool], list[int]] = {}
         for i, (seq, n) in enumerate(zip(seqs, ks)):
             chain = found[i] if found is not None and not seq.spec.fixed_k else None
-            if n <= 0 or (chain is not None and not chain and not seq.spec.proposer.has_model_drafter):
+            if n <= 0:
                 continue
             if chain:
                 proposals[i] = self._fit(seq, chain, n)
                 continue
+            if chain is not None and not seq.spec.proposer.has_model_drafter:
+                continue  # a lookup alone that found nothing this step
             groups.setdefault((id(seq.spec.proposer), chain is None), []).append(i)
             if self.pool is not None:  # self-speculation drafts into / reads the sequence's own blocks
                 seq.state.draft["target_cache"] = SeqKV(self.pool, seq.block_table, seq.num_computed)

@@ -229,11 +229,10 @@ class AdaptiveK:
         tokens = (1 - a ** (k + 1)) / (1 - a)
         base = self.cost.seconds[1]
         if match_len > 0:
-            draft_cost_rel, draft = 0.0, 0.0
+            draft_cost_rel = 0.0
         if not base:
             return tokens / (self.cost.relative(k + 1) + k * draft_cost_rel)
-        if match_len <= 0:
-            draft = self.draft_seconds if self.draft_seconds is not None else draft_cost_rel * base
+        draft = self.draft_seconds if self.draft_seconds is not None and match_len <= 0 else draft_cost_rel * base
         spec = self.cost.relative(k + 1) * base + k * draft + self.overhead.spec
         return tokens * (base + self.overhead.plain) / spec
 
