@@ -87,14 +87,18 @@ static inline void dots_1x4(const float *q, const float *const k[4], int64_t D, 
     store4(hsum4(a[0], a[1], a[2], a[3]), out);
 }
 
-/* o_m[c, c + 8 NR) = sum over visible keys j, ascending, of s_m[j] v_j: one FMA per element and key,
- * in registers (NR x 8 lanes per query), for two queries (s1 NULL: one) sharing each v load. */
+/* o_m[c, c + 8 NR) += s_m[j] v_j for the keys j in [j0, j1), ascending: one FMA per element and key,
+ * in registers (NR x 8 lanes per query), for two queries (s1 NULL: one) sharing each v load. Keys
+ * with a zero weight (masked) are skipped, so o is what one unblocked pass over the keys gives. */
 static inline __attribute__((always_inline)) void pv_chunk(const float *s0, const float *s1, const float *vc,
-                                                            const int64_t *gather, int64_t stride, int64_t n_keys,
-                                                            int64_t c, const int NR, float *o0, float *o1) {
+                                                            const int64_t *gather, int64_t stride, int64_t j0,
+                                                            int64_t j1, int64_t c, const int NR, float *o0, float *o1) {
     __m256 a[2][4];
-    for (int r = 0; r < NR; r++) a[0][r] = a[1][r] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < n_keys; j++) {
+    for (int r = 0; r < NR; r++) {
+        a[0][r] = _mm256_loadu_ps(o0 + c + 8 * r);
+        a[1][r] = s1 ? _mm256_loadu_ps(o1 + c + 8 * r) : _mm256_setzero_ps();
+    }
+    for (int64_t j = j0; j < j1; j++) {
         const float w0 = s0[j], w1 = s1 ? s1[j] : 0.f;
         if (w0 == 0.f && w1 == 0.f) continue;
         const float *v = vc + (gather ? gather[j] : j) * stride + c;
@@ -110,6 +114,8 @@ static inline __attribute__((always_inline)) void pv_chunk(const float *s0, cons
         if (s1) _mm256_storeu_ps(o1 + c + 8 * r, a[1][r]);
     }
 }
+
+static inline int any4(const uint8_t *v) { return v[0] | v[1] | v[2] | v[3]; }
 #endif
 
 static inline float dot(const float *a, const float *b, int64_t D) {
@@ -131,76 +137,119 @@ static inline void axpy(float a, const float *x, float *y, int64_t D) {
     for (int64_t i = 0; i < D; i++) y[i] += a * x[i];
 }
 
-/* Attention for the nq query heads q [nq, D] (already rotated) that share one kv head and one
- * visibility row vis [n_keys]: out[m] = softmax(q[m] k^T * scale) v over the visible keys. Key j's
- * row is kc + row_j * stride (row_j = gather[j], or j when gather is NULL), likewise for v. Each
- * query's result is the same whichever queries share the call (batch invariance).
- * scores: nq * padded floats of scratch, sums: nq; out rows are out_stride apart. */
-static void attend(const float *q, int64_t nq, const float *kc, const float *vc, const int64_t *gather,
-                   int64_t stride, const uint8_t *vis, int64_t n_keys, int64_t D, float scale,
-                   float *scores, float *sums, int64_t padded, float *out, int64_t out_stride) {
-#define ROW(base, j) ((base) + (gather ? gather[j] : (j)) * stride)
+/* s[j] = exp(s[j] * scale - max) over the visible keys j < n_keys, 0 elsewhere up to padded; returns
+ * their sum. The sum runs over aligned chunks of 8 (lane j % 8, then a fixed tree), so keys a row does
+ * not see, and the padding, add exact zeros: a row's sum does not depend on n_keys (batch invariance). */
+static float softmax_numerators(float *s, const uint8_t *vis, int64_t n_keys, int64_t padded, float scale) {
+    float mx = -INFINITY, l = 0.f;
     int64_t j = 0;
 #ifdef __AVX2__
-    if (D % 8 == 0)
-        for (; j + 4 <= n_keys; j += 4) {
-            if (!(vis[j] | vis[j + 1] | vis[j + 2] | vis[j + 3])) continue; /* masked below */
-            const float *k[4] = {ROW(kc, j), ROW(kc, j + 1), ROW(kc, j + 2), ROW(kc, j + 3)};
-            int64_t m = 0;
-            for (; m + 2 <= nq; m += 2)
-                dots_2x4(q + m * D, q + (m + 1) * D, k, D, scores + m * padded + j, scores + (m + 1) * padded + j);
-            if (m < nq) dots_1x4(q + m * D, k, D, scores + m * padded + j);
-        }
+    const __m256 neg_inf = _mm256_set1_ps(-INFINITY), vscale = _mm256_set1_ps(scale);
+    __m256 vmx = neg_inf;
+    for (; j + 8 <= n_keys; j += 8) {
+        __m256i seen = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(vis + j)));
+        __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(seen, _mm256_setzero_si256()));
+        __m256 v = _mm256_blendv_ps(neg_inf, _mm256_mul_ps(_mm256_loadu_ps(s + j), vscale), keep);
+        _mm256_storeu_ps(s + j, v);
+        vmx = _mm256_max_ps(vmx, v);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, vmx);
+    for (int i = 0; i < 8; i++) mx = lanes[i] > mx ? lanes[i] : mx;
 #endif
-    for (; j < n_keys; j++)
-        if (vis[j])
-            for (int64_t m = 0; m < nq; m++) scores[m * padded + j] = dot(q + m * D, ROW(kc, j), D);
-    for (int64_t m = 0; m < nq; m++) { /* softmax numerators in place; their sum in sums[m] */
-        float *s = scores + m * padded, mx = -INFINITY, l = 0.f;
-        for (j = 0; j < n_keys; j++) {
-            s[j] = vis[j] ? s[j] * scale : -INFINITY;
-            if (s[j] > mx) mx = s[j];
-        }
-        for (j = n_keys; j < padded; j++) s[j] = -INFINITY;
+    for (; j < n_keys; j++) {
+        s[j] = vis[j] ? s[j] * scale : -INFINITY;
+        if (s[j] > mx) mx = s[j];
+    }
+    for (j = n_keys; j < padded; j++) s[j] = -INFINITY;
 #ifdef __AVX2__
-        for (j = 0; j < padded; j += 8)
-            _mm256_storeu_ps(s + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(mx))));
+    __m256 acc = _mm256_setzero_ps(), z = acc;
+    for (j = 0; j < padded; j += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(mx)));
+        _mm256_storeu_ps(s + j, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    store4(hsum4(acc, z, z, z), lanes);
+    l = lanes[0];
 #else
-        for (j = 0; j < padded; j++) s[j] = s[j] == -INFINITY ? 0.f : expf(s[j] - mx);
+    for (j = 0; j < padded; j++) s[j] = s[j] == -INFINITY ? 0.f : expf(s[j] - mx);
+    for (j = 0; j < n_keys; j++) l += s[j];
 #endif
-        for (j = 0; j < n_keys; j++) l += s[j];
-        sums[m] = l;
-    }
-    int64_t m = 0;
+    return l;
+}
+
+/* Attention for nq queries q [nq, D] (already rotated) that share one kv head's keys: out[m] =
+ * softmax(q[m] k^T * scale) v over the keys j < n_keys with vis[m][j]. Key j's row is kc + row_j *
+ * stride (row_j = gather[j], or j when gather is NULL), likewise for v. Keys are visited in blocks of
+ * KEY_BLOCK that stay in L1 while every pair of queries uses them; each query's result is bitwise
+ * the same whichever queries share the call and however the keys are blocked (batch invariance).
+ * scores: nq * padded floats of scratch, sums: nq. */
+#define KEY_BLOCK 64
+static void attend(const float *q, int64_t nq, const uint8_t *const *vis, float *const *out, const float *kc,
+                   const float *vc, const int64_t *gather, int64_t stride, int64_t n_keys, int64_t D, float scale,
+                   float *scores, float *sums, int64_t padded) {
+#define ROW(base, j) ((base) + (gather ? gather[j] : (j)) * stride)
+    for (int64_t j0 = 0; j0 < n_keys; j0 += KEY_BLOCK) { /* 1. scores of the visible keys */
+        const int64_t j1 = j0 + KEY_BLOCK < n_keys ? j0 + KEY_BLOCK : n_keys;
+        for (int64_t m = 0; m < nq; m += 2) {
+            const int two = m + 1 < nq;
+            float *s0 = scores + m * padded, *s1 = s0 + padded;
+            int64_t j = j0;
 #ifdef __AVX2__
-    if (D % 8 == 0)
-        for (; m < nq; m += 2) { /* two queries at a time share each v load */
-            const float *s0 = scores + m * padded, *s1 = m + 1 < nq ? s0 + padded : NULL;
-            float *o0 = out + m * out_stride, *o1 = o0 + out_stride;
-            int64_t c = 0;
-            for (; c + 32 <= D; c += 32) pv_chunk(s0, s1, vc, gather, stride, n_keys, c, 4, o0, o1);
-            for (; c < D; c += 8) pv_chunk(s0, s1, vc, gather, stride, n_keys, c, 1, o0, o1);
+            if (D % 8 == 0)
+                for (; j + 4 <= j1; j += 4) {
+                    if (!any4(vis[m] + j) && !(two && any4(vis[m + 1] + j))) continue; /* masked below */
+                    const float *k[4] = {ROW(kc, j), ROW(kc, j + 1), ROW(kc, j + 2), ROW(kc, j + 3)};
+                    if (two) dots_2x4(q + m * D, q + (m + 1) * D, k, D, s0 + j, s1 + j);
+                    else dots_1x4(q + m * D, k, D, s0 + j);
+                }
+#endif
+            for (; j < j1; j++) {
+                if (vis[m][j]) s0[j] = dot(q + m * D, ROW(kc, j), D);
+                if (two && vis[m + 1][j]) s1[j] = dot(q + (m + 1) * D, ROW(kc, j), D);
+            }
+        }
+    }
+    for (int64_t m = 0; m < nq; m++) { /* 2. softmax numerators in place, their sum in sums[m] */
+        sums[m] = softmax_numerators(scores + m * padded, vis[m], n_keys, padded, scale);
+        for (int64_t i = 0; i < D; i++) out[m][i] = 0.f;
+    }
+    for (int64_t j0 = 0; j0 < n_keys; j0 += KEY_BLOCK) { /* 3. the weighted values, block by block */
+        const int64_t j1 = j0 + KEY_BLOCK < n_keys ? j0 + KEY_BLOCK : n_keys;
+#ifdef __AVX2__
+        if (D % 8 == 0) {
+            for (int64_t m = 0; m < nq; m += 2) {
+                const float *s0 = scores + m * padded, *s1 = m + 1 < nq ? s0 + padded : NULL;
+                float *o1 = m + 1 < nq ? out[m + 1] : NULL;
+                int64_t c = 0;
+                for (; c + 32 <= D; c += 32) pv_chunk(s0, s1, vc, gather, stride, j0, j1, c, 4, out[m], o1);
+                for (; c < D; c += 8) pv_chunk(s0, s1, vc, gather, stride, j0, j1, c, 1, out[m], o1);
+            }
+            continue;
         }
 #endif
-    for (; m < nq; m++) {
-        float *o = out + m * out_stride;
-        const float *s = scores + m * padded;
-        for (int64_t i = 0; i < D; i++) o[i] = 0.f;
-        for (j = 0; j < n_keys; j++)
-            if (s[j] != 0.f) axpy(s[j], ROW(vc, j), o, D);
+        for (int64_t m = 0; m < nq; m++)
+            for (int64_t j = j0; j < j1; j++)
+                if (scores[m * padded + j] != 0.f) axpy(scores[m * padded + j], ROW(vc, j), out[m], D);
     }
-    for (m = 0; m < nq; m++) {
-        float *o = out + m * out_stride, inv = 1.0f / sums[m];
-        for (int64_t i = 0; i < D; i++) o[i] *= inv;
+    for (int64_t m = 0; m < nq; m++) {
+        const float inv = 1.0f / sums[m];
+        for (int64_t i = 0; i < D; i++) out[m][i] *= inv;
     }
 #undef ROW
 }
-/* Query heads per work unit: the heads of one kv head at one new token share its keys and its
- * visibility row; two of them share each key and value load (attend), and units of two keep both
- * cores busy even at T = 1 (a group of 3 makes units of 2 and 1). */
-#define QCHUNK 2
 
-/* Writes the new tokens' rotated keys and their values: token t's at kd(t), vd(t). */
+/* The queries that share one kv head's keys (a "set": every new token's group of query heads, of one
+ * sequence) are split into work units of at most MAX_Q consecutive queries, and into two units at
+ * least, so that both cores have work even at T = 1. */
+#define MAX_Q 8
+
+static int64_t units_per_set(int64_t n) {
+    const int64_t u = (n + MAX_Q - 1) / MAX_Q;
+    return n >= 2 && u < 2 ? 2 : u;
+}
+
+/* Writes new token t's rotated keys and its values at kc/vc + dst + h * head_stride. */
 static void write_kv(const float *qkv, const float *cos, const float *sin, const int64_t *pos, float *kc, float *vc,
                      int64_t t, int64_t Hq, int64_t Hkv, int64_t D, int64_t dst, int64_t head_stride) {
     const int64_t row = (Hq + 2 * Hkv) * D;
@@ -212,23 +261,45 @@ static void write_kv(const float *qkv, const float *cos, const float *sin, const
     }
 }
 
-/* Scratch of one thread: scores [QCHUNK, padded], rotated queries [QCHUNK, D], sums [QCHUNK], a
- * visibility row [padded] (bytes). NULL when it cannot be allocated. */
-static float *scratch(int64_t padded, int64_t D) {
-    return malloc(sizeof(float) * (QCHUNK * (padded + D + 1)) + padded);
+/* Queries lo..hi-1 of kv head g's set, whose first new token is row t0 of qkv and out (query i: token
+ * t0 + i / group, head g * group + i % group): rotated into q, with their visibility rows (token
+ * i / group's is vis_rows + (i / group) * vis_len) and output rows. Returns their number. */
+static int64_t unit_queries(const float *qkv, const float *cos, const float *sin, const int64_t *pos, int64_t t0,
+                            int64_t lo, int64_t hi, int64_t g, int64_t group, int64_t Hq, int64_t Hkv, int64_t D,
+                            const uint8_t *vis_rows, int64_t vis_len, float *out, float *q, const uint8_t **vis,
+                            float **outs) {
+    const int64_t row = (Hq + 2 * Hkv) * D;
+    for (int64_t i = lo; i < hi; i++) {
+        const int64_t t = t0 + i / group, h = g * group + i % group;
+        rope(qkv + t * row + h * D, cos + pos[t] * D, sin + pos[t] * D, q + (i - lo) * D, D);
+        vis[i - lo] = vis_rows + (i / group) * vis_len;
+        outs[i - lo] = out + t * Hq * D + h * D;
+    }
+    return hi - lo;
 }
 
-/* Returns 0, or -1 when the scratch buffer cannot be allocated. */
+/* Scratch of one thread: scores [MAX_Q, padded], rotated queries [MAX_Q, D], sums [MAX_Q]. */
+static float *scratch(int64_t padded, int64_t D) {
+    return malloc(sizeof(float) * MAX_Q * (padded + D + 1));
+}
+
+/* Returns 0, or -1 when a scratch buffer cannot be allocated. */
 int specdec_attention_f32(const float *qkv, const float *cos, const float *sin, const int64_t *pos,
                           float *kc, float *vc, const uint8_t *mask, float *out,
                           int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t past, int64_t max_len,
                           float scale) {
-    const int64_t row = (Hq + 2 * Hkv) * D, group = Hq / Hkv, n_keys = past + T, padded = (n_keys + 7) / 8 * 8;
-    const int64_t chunks = (group + QCHUNK - 1) / QCHUNK;
+    const int64_t group = Hq / Hkv, n_keys = past + T, padded = (n_keys + 7) / 8 * 8;
+    const int64_t per_set = T * group, units = units_per_set(per_set);
     /* 1. rotary on k, write k and v of the new tokens into the cache */
     for (int64_t t = 0; t < T; t++) write_kv(qkv, cos, sin, pos, kc, vc, t, Hq, Hkv, D, (past + t) * D, max_len * D);
-    /* 2. every (kv head, new token, chunk of its query heads): softmax(q k^T * scale) v over the
-     *    visible keys (the whole prefix, then the new tokens the mask allows) */
+    /* 2. which keys each new token sees: the whole prefix, then the new tokens its mask allows */
+    uint8_t *vis_rows = malloc(T * n_keys);
+    if (vis_rows == NULL) return -1;
+    for (int64_t t = 0; t < T; t++) {
+        memset(vis_rows + t * n_keys, 1, past);
+        for (int64_t j = 0; j < T; j++) vis_rows[t * n_keys + past + j] = mask ? mask[t * T + j] : j <= t;
+    }
+    /* 3. softmax(q k^T * scale) v for every query, a unit of one kv head's queries at a time */
     int failed = 0;
     #pragma omp parallel if (Hq * T * n_keys * D > 200000)
     {
@@ -237,23 +308,20 @@ int specdec_attention_f32(const float *qkv, const float *cos, const float *sin, 
             #pragma omp atomic write
             failed = 1;
         }
-        #pragma omp for schedule(static) collapse(3)
+        #pragma omp for schedule(static) collapse(2)
         for (int64_t g = 0; g < Hkv; g++)
-            for (int64_t t = 0; t < T; t++)
-                for (int64_t ch = 0; ch < chunks; ch++) {
-                    if (buf == NULL) continue;
-                    const int64_t h0 = g * group + ch * QCHUNK, nq = group - ch * QCHUNK < QCHUNK ? group - ch * QCHUNK : QCHUNK;
-                    float *scores = buf, *q = scores + QCHUNK * padded, *sums = q + QCHUNK * D;
-                    uint8_t *vis = (uint8_t *)(sums + QCHUNK);
-                    for (int64_t m = 0; m < nq; m++)
-                        rope(qkv + t * row + (h0 + m) * D, cos + pos[t] * D, sin + pos[t] * D, q + m * D, D);
-                    memset(vis, 1, past);
-                    for (int64_t j = 0; j < T; j++) vis[past + j] = mask ? mask[t * T + j] : j <= t;
-                    attend(q, nq, kc + g * max_len * D, vc + g * max_len * D, NULL, D, vis, n_keys, D, scale,
-                           scores, sums, padded, out + t * Hq * D + h0 * D, D);
-                }
+            for (int64_t u = 0; u < units; u++) {
+                if (buf == NULL) continue;
+                const uint8_t *vis[MAX_Q];
+                float *outs[MAX_Q], *q = buf + MAX_Q * padded;
+                const int64_t nq = unit_queries(qkv, cos, sin, pos, 0, u * per_set / units, (u + 1) * per_set / units,
+                                                g, group, Hq, Hkv, D, vis_rows, n_keys, out, q, vis, outs);
+                attend(q, nq, vis, outs, kc + g * max_len * D, vc + g * max_len * D, NULL, D, n_keys, D, scale,
+                       buf, q + MAX_Q * D, padded);
+            }
         free(buf);
     }
+    free(vis_rows);
     return failed ? -1 : 0;
 }
 
@@ -271,8 +339,8 @@ int specdec_paged_attention_f32(const float *qkv, const float *cos, const float 
                                 float *kc, float *vc, const int64_t *new_slot, const int64_t *gather,
                                 const uint8_t *mask, float *out, int64_t B, int64_t T, int64_t L, int64_t Hq,
                                 int64_t Hkv, int64_t D, float scale) {
-    const int64_t row = (Hq + 2 * Hkv) * D, group = Hq / Hkv, padded = (L + 7) / 8 * 8, slot = Hkv * D;
-    const int64_t chunks = (group + QCHUNK - 1) / QCHUNK;
+    const int64_t group = Hq / Hkv, padded = (L + 7) / 8 * 8, slot = Hkv * D;
+    const int64_t per_set = T * group, units = units_per_set(per_set);
     for (int64_t bt = 0; bt < B * T; bt++)
         if (new_slot[bt] >= 0) write_kv(qkv, cos, sin, pos, kc, vc, bt, Hq, Hkv, D, new_slot[bt] * slot, D);
     int failed = 0;
@@ -284,16 +352,17 @@ int specdec_paged_attention_f32(const float *qkv, const float *cos, const float 
             failed = 1;
         }
         #pragma omp for schedule(static) collapse(3)
-        for (int64_t bt = 0; bt < B * T; bt++)
+        for (int64_t b = 0; b < B; b++)
             for (int64_t g = 0; g < Hkv; g++)
-                for (int64_t ch = 0; ch < chunks; ch++) {
+                for (int64_t u = 0; u < units; u++) {
                     if (buf == NULL) continue;
-                    const int64_t h0 = g * group + ch * QCHUNK, nq = group - ch * QCHUNK < QCHUNK ? group - ch * QCHUNK : QCHUNK;
-                    float *scores = buf, *q = scores + QCHUNK * padded, *sums = q + QCHUNK * D;
-                    for (int64_t m = 0; m < nq; m++)
-                        rope(qkv + bt * row + (h0 + m) * D, cos + pos[bt] * D, sin + pos[bt] * D, q + m * D, D);
-                    attend(q, nq, kc + g * D, vc + g * D, gather + (bt / T) * L, slot, mask + bt * L, L, D, scale,
-                           scores, sums, padded, out + bt * Hq * D + h0 * D, D);
+                    const uint8_t *vis[MAX_Q];
+                    float *outs[MAX_Q], *q = buf + MAX_Q * padded;
+                    const int64_t nq = unit_queries(qkv, cos, sin, pos, b * T, u * per_set / units,
+                                                    (u + 1) * per_set / units, g, group, Hq, Hkv, D, mask + b * T * L,
+                                                    L, out, q, vis, outs);
+                    attend(q, nq, vis, outs, kc + g * D, vc + g * D, gather + b * L, slot, L, D, scale, buf,
+                           q + MAX_Q * D, padded);
                 }
         free(buf);
     }
