@@ -69,7 +69,9 @@ class DecoderLayer(torch.nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         k_all, v_all = cache.write(layer_idx, k, v)  # [B, Hkv, past+T, D]
-        attn = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=True)
+        # mask None: one token (sees everything), or a prompt into an empty cache (causal, T == S)
+        attn = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, is_causal=mask is None and T > 1,
+                                              enable_gqa=True)
         return attn.transpose(1, 2).reshape(B, T, -1)
 
 
@@ -110,7 +112,9 @@ class LlamaModel(torch.nn.Module):
         fused = None if self.config.qk_norm else fused_attention(self.rotary, positions, block_mask, cache, x)
         if fused is None:
             cos, sin = self.rotary(positions, x.dtype)
-            mask = cache.attention_mask(block_mask, T)  # paged caches make their own
+            # a prompt into an empty cache is plain causal: None lets SDPA skip the masked half
+            prompt = type(cache) is KVCache and cache.length == 0 and block_mask is None
+            mask = None if prompt else cache.attention_mask(block_mask, T)  # paged caches make their own
         else:
             cos = sin = mask = None
         layer_ids = range(len(self.layers)) if layers is None else layers
