@@ -3,9 +3,12 @@
  *
  * For T <= 32 new tokens the work is small and a chain of ~25 torch ops per layer (split, views,
  * rotary, cache slices, SDPA, transposes) costs more in dispatch than in arithmetic; here it is
- * one loop nest. Each query row is computed on its own in a fixed order over the keys it may see
- * (the whole prefix, then the new tokens its mask allows, ascending), so a verify pass over k+1
- * tokens gives bitwise the same rows as k+1 single-token passes (batch invariance, as gemv.c).
+ * one loop nest. The queries that read the same kv head (its group of query heads, at every new
+ * token) share each key and value load, two at a time, over key blocks that stay in L1; yet every
+ * query row is the same sequence of operations whatever shares its loads (each score one dot product
+ * with a fixed reduction tree, the softmax sum over aligned 8-lane chunks, each output element one
+ * FMA chain over the visible keys, ascending), so a verify pass over k+1 tokens gives bitwise the
+ * same rows as k+1 single-token passes (batch invariance, as gemv.c).
  *
  * qkv:   [T, (Hq + 2 Hkv) * D]  the fused projection (q heads, then k heads, then v heads)
  * cos, sin: [max_pos, D]        tables; sin has its first half negated (rotate_half layout)
