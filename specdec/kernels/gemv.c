@@ -38,7 +38,7 @@ static inline float hsum256(__m256 s) {
 #define MAX_TILE_T 7 /* input rows per tile */
 #endif
 #ifndef ROWS_T1
-#define ROWS_T1 4 /* weight rows per tile when T == 1: independent FMA chains, parallel streams */
+#define ROWS_T1 6 /* weight rows per tile when T == 1: independent FMA chains, parallel streams (6: 2-4% faster than 4, measured) */
 #endif
 
 static inline __attribute__((always_inline)) void tile(const float *W, const float *x, float *y,
