@@ -34,12 +34,12 @@ def test_rmsnorm_and_silu_mul_match_torch():
     torch.testing.assert_close(kernels.silu_mul(gu), F.silu(gu[:, :100]) * gu[:, 100:], atol=1e-5, rtol=1e-5)
 
 
-def _layer_and_inputs(T, past, seed=0):
-    """A tiny attention layer (9 query heads, 3 kv heads, D 64), a filled cache, T new tokens."""
+def _layer_and_inputs(T, past, seed=0, dims=(9, 3, 64)):
+    """A tiny attention layer (default 9 query heads, 3 kv heads, D 64), a filled cache, T new tokens."""
     from specdec.cache.kv_cache import KVCache
     from specdec.model.layers import Rotary
     torch.manual_seed(seed)
-    Hq, Hkv, D = 9, 3, 64
+    Hq, Hkv, D = dims
     rotary = Rotary(D, 10000.0, None, 512)
     cache = KVCache(2, 1, Hkv, D, 128, torch.float32)
     cache.k.normal_(), cache.v.normal_()
@@ -87,11 +87,29 @@ def test_fused_attention_matches_torch(T, tree):
     assert torch.equal(v_written, cache.v[1, 0, :, past:past + T])
 
 
-def test_fused_attention_is_batch_invariant():
+# head layouts beyond SmolLM2's (9 query heads over 3 kv heads): multi-head, Qwen2.5-0.5B's 7-head
+# groups (work units of 3 and 4 queries), multi-query with D 128, and D 20 (the scalar path: D not a multiple of 8)
+HEAD_LAYOUTS = [(9, 3, 64), (4, 4, 32), (14, 2, 64), (8, 1, 128), (4, 2, 20)]
+
+
+@pytest.mark.parametrize("dims", HEAD_LAYOUTS)
+@pytest.mark.parametrize("T", [1, 6])
+def test_fused_attention_matches_torch_for_head_layouts(dims, T):
+    from specdec.kernels.attention import FusedAttention
+    past = 45
+    positions = torch.arange(past, past + T)[None]
+    rotary, cache, qkv, dims = _layer_and_inputs(T, past, dims=dims)
+    got = FusedAttention.build(rotary, positions, None, cache, qkv)(qkv, 1, *dims)
+    want = _torch_attention(rotary, cache, qkv, dims, positions, None)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dims", HEAD_LAYOUTS)
+def test_fused_attention_is_batch_invariant(dims):
     """Row t of a pass over T tokens equals, bit for bit, a single-token pass at that position."""
     from specdec.kernels.attention import FusedAttention
     past, T = 30, 6
-    rotary, cache, qkv, dims = _layer_and_inputs(T, past)
+    rotary, cache, qkv, dims = _layer_and_inputs(T, past, dims=dims)
     positions = torch.arange(past, past + T)[None]
     block = FusedAttention.build(rotary, positions, None, cache, qkv)(qkv, 1, *dims)
     rows = []
