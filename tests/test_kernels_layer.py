@@ -1,4 +1,5 @@
-"""The one-call decoder layer (layer.c) gives bitwise the per-op path's output and KV cache."""
+"""The one-call decoder layer (layer.c), one layer a call or the whole stack in one, gives bitwise the
+per-op path's output and KV cache."""
 import pytest
 import torch
 
@@ -16,23 +17,34 @@ def _need_kernel():
         pytest.skip("layer kernel unavailable")
 
 
-def _count_fused_layers(monkeypatch, fused: bool) -> list[bool]:
-    """Route every layer through layer.c (fused) or the per-op path; the list records which ran."""
+MODES = ["layer", "stack"]  # layer.c one layer a call, or the model's whole stack in one call
+
+
+def _count_fused_layers(monkeypatch, mode: str) -> list[bool]:
+    """Route every layer through the per-op path ("per-op"), layer.c one layer a call ("layer") or the
+    whole stack in one call ("stack"); the list records, per layer of a decode-shaped pass, whether
+    layer.c ran it."""
     calls = []
 
-    def counted(*args):
-        out = fused_layer.decoder_layer(*args) if fused else None
+    def one(*args):
+        out = fused_layer.decoder_layer(*args) if mode == "layer" else None
         calls.append(out is not None)
         return out
 
-    monkeypatch.setattr(llama, "decoder_layer", counted)
+    def stack(layers, layer_ids, x, fused):
+        out = fused_layer.decoder_layers(layers, layer_ids, x, fused) if mode == "stack" else None
+        calls.extend([True] * len(layer_ids) if out is not None else [])
+        return out
+
+    monkeypatch.setattr(llama, "decoder_layer", one)
+    monkeypatch.setattr(llama, "decoder_layers", stack)
     return calls
 
 
-def _run(model, ids, monkeypatch, fused: bool):
+def _run(model, ids, monkeypatch, mode: str):
     """Prefill 36 tokens (> 32: the per-op path), 3 single-token steps, a causal block of 4 and a tree
     of 7: all logits and the cache."""
-    calls = _count_fused_layers(monkeypatch, fused)
+    calls = _count_fused_layers(monkeypatch, mode)
     cache = model.new_cache(64)
     outs = [model(ids[:, :36], torch.arange(36)[None], cache).logits]
     for i in range(36, 39):
@@ -44,16 +56,17 @@ def _run(model, ids, monkeypatch, fused: bool):
     return outs, cache, calls
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
 @pytest.mark.parametrize("scheme", [None, QuantScheme(8, 32, True), QuantScheme(4, 32, False)],
                          ids=["fp32", "int8", "int4"])
-def test_fused_layer_is_bitwise_the_per_op_path(tiny_dir, monkeypatch, arch, scheme):
+def test_fused_layer_is_bitwise_the_per_op_path(tiny_dir, monkeypatch, arch, scheme, mode):
     model = load_model(tiny_dir(arch), torch.float32)
     if scheme is not None:
         model = quantize_model(model, scheme)
     ids = torch.randint(0, 1000, (1, 50), generator=torch.Generator().manual_seed(0))
-    want, want_cache, _ = _run(model, ids, monkeypatch, fused=False)
-    got, got_cache, calls = _run(model, ids, monkeypatch, fused=True)
+    want, want_cache, _ = _run(model, ids, monkeypatch, "per-op")
+    got, got_cache, calls = _run(model, ids, monkeypatch, mode)
     n_layers = len(model.layers)
     assert len(calls) == 5 * n_layers and all(calls)  # the 5 passes after the prefill, every layer fused
     for a, b in zip(got, want):
@@ -76,11 +89,11 @@ def test_fused_layer_redescribes_moved_weights(tiny_dir):
     assert second is not first and second.o_proj.weight == layer.o_proj.weight.data_ptr()
 
 
-def _run_paged(model, monkeypatch, fused: bool):
+def _run_paged(model, monkeypatch, mode: str):
     """Three sequences prefilled alone (per-op: > 32 rows), then one left-padded batch of 1, 3 and 5
     new tokens (a chain, a chain, a tree of 5) over the paged pool: the batch's logits and the pool."""
     from specdec.cache.paged_cache import BatchKV, PagedKVPool
-    calls = _count_fused_layers(monkeypatch, fused)
+    calls = _count_fused_layers(monkeypatch, mode)
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (40, 12, 35)]
     new = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (1, 3, 5)]
@@ -98,13 +111,14 @@ def _run_paged(model, monkeypatch, fused: bool):
     return model(ids, pos, kv).logits, pool, calls
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("scheme", [None, QuantScheme(4, 32, False)], ids=["fp32", "int4"])
-def test_fused_layer_on_the_paged_batch_is_bitwise_the_per_op_path(tiny_dir, monkeypatch, scheme):
+def test_fused_layer_on_the_paged_batch_is_bitwise_the_per_op_path(tiny_dir, monkeypatch, scheme, mode):
     model = load_model(tiny_dir("qwen2"), torch.float32)
     if scheme is not None:
         model = quantize_model(model, scheme)
-    want, want_pool, _ = _run_paged(model, monkeypatch, fused=False)
-    got, got_pool, calls = _run_paged(model, monkeypatch, fused=True)
+    want, want_pool, _ = _run_paged(model, monkeypatch, "per-op")
+    got, got_pool, calls = _run_paged(model, monkeypatch, mode)
     assert len(calls) == len(model.layers) and all(calls)  # the batch of 3 x 5 rows ran fused
     assert torch.equal(got, want)
     assert torch.equal(got_pool.k, want_pool.k) and torch.equal(got_pool.v, want_pool.v)

@@ -1,4 +1,5 @@
-"""A whole decoder layer in one C call (layer.c) for decode-shaped passes; None where it does not apply.
+"""A whole decoder layer (decoder_layer), or a model's whole stack of layers (decoder_layers), in one C
+call (layer.c) for decode-shaped passes; None where it does not apply.
 
 Applies where the fused attention does (fp32, no q/k norm; one sequence in a static cache with <= 32
 new tokens, or the serving engine's paged batch with <= 32 rows in all: B x T, padding included,
@@ -50,6 +51,9 @@ def _load():
             lib.specdec_decoder_layer_f32.argtypes = [c_void_p, ctypes.POINTER(_LayerWeights),
                                                       ctypes.POINTER(_LayerShape)]
             lib.specdec_decoder_layer_f32.restype = ctypes.c_int
+            lib.specdec_decoder_layers_f32.argtypes = [c_void_p, ctypes.POINTER(ctypes.POINTER(_LayerWeights)),
+                                                       c_int64, ctypes.POINTER(_LayerShape)]
+            lib.specdec_decoder_layers_f32.restype = ctypes.c_int
         _lib = lib
     return _lib
 
@@ -125,6 +129,36 @@ def decoder_layer(layer, x: torch.Tensor, fused, layer_idx: int) -> torch.Tensor
         shape = fused.layer_shape = make(fused, out.shape[1], out.shape[2], layer.n_heads, layer.n_kv,
                                          layer.head_dim, layer.input_norm.eps)
     if _lib.specdec_decoder_layer_f32(out.data_ptr(), ctypes.byref(weights), ctypes.byref(shape)) != 0:
+        raise MemoryError("decoder layer kernel: out of memory for its buffers")
+    return out
+
+
+def decoder_layers(layers, layer_ids, x: torch.Tensor, fused) -> torch.Tensor | None:
+    """layers[i](x) for every i of layer_ids in turn, in ONE call to layer.c (bitwise the per-layer
+    path, which costs a Python round trip per layer); None if layer.c does not apply to one of them."""
+    paged = type(fused) is PagedAttention
+    if (not (paged or type(fused) is FusedAttention) or torch.is_grad_enabled() or _load() is None
+            or (paged and x.shape[0] * x.shape[1] > MAX_ROWS)):
+        return None
+    descs = [_layer_weights(layers[i]) for i in layer_ids]
+    if not descs or any(d is None for d in descs):
+        return None
+    k, v = (fused.cache.pool.k, fused.cache.pool.v) if paged else (fused.cache.k, fused.cache.v)
+    for i, d in zip(layer_ids, descs):  # this layer's [num_slots, Hkv, D] pool or [Hkv, max_len, D] cache
+        d.k_cache = k.data_ptr() + i * k.stride(0) * k.element_size()
+        d.v_cache = v.data_ptr() + i * v.stride(0) * v.element_size()
+    key = tuple(map(id, descs))
+    stack = getattr(layers, "_fused_stack", None)
+    if stack is None or stack[0] != key:
+        stack = layers._fused_stack = (key, (ctypes.POINTER(_LayerWeights) * len(descs))(*map(ctypes.pointer, descs)))
+    out = x.contiguous().clone()  # [B, T, H], updated in place
+    first = layers[layer_ids[0]]
+    shape = getattr(fused, "layer_shape", None)
+    if shape is None:
+        make = _paged_shape if paged else _layer_shape
+        shape = fused.layer_shape = make(fused, out.shape[1], out.shape[2], first.n_heads, first.n_kv,
+                                         first.head_dim, first.input_norm.eps)
+    if _lib.specdec_decoder_layers_f32(out.data_ptr(), stack[1], len(descs), ctypes.byref(shape)) != 0:
         raise MemoryError("decoder layer kernel: out of memory for its buffers")
     return out
 

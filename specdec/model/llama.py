@@ -18,7 +18,7 @@ from specdec.cache.kv_cache import KVCache
 from specdec.config import ModelConfig
 from specdec.kernels import linear, silu_mul
 from specdec.kernels.attention import FusedAttention, fused_attention
-from specdec.kernels.layer import decoder_layer
+from specdec.kernels.layer import decoder_layer, decoder_layers
 from specdec.model.layers import RMSNorm, Rotary, apply_rotary
 
 
@@ -117,9 +117,13 @@ class LlamaModel(torch.nn.Module):
             mask = None if prompt else cache.attention_mask(block_mask, T)  # paged caches make their own
         else:
             cos = sin = mask = None
-        layer_ids = range(len(self.layers)) if layers is None else layers
+        layer_ids = list(range(len(self.layers)) if layers is None else layers)
         kept = {} if output_layers else None
-        for i in layer_ids:
+        # every layer in one C call where layer.c applies to all of them (no hidden states to keep)
+        stacked = None if fused is None or kept is not None else decoder_layers(self.layers, layer_ids, x, fused)
+        if stacked is not None:
+            x = stacked
+        for i in layer_ids if stacked is None else ():
             x = self.layers[i](x, cos, sin, cache, i, mask, fused)
             if kept is not None and i in output_layers:
                 kept[i] = x
