@@ -122,3 +122,24 @@ def test_fused_layer_on_the_paged_batch_is_bitwise_the_per_op_path(tiny_dir, mon
     assert len(calls) == len(model.layers) and all(calls)  # the batch of 3 x 5 rows ran fused
     assert torch.equal(got, want)
     assert torch.equal(got_pool.k, want_pool.k) and torch.equal(got_pool.v, want_pool.v)
+
+
+def test_stacked_segments_keep_the_requested_hidden_states(tiny_dir, monkeypatch):
+    """With output_layers (EAGLE-3's features) the stack runs in segments cut after those layers: the
+    kept hidden states and the logits are bitwise the per-op path's."""
+    model = load_model(tiny_dir("llama"), torch.float32)
+    ids = torch.randint(0, 1000, (1, 24), generator=torch.Generator().manual_seed(3))
+    results = {}
+    for mode in ("per-op", "stack"):
+        calls = _count_fused_layers(monkeypatch, mode)
+        cache = model.new_cache(32)
+        model(ids[:, :20], torch.arange(20)[None], cache)
+        del calls[:]
+        out = model(ids[:, 20:24], torch.arange(20, 24)[None], cache, output_layers=(0, 2))
+        results[mode] = (out, calls)
+    (want, _), (got, calls) = results["per-op"], results["stack"]
+    assert calls == [True] * len(model.layers)  # every layer of the 4-token pass ran in layer.c
+    assert sorted(got.layer_hidden) == [0, 2]
+    for i in (0, 2):
+        assert torch.equal(got.layer_hidden[i], want.layer_hidden[i])
+    assert torch.equal(got.logits, want.logits)

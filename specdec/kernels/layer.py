@@ -147,10 +147,12 @@ def decoder_layers(layers, layer_ids, x: torch.Tensor, fused) -> torch.Tensor | 
     for i, d in zip(layer_ids, descs):  # this layer's [num_slots, Hkv, D] pool or [Hkv, max_len, D] cache
         d.k_cache = k.data_ptr() + i * k.stride(0) * k.element_size()
         d.v_cache = v.data_ptr() + i * v.stride(0) * v.element_size()
-    key = tuple(map(id, descs))
-    stack = getattr(layers, "_fused_stack", None)
-    if stack is None or stack[0] != key:
-        stack = layers._fused_stack = (key, (ctypes.POINTER(_LayerWeights) * len(descs))(*map(ctypes.pointer, descs)))
+    stacks = layers.__dict__.setdefault("_fused_stacks", {})  # the C arrays of pointers, by description ids
+    key = tuple(map(id, descs))  # the cached array holds its descriptions alive: an equal key is the same list
+    if key not in stacks:
+        if len(stacks) >= 16:  # weights moved, or many layer subsets: start afresh
+            stacks.clear()
+        stacks[key] = (ctypes.POINTER(_LayerWeights) * len(descs))(*map(ctypes.pointer, descs))
     out = x.contiguous().clone()  # [B, T, H], updated in place
     first = layers[layer_ids[0]]
     shape = getattr(fused, "layer_shape", None)
@@ -158,7 +160,7 @@ def decoder_layers(layers, layer_ids, x: torch.Tensor, fused) -> torch.Tensor | 
         make = _paged_shape if paged else _layer_shape
         shape = fused.layer_shape = make(fused, out.shape[1], out.shape[2], first.n_heads, first.n_kv,
                                          first.head_dim, first.input_norm.eps)
-    if _lib.specdec_decoder_layers_f32(out.data_ptr(), stack[1], len(descs), ctypes.byref(shape)) != 0:
+    if _lib.specdec_decoder_layers_f32(out.data_ptr(), stacks[key], len(descs), ctypes.byref(shape)) != 0:
         raise MemoryError("decoder layer kernel: out of memory for its buffers")
     return out
 
