@@ -48,9 +48,6 @@ def _load():
         _tried = True
         lib, _ = load_library(_DIR / "layer.c", tuple(_DIR / f for f in ("gemv.c", "qgemv.c", "attention.c")))
         if lib is not None:
-            lib.specdec_decoder_layer_f32.argtypes = [c_void_p, ctypes.POINTER(_LayerWeights),
-                                                      ctypes.POINTER(_LayerShape)]
-            lib.specdec_decoder_layer_f32.restype = ctypes.c_int
             lib.specdec_decoder_layers_f32.argtypes = [c_void_p, ctypes.POINTER(ctypes.POINTER(_LayerWeights)),
                                                        c_int64, ctypes.POINTER(_LayerShape)]
             lib.specdec_decoder_layers_f32.restype = ctypes.c_int
@@ -108,55 +105,39 @@ def _layer_weights(layer) -> _LayerWeights | None:
 def decoder_layer(layer, x: torch.Tensor, fused, layer_idx: int) -> torch.Tensor | None:
     """layer(x) for x [B, T, H] through layer.c, writing this layer's k/v; None if it does not apply.
     `fused` is the pass's FusedAttention (one sequence, static cache) or PagedAttention (paged batch)."""
-    paged = type(fused) is PagedAttention
-    if not (paged or type(fused) is FusedAttention) or torch.is_grad_enabled() or _load() is None:
-        return None
-    if paged and x.shape[0] * x.shape[1] > MAX_ROWS:
-        return None
-    weights = _layer_weights(layer)
-    if weights is None:
-        return None
-    if paged:
-        weights.k_cache = fused.cache.pool.k[layer_idx].data_ptr()  # [num_slots, Hkv, D]
-        weights.v_cache = fused.cache.pool.v[layer_idx].data_ptr()
-    else:
-        weights.k_cache = fused.cache.k[layer_idx, 0].data_ptr()  # [Hkv, max_len, D]
-        weights.v_cache = fused.cache.v[layer_idx, 0].data_ptr()
-    out = x.contiguous().clone()  # [B, T, H], updated in place by the kernel
-    shape = getattr(fused, "layer_shape", None)  # the same for every layer of the pass
-    if shape is None:
-        make = _paged_shape if paged else _layer_shape
-        shape = fused.layer_shape = make(fused, out.shape[1], out.shape[2], layer.n_heads, layer.n_kv,
-                                         layer.head_dim, layer.input_norm.eps)
-    if _lib.specdec_decoder_layer_f32(out.data_ptr(), ctypes.byref(weights), ctypes.byref(shape)) != 0:
-        raise MemoryError("decoder layer kernel: out of memory for its buffers")
-    return out
+    return _run([(layer_idx, layer)], x, fused, layer)
 
 
 def decoder_layers(layers, layer_ids, x: torch.Tensor, fused) -> torch.Tensor | None:
     """layers[i](x) for every i of layer_ids in turn, in ONE call to layer.c (bitwise the per-layer
     path, which costs a Python round trip per layer); None if layer.c does not apply to one of them."""
+    return _run([(i, layers[i]) for i in layer_ids], x, fused, layers)
+
+
+def _run(indexed: list, x: torch.Tensor, fused, owner) -> torch.Tensor | None:
+    """The (layer index, layer) pairs in turn through layer.c in one call; `owner` (the layer or the
+    model's layer list) keeps the C array of their descriptions between passes."""
     paged = type(fused) is PagedAttention
     if (not (paged or type(fused) is FusedAttention) or torch.is_grad_enabled() or _load() is None
             or (paged and x.shape[0] * x.shape[1] > MAX_ROWS)):
         return None
-    descs = [_layer_weights(layers[i]) for i in layer_ids]
+    descs = [_layer_weights(layer) for _, layer in indexed]
     if not descs or any(d is None for d in descs):
         return None
     k, v = (fused.cache.pool.k, fused.cache.pool.v) if paged else (fused.cache.k, fused.cache.v)
-    for i, d in zip(layer_ids, descs):  # this layer's [num_slots, Hkv, D] pool or [Hkv, max_len, D] cache
+    for (i, _), d in zip(indexed, descs):  # this layer's [num_slots, Hkv, D] pool or [Hkv, max_len, D] cache
         d.k_cache = k.data_ptr() + i * k.stride(0) * k.element_size()
         d.v_cache = v.data_ptr() + i * v.stride(0) * v.element_size()
-    stacks = layers.__dict__.setdefault("_fused_stacks", {})  # the C arrays of pointers, by description ids
+    stacks = owner.__dict__.setdefault("_fused_stacks", {})  # the C arrays of pointers, by description ids
     key = tuple(map(id, descs))  # the cached array holds its descriptions alive: an equal key is the same list
     if key not in stacks:
         if len(stacks) >= 16:  # weights moved, or many layer subsets: start afresh
             stacks.clear()
         stacks[key] = (ctypes.POINTER(_LayerWeights) * len(descs))(*map(ctypes.pointer, descs))
     out = x.contiguous().clone()  # [B, T, H], updated in place
-    first = layers[layer_ids[0]]
-    shape = getattr(fused, "layer_shape", None)
+    shape = getattr(fused, "layer_shape", None)  # the same for every layer of the pass
     if shape is None:
+        first = indexed[0][1]
         make = _paged_shape if paged else _layer_shape
         shape = fused.layer_shape = make(fused, out.shape[1], out.shape[2], first.n_heads, first.n_kv,
                                          first.head_dim, first.input_norm.eps)

@@ -135,8 +135,9 @@ class LlamaModel(torch.nn.Module):
             stacked = None if fused is None else decoder_layers(self.layers, segment, x, fused)
             if stacked is not None:
                 x = stacked
-            for i in segment if stacked is None else ():
-                x = self.layers[i](x, cos, sin, cache, i, mask, fused)
+            else:
+                for i in segment:
+                    x = self.layers[i](x, cos, sin, cache, i, mask, fused)
             if kept is not None and segment[-1] in output_layers:
                 kept[segment[-1]] = x
         cache.advance(T)
