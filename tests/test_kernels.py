@@ -12,18 +12,20 @@ def _need_kernel():
         pytest.skip(f"kernel unavailable: {kernels.kernel_status()}")
 
 
-@pytest.mark.parametrize("T,K,N", [(1, 576, 960), (3, 576, 1537), (8, 1536, 576), (17, 100, 33)])
+@pytest.mark.parametrize("T,K,N", [(1, 576, 960), (3, 576, 1537), (8, 1536, 576), (17, 100, 33), (26, 1536, 577)])
 def test_linear_matches_torch(T, K, N):
     torch.manual_seed(0)
     x, w, b = torch.randn(T, K), torch.randn(N, K), torch.randn(N)
     torch.testing.assert_close(kernels.linear(x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("T", [2, 5, 7, 9, 14, 32])
-def test_linear_is_batch_invariant(T):
-    """Every tiling of T rows (near-equal tiles of at most 7) gives each row the single-row bits."""
+@pytest.mark.parametrize("T,K", [(2, 576), (5, 576), (7, 576), (9, 576), (12, 576), (13, 576), (14, 100),
+                                 (20, 1536), (32, 576), (31, 104)])
+def test_linear_is_batch_invariant(T, K):
+    """Every tiling of T rows gives each row the single-row bits: near-equal tiles of at most 7 rows
+    below 13, the blocked 2 x 3 tiles (wide_block) from 13 on; K = 100, 104 leave scalar tails."""
     torch.manual_seed(0)
-    x, w = torch.randn(T, 576), torch.randn(301, 576)  # 301: a last single-token tile of one row
+    x, w = torch.randn(T, K), torch.randn(301, K)  # 301: a last single-token tile of one row, a 13-row block
     block = kernels.linear(x, w)
     rows = torch.cat([kernels.linear(x[i:i + 1], w) for i in range(T)])
     assert torch.equal(block, rows)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import specdec.model.llama as llama
+from specdec.kernels import MAX_ROWS
 from specdec.kernels import layer as fused_layer
 from specdec.model.loader import load_model
 from specdec.quant.qmodel import quantize_model
@@ -42,17 +43,18 @@ def _count_fused_layers(monkeypatch, mode: str) -> list[bool]:
 
 
 def _run(model, ids, monkeypatch, mode: str):
-    """Prefill 36 tokens (> 32: the per-op path), 3 single-token steps, a causal block of 4 and a tree
-    of 7: all logits and the cache."""
+    """Prefill P = MAX_ROWS + 4 tokens (the per-op path), 3 single-token steps, a causal block of 4 and
+    a tree of 7: all logits and the cache."""
     calls = _count_fused_layers(monkeypatch, mode)
-    cache = model.new_cache(64)
-    outs = [model(ids[:, :36], torch.arange(36)[None], cache).logits]
-    for i in range(36, 39):
+    P = MAX_ROWS + 4
+    cache = model.new_cache(P + 20)
+    outs = [model(ids[:, :P], torch.arange(P)[None], cache).logits]
+    for i in range(P, P + 3):
         outs.append(model(ids[:, i:i + 1], torch.tensor([[i]]), cache).logits)
-    outs.append(model(ids[:, 39:43], torch.arange(39, 43)[None], cache).logits)
+    outs.append(model(ids[:, P + 3:P + 7], torch.arange(P + 3, P + 7)[None], cache).logits)
     parents = [(i - 1) // 2 - 1 for i in range(1, 7)]  # a binary tree of 7 rows (row 0 the root)
     mask, depth = tree_mask(parents), tree_positions(parents).tolist()
-    outs.append(model(ids[:, 43:50], torch.tensor([[43 + d for d in depth]]), cache, block_mask=mask).logits)
+    outs.append(model(ids[:, P + 7:P + 14], torch.tensor([[P + 7 + d for d in depth]]), cache, block_mask=mask).logits)
     return outs, cache, calls
 
 
@@ -64,7 +66,7 @@ def test_fused_layer_is_bitwise_the_per_op_path(tiny_dir, monkeypatch, arch, sch
     model = load_model(tiny_dir(arch), torch.float32)
     if scheme is not None:
         model = quantize_model(model, scheme)
-    ids = torch.randint(0, 1000, (1, 50), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 1000, (1, MAX_ROWS + 14), generator=torch.Generator().manual_seed(0))
     want, want_cache, _ = _run(model, ids, monkeypatch, "per-op")
     got, got_cache, calls = _run(model, ids, monkeypatch, mode)
     n_layers = len(model.layers)
@@ -90,7 +92,7 @@ def test_fused_layer_redescribes_moved_weights(tiny_dir):
 
 
 def _run_paged(model, monkeypatch, mode: str):
-    """Three sequences prefilled alone (per-op: > 32 rows), then one left-padded batch of 1, 3 and 5
+    """Three sequences prefilled alone, then one left-padded batch of 1, 3 and 5
     new tokens (a chain, a chain, a tree of 5) over the paged pool: the batch's logits and the pool."""
     from specdec.cache.paged_cache import BatchKV, PagedKVPool
     calls = _count_fused_layers(monkeypatch, mode)

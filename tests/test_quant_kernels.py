@@ -134,7 +134,7 @@ def test_dequantize_kernel_equals_reference_and_prefill_path(need_kernel):
         assert torch.equal(qw.dequantize(), dequantize(qw.packed))  # q * s is exact in fp32
         x = torch.randn(1, CHUNKED_ROWS + 1, 160)  # a long prefill: dequantize + BLAS
         torch.testing.assert_close(kernels.linear(x, qw), reference(x, qw).float(), atol=1e-4, rtol=1e-4)
-        # 40 rows > MAX_ROWS: the kernel, 32 rows at a time, row for row what it gives alone
+        # 40 rows > QGEMV_ROWS: the kernel, 32 rows at a time, row for row what it gives alone
         x = x[:, :40]
         rows = torch.cat([kernels.linear(x[:, i], qw) for i in range(40)])
         assert torch.equal(kernels.linear(x, qw)[0], rows)

@@ -1,7 +1,7 @@
 /* Decode-shaped attention for one sequence in a static KV cache, fp32: rotary embedding, the KV
  * write and attention over the cached prefix plus T new tokens, in one call per layer.
  *
- * For T <= 32 new tokens the work is small and a chain of ~25 torch ops per layer (split, views,
+ * For T <= 64 new tokens (MAX_ROWS) the work is small and a chain of ~25 torch ops per layer (split, views,
  * rotary, cache slices, SDPA, transposes) costs more in dispatch than in arithmetic; here it is
  * one loop nest. The queries that read the same kv head (its group of query heads, at every new
  * token) share each key and value load, two at a time, over key blocks that stay in L1; yet every

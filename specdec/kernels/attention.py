@@ -18,6 +18,7 @@ from specdec.cache.paged_cache import BatchKV
 from specdec.kernels import MAX_ROWS, load_library
 
 _SRC = Path(__file__).with_name("attention.c")
+PAGED_ROWS = 128  # a paged pass wider than this (B x T, padding included) runs torch's SDPA
 _lib = None
 _tried = False
 
@@ -95,7 +96,7 @@ class PagedAttention:
     @classmethod
     def build(cls, rotary, positions: torch.Tensor, cache, x: torch.Tensor) -> "PagedAttention | None":
         B, T = positions.shape
-        if (type(cache) is not BatchKV or B * T > 4 * MAX_ROWS
+        if (type(cache) is not BatchKV or B * T > PAGED_ROWS
                 or not _kernel_applies(rotary, positions, x, cache.pool.k.dtype)):
             return None
         return cls(rotary.cos, rotary.sin, positions, cache)

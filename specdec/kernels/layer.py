@@ -1,9 +1,10 @@
 """A whole decoder layer (decoder_layer), or a model's whole stack of layers (decoder_layers), in one C
 call (layer.c) for decode-shaped passes; None where it does not apply.
 
-Applies where the fused attention does (fp32, no q/k norm; one sequence in a static cache with <= 32
-new tokens, or the serving engine's paged batch with <= 32 rows in all: B x T, padding included,
-which is where the per-op path's linears run the same kernels) and every projection is an fp32 matrix or a packed int8/int4 weight on the CPU. The
+Applies where the fused attention does (fp32, no q/k norm; one sequence in a static cache with <= MAX_ROWS
+(64) new tokens, or the serving engine's paged batch with <= MAX_ROWS rows in all: B x T, padding
+included, which is where the per-op path's linears run the same kernels) and every projection is an
+fp32 matrix or a packed int8/int4 weight on the CPU. The
 result is bitwise the one of the per-op path (same kernels, same order), so callers fall back to
 that path freely. The layer's pointers are described once and re-described only when a weight moves.
 """

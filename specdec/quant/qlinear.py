@@ -3,8 +3,8 @@ the QLinear / QEmbedding modules that hold one.
 
 The model code is unchanged: it calls `linear(x, self.qkv.weight, self.qkv.bias)`, and when
 `self.qkv` is a QLinear its `weight` is a QuantizedWeight, which runs itself:
-    rows <= MAX_ROWS, fp32, CPU  -> qgemv.c (AVX2/OpenMP, batch-invariant; decode and verify)
-    rows <= CHUNKED_ROWS          -> qgemv.c on MAX_ROWS rows at a time (a drafter's catch-up, short prompts)
+    rows <= QGEMV_ROWS, fp32, CPU -> qgemv.c (AVX2/OpenMP, batch-invariant; decode and verify)
+    rows <= CHUNKED_ROWS          -> qgemv.c on QGEMV_ROWS rows at a time (a drafter's catch-up, short prompts)
     otherwise (prefill, GPU, bf16) -> dequantize to the activation dtype, then F.linear (BLAS)
 """
 from __future__ import annotations
@@ -19,10 +19,11 @@ from specdec import kernels
 from specdec.quant.schemes import Packed, dequantize
 
 _SRC = Path(kernels.__file__).with_name("qgemv.c")
-# Up to this many rows the kernel, streaming the packed weight once per MAX_ROWS rows, beats writing a
-# full-precision copy of it first (int4 3072 x 576, 1 thread, AMD EPYC: 40 rows 7.7 vs 11.9 ms,
+QGEMV_ROWS = 32  # rows per qgemv.c call here (layer.c calls it with up to kernels.MAX_ROWS rows)
+# Up to this many rows the kernel, streaming the packed weight once per QGEMV_ROWS rows, beats writing
+# a full-precision copy of it first (int4 3072 x 576, 1 thread, AMD EPYC: 40 rows 7.7 vs 11.9 ms,
 # 64 rows 7.2 vs 10.8 ms, 128 rows 20.6 vs 17.7 ms): a drafter's catch-up after a few plain steps.
-CHUNKED_ROWS = 3 * kernels.MAX_ROWS
+CHUNKED_ROWS = 3 * QGEMV_ROWS
 _lib = None
 _load_error: str | None = None
 
@@ -99,8 +100,8 @@ class QuantizedWeight(torch.nn.Module):
         y = torch.empty(*x.shape[:-1], self.out_features, dtype=torch.float32)
         fn = lib.specdec_qlinear_i4 if self.bits == 4 else lib.specdec_qlinear_i8
         x2, y2 = x.view(rows, -1), y.view(rows, -1)
-        for r0 in range(0, rows, kernels.MAX_ROWS):  # each row's result is independent of the others
-            n = min(kernels.MAX_ROWS, rows - r0)
+        for r0 in range(0, rows, QGEMV_ROWS):  # each row's result is independent of the others
+            n = min(QGEMV_ROWS, rows - r0)
             if fn(x2[r0].data_ptr(), self.qweight.data_ptr(), self.scales.data_ptr(), _ptr(self.zeros), _ptr(bias),
                   y2[r0].data_ptr(), n, self.in_features, self.out_features, self.group_size) != 0:
                 raise MemoryError("quantized matmul kernel: out of memory for the quantized activations")
