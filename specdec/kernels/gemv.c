@@ -42,8 +42,11 @@ static inline float hsum256(__m256 s) {
 #define ROWS_T1 6 /* weight rows per tile when T == 1: independent FMA chains, parallel streams (6: 2-4% faster than 4, measured) */
 #endif
 
-static inline __attribute__((always_inline)) void tile(const float *W, const float *x, float *y,
-                                                       const int nr, const int nt, int64_t K, int64_t N) {
+/* pin: keep the loaded inputs and weight vector in registers (an empty asm stops the compiler folding
+ * them into a memory operand of every FMA, which re-loads an input once per weight row); for tiles
+ * where nr * nt * ACC + nt + 1 <= 16 registers. */
+static inline __attribute__((always_inline)) void tile(const float *W, const float *x, float *y, const int nr,
+                                                       const int nt, int64_t K, int64_t N, const int pin) {
     int64_t k = 0;
     float out[ROWS_T1][MAX_TILE_T];
 #ifdef __AVX2__
@@ -54,9 +57,13 @@ static inline __attribute__((always_inline)) void tile(const float *W, const flo
     for (; k + 8 * ACC <= K; k += 8 * ACC)
         for (int a = 0; a < ACC; a++) {
             __m256 xv[MAX_TILE_T];
-            for (int t = 0; t < nt; t++) xv[t] = _mm256_loadu_ps(x + t * K + k + 8 * a);
+            for (int t = 0; t < nt; t++) {
+                xv[t] = _mm256_loadu_ps(x + t * K + k + 8 * a);
+                if (pin) __asm__("" : "+x"(xv[t]));
+            }
             for (int r = 0; r < nr; r++) {
                 __m256 wv = _mm256_loadu_ps(W + r * K + k + 8 * a);
+                if (pin) __asm__("" : "+x"(wv));
                 for (int t = 0; t < nt; t++) acc[r][t][a] = _mm256_fmadd_ps(wv, xv[t], acc[r][t][a]);
             }
         }
@@ -92,13 +99,13 @@ static inline void row_tiles(const float *w, const float *x, float *y, int64_t T
         float *yt = y + t0 * N;
         nt = (T - t0) / (ntiles - i);
         switch (nt) {
-            case 7: tile(w, xt, yt, 1, 7, K, N); break;
-            case 6: tile(w, xt, yt, 1, 6, K, N); break;
-            case 5: tile(w, xt, yt, 1, 5, K, N); break;
-            case 4: tile(w, xt, yt, 1, 4, K, N); break;
-            case 3: tile(w, xt, yt, 1, 3, K, N); break;
-            case 2: tile(w, xt, yt, 1, 2, K, N); break;
-            default: tile(w, xt, yt, 1, 1, K, N);
+            case 7: tile(w, xt, yt, 1, 7, K, N, 0); break;
+            case 6: tile(w, xt, yt, 1, 6, K, N, 0); break;
+            case 5: tile(w, xt, yt, 1, 5, K, N, 0); break;
+            case 4: tile(w, xt, yt, 1, 4, K, N, 0); break;
+            case 3: tile(w, xt, yt, 1, 3, K, N, 0); break;
+            case 2: tile(w, xt, yt, 1, 2, K, N, 0); break;
+            default: tile(w, xt, yt, 1, 1, K, N, 0);
         }
     }
 }
@@ -110,46 +117,12 @@ static inline void row_tiles(const float *w, const float *x, float *y, int64_t T
 #define WIDE_TILE_T 3 /* input rows per wide tile: 2 x 3 x ACC accumulators + 3 inputs + 1 weight = 16 registers */
 #define BLOCK_ROWS 48 /* weight rows (<= 288 KB) that stay in L2 while every input tile passes over them */
 
-#ifdef __AVX2__
-/* tile()'s sums bit for bit (same accumulators, same order), with the input rows and the weight
- * vector pinned in registers (the empty asm stops the compiler folding them into memory operands of
- * every FMA): 5 loads feed 6 FMAs where tile() needs 8, so the compute-bound case runs near the FMA
- * ports' rate. */
-static inline __attribute__((always_inline)) void wide_tile(const float *W, const float *x, float *y,
-                                                            const int nr, const int nt, int64_t K, int64_t N) {
-    __m256 acc[WIDE_ROWS][WIDE_TILE_T][ACC];
-    int64_t k = 0;
-    for (int r = 0; r < nr; r++)
-        for (int t = 0; t < nt; t++)
-            for (int a = 0; a < ACC; a++) acc[r][t][a] = _mm256_setzero_ps();
-    for (; k + 8 * ACC <= K; k += 8 * ACC)
-        for (int a = 0; a < ACC; a++) {
-            __m256 xv[WIDE_TILE_T];
-            for (int t = 0; t < nt; t++) {
-                xv[t] = _mm256_loadu_ps(x + t * K + k + 8 * a);
-                __asm__("" : "+x"(xv[t]));
-            }
-            for (int r = 0; r < nr; r++) {
-                __m256 wv = _mm256_loadu_ps(W + r * K + k + 8 * a);
-                __asm__("" : "+x"(wv));
-                for (int t = 0; t < nt; t++) acc[r][t][a] = _mm256_fmadd_ps(wv, xv[t], acc[r][t][a]);
-            }
-        }
-    for (int r = 0; r < nr; r++)
-        for (int t = 0; t < nt; t++) {
-            __m256 s = acc[r][t][0];
-            for (int a = 1; a < ACC; a++) s = _mm256_add_ps(s, acc[r][t][a]);
-            float v = hsum256(s);
-            for (int64_t j = k; j < K; j++) v += W[r * K + j] * x[t * K + j];
-            y[t * N + r] = v;
-        }
-}
-
-/* One function per tile shape, each compiled on its own: inlined together, the compiler spilled an
- * accumulator of the 2 x 3 tile to the stack (-20% measured). */
+/* The wide tiles: tile()'s sums (bit for bit a single-row pass's) with pinned registers, 5 loads per
+ * 6 FMAs in the 2 x 3 tile instead of 8. One function per shape, each compiled on its own: inlined
+ * together, the compiler spilled an accumulator of the 2 x 3 tile to the stack (-20% measured). */
 #define WIDE_SHAPE(r, t) \
     static __attribute__((noinline)) void wide_##r##x##t(const float *W, const float *x, float *y, int64_t K, int64_t N) \
-    { wide_tile(W, x, y, r, t, K, N); }
+    { tile(W, x, y, r, t, K, N, 1); }
 WIDE_SHAPE(1, 1) WIDE_SHAPE(1, 2) WIDE_SHAPE(1, 3) WIDE_SHAPE(2, 1) WIDE_SHAPE(2, 2) WIDE_SHAPE(2, 3)
 typedef void (*wide_fn)(const float *, const float *, float *, int64_t, int64_t);
 static const wide_fn wide_shapes[WIDE_ROWS][WIDE_TILE_T] = {{wide_1x1, wide_1x2, wide_1x3}, {wide_2x1, wide_2x2, wide_2x3}};
@@ -166,7 +139,6 @@ static void wide_block(const float *W, const float *x, float *y, int64_t T, int6
         }
     }
 }
-#endif
 
 /* x: [T, K], W: [N, K] row-major, bias: [N] or NULL, y: [T, N]. */
 void specdec_linear_f32(const float *x, const float *W, const float *bias, float *y,
@@ -175,13 +147,12 @@ void specdec_linear_f32(const float *x, const float *W, const float *bias, float
         #pragma omp parallel for schedule(static)
         for (int64_t n0 = 0; n0 < N; n0 += ROWS_T1) {
             int64_t nr = N - n0 < ROWS_T1 ? N - n0 : ROWS_T1;
-            if (nr == ROWS_T1) tile(W + n0 * K, x, y + n0, ROWS_T1, 1, K, N);
-            else for (int64_t r = 0; r < nr; r++) tile(W + (n0 + r) * K, x, y + n0 + r, 1, 1, K, N);
+            if (nr == ROWS_T1) tile(W + n0 * K, x, y + n0, ROWS_T1, 1, K, N, 0);
+            else for (int64_t r = 0; r < nr; r++) tile(W + (n0 + r) * K, x, y + n0 + r, 1, 1, K, N, 0);
             if (bias) add_bias(y, bias, 1, N, n0, nr);
         }
         return;
     }
-#ifdef __AVX2__
     if (T >= WIDE_T) { /* compute-bound: weights from L2, inputs from L1, loads shared by more FMAs */
         #pragma omp parallel for schedule(static)
         for (int64_t n0 = 0; n0 < N; n0 += BLOCK_ROWS) {
@@ -191,7 +162,6 @@ void specdec_linear_f32(const float *x, const float *W, const float *bias, float
         }
         return;
     }
-#endif
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         row_tiles(W + n * K, x, y + n, T, K, N);

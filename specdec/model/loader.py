@@ -125,7 +125,8 @@ def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
     return table[dtype]
 
 
-def _read_hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
+def read_safetensors_dir(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a directory's *.safetensors files (never pickles); a ConfigError names a bad file."""
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         bins = list(directory.glob("*.bin"))
@@ -163,7 +164,7 @@ def load_model(directory: Path, dtype: torch.dtype = torch.float32, max_len: int
     with torch.device("meta"):
         model = arch.model_cls(cfg, max_len)
     try:
-        sd = arch.from_hf(_read_hf_tensors(directory), cfg)
+        sd = arch.from_hf(read_safetensors_dir(directory), cfg)
     except KeyError as e:
         raise ConfigError(f"{directory}: weights missing tensor {e}") from None
     model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=False, assign=True)

@@ -17,12 +17,12 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from specdec.config import ConfigError
 from specdec.model.layers import Rotary
 from specdec.model.llama import LlamaModel
+from specdec.model.loader import read_safetensors_dir
 from specdec.quant.qlinear import QEmbedding, QLinear, QuantizedWeight
 from specdec.quant.schemes import Packed, QuantScheme
 
@@ -123,21 +123,6 @@ def save_quantized(model: LlamaModel, src: Path, out: Path, scheme: QuantScheme,
     return out
 
 
-def _read_tensors(directory: Path) -> dict[str, torch.Tensor]:
-    files = sorted(Path(directory).glob("*.safetensors"))
-    if not files:
-        raise ConfigError(f"{directory}: no *.safetensors weights")
-    tensors = {}
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt") as fh:
-                for k in fh.keys():
-                    tensors[k] = fh.get_tensor(k)
-        except Exception as e:  # safetensors raises SafetensorError and others on corrupt files
-            raise ConfigError(f"corrupt weights file {f}: {e}") from None
-    return tensors
-
-
 def _scheme(d: dict | None, what: str) -> QuantScheme | None:
     if d is None:
         return None
@@ -174,7 +159,7 @@ def load_quantized(directory: Path, dtype: torch.dtype = torch.float32, max_len:
                           f"{qc.get('format_version')}) is not one specdec reads; make it with `specdec quantize`")
     body, head = _scheme(qc, "layers"), _scheme(qc.get("lm_head"), "lm_head")
     max_len = min(max_len or min(cfg.max_position_embeddings, 8192), cfg.max_position_embeddings)
-    t = _read_tensors(directory)
+    t = read_safetensors_dir(Path(directory))
     with torch.device("meta"):
         model = LlamaModel(cfg, max_len)
     sd: dict[str, torch.Tensor] = {"norm.weight": t.get("model.norm.weight")}

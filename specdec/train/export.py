@@ -143,7 +143,7 @@ def serve_command(fmt: str, kind: str, target: str, head: str, k: int, num_steps
 
 
 def _target_lm_head(target_dir: Path) -> torch.Tensor:
-    from specdec.model.loader import _read_hf_tensors
+    from specdec.model.loader import read_safetensors_dir
 
-    t = _read_hf_tensors(target_dir)
+    t = read_safetensors_dir(target_dir)
     return t.get("lm_head.weight", t["model.embed_tokens.weight"])
