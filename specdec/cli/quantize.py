@@ -1,9 +1,10 @@
-"""`specdec quantize`: write an int8/int4 weight-only copy of a model (RTN or AWQ) as a directory
-that every other command loads like any model.
+"""`specdec quantize`: write an int8/int4 weight-only copy of a model (RTN or AWQ), or an FP8 (e4m3)
+one for GPUs, as a directory that every other command loads like any model.
 
     specdec quantize smollm2-135m --scheme int8 --out ./smollm2-int8              (group size 128)
     specdec quantize smollm2-135m --scheme int4 --out ./smollm2-int4              (group size 32)
     specdec quantize smollm2-135m --scheme int4 --method awq --group-size 128 --out ./smollm2-int4-awq
+    specdec quantize smollm2-135m --scheme fp8 --lm-head fp8 --out ./smollm2-fp8  (torch._scaled_mm)
     specdec generate ./smollm2-int4-awq --prompt "Hello"
 """
 from __future__ import annotations
@@ -19,16 +20,18 @@ from specdec.config import ConfigError
 
 
 def register(sub) -> None:
-    p = sub.add_parser("quantize", help="write an int8/int4 (RTN or AWQ) copy of a model")
+    p = sub.add_parser("quantize", help="write an int8/int4 (RTN or AWQ) or fp8 copy of a model")
     p.add_argument("model", help="alias (smollm2-135m), HF directory, .gguf file or hub id in the local cache")
-    p.add_argument("--scheme", choices=("int8", "int4"), default="int4")
+    p.add_argument("--scheme", choices=("int8", "int4", "fp8"), default="int4",
+                   help="int8/int4: group-wise, fast on CPUs (qgemv.c); fp8: e4m3 with per-channel scales, "
+                        "for GPUs (torch._scaled_mm; exact but slow on a CPU)")
     p.add_argument("--method", choices=("rtn", "awq"), default="rtn",
                    help="rtn: round to nearest; awq: activation-aware scales searched on calibration text")
     p.add_argument("--group-size", type=int, default=None,
                    help="weights per scale along the input dim, a multiple of 32 (default: int8 128, int4 32)")
     p.add_argument("--symmetric", action=argparse.BooleanOptionalAction, default=None,
                    help="zero-point-free groups (default: int8 symmetric, int4 asymmetric)")
-    p.add_argument("--lm-head", choices=("int8", "int4", "none"), default="int8",
+    p.add_argument("--lm-head", choices=("int8", "int4", "fp8", "none"), default="int8",
                    help="scheme of the lm_head and a tied embedding (none: keep full precision)")
     p.add_argument("--lm-head-group-size", type=int, default=32)
     p.add_argument("--out", required=True, help="output directory")
@@ -43,14 +46,15 @@ def run(args) -> int:
     from specdec.model.loader import load_model, read_config, resolve_model
     from specdec.model.tokenizer import Tokenizer
     from specdec.quant.io import is_quantized, require_llama_layout, save_quantized
-    from specdec.quant.qmodel import quantize_model, weight_bytes
-    from specdec.quant.schemes import QuantScheme
+    from specdec.quant.qmodel import quantize_model, scheme_named, weight_bytes
 
     if args.threads:
         torch.set_num_threads(args.threads)
     group = args.group_size or (128 if args.scheme == "int8" else 32)
-    scheme = QuantScheme.named(args.scheme, group, args.symmetric)
-    head = None if args.lm_head == "none" else QuantScheme.named(args.lm_head, args.lm_head_group_size)
+    scheme = scheme_named(args.scheme, group, args.symmetric)
+    head = None if args.lm_head == "none" else scheme_named(args.lm_head, args.lm_head_group_size)
+    if args.scheme == "fp8" and args.method == "awq":
+        raise ConfigError("--method awq searches int8/int4 group scales; fp8 takes --method rtn")
     if args.calib_tokens < 16:
         raise ConfigError("--calib-tokens must be at least 16")
     source = resolve_model(args.model)

@@ -105,7 +105,7 @@ def kernel_status() -> str:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if not isinstance(weight, torch.Tensor):  # a packed weight (specdec.quant.QuantizedWeight) runs itself
+    if not isinstance(weight, torch.Tensor):  # a packed weight (specdec.quant: QuantizedWeight, Fp8Weight) runs itself
         return weight.linear(x, bias)
     rows = x.numel() // x.shape[-1]
     if (x.dtype is not torch.float32 or weight.dtype is not torch.float32 or x.device.type != "cpu"

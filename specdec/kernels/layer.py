@@ -70,8 +70,8 @@ def _describe(weight, bias: torch.Tensor | None) -> _Linear | None:
             return None
         N, K = weight.shape
         return _Linear(LIN_F32, weight.data_ptr(), None, None, b, N, K, 0)
-    q = getattr(weight, "qweight", None)  # a packed specdec.quant.QuantizedWeight
-    if q is None or q.device.type != "cpu" or weight.bits not in (4, 8):
+    q = getattr(weight, "qweight", None)  # a packed specdec.quant.QuantizedWeight (int8/int4, not fp8)
+    if q is None or q.device.type != "cpu" or getattr(weight, "bits", None) not in (4, 8):
         return None
     zeros = None if weight.zeros is None else weight.zeros.data_ptr()
     return _Linear(LIN_I4 if weight.bits == 4 else LIN_I8, q.data_ptr(), weight.scales.data_ptr(), zeros, b,

@@ -6,8 +6,9 @@ and the copy reads ~6x fewer weight bytes per token than fp32 (no training, no s
     LLM(..., speculative_config={"method": "qdraft", "extra": {"scheme": "int8", "group_size": 64}})
     LLM(..., speculative_config={"method": "qdraft", "model": "./smollm2-int4-awq"})  # from `specdec quantize`
 
-Without `model`, the copy is made at start-up with RTN (extra: scheme int4|int8, group_size,
-lm_head int8|int4|none); it shares the target's norms, rotary tables and embedding table.
+Without `model`, the copy is made at start-up with RTN (extra: scheme int4|int8|fp8, group_size,
+lm_head int8|int4|fp8|none); it shares the target's norms, rotary tables and embedding table. fp8
+(e4m3 through torch._scaled_mm, specdec/quant/fp8.py) is for GPUs: on a CPU it is exact but slow.
 
 Per request (state.draft):
     cache     the drafter's KV cache; invariant: it holds exactly token_ids[:cache.length]
@@ -48,8 +49,7 @@ DEFAULTS = {"scheme": "int4", "group_size": 32, "lm_head": "int8"}
 
 def build_drafter(ctx):
     """The quantized copy of ctx.target (or the quantized model ctx.config.model)."""
-    from specdec.quant.qmodel import quantized_copy
-    from specdec.quant.schemes import QuantScheme
+    from specdec.quant.qmodel import quantized_copy, scheme_named
 
     cfg = ctx.config
     unknown = sorted(set(cfg.extra) - set(DEFAULTS))
@@ -63,8 +63,8 @@ def build_drafter(ctx):
             raise ConfigError(f"qdraft model {cfg.model!r} has a different vocabulary than the target")
         return model
     opts = {**DEFAULTS, **cfg.extra}
-    scheme = QuantScheme.named(str(opts["scheme"]), int(opts["group_size"]))
-    head = None if opts["lm_head"] == "none" else QuantScheme.named(str(opts["lm_head"]), 32)
+    scheme = scheme_named(str(opts["scheme"]), int(opts["group_size"]))
+    head = None if opts["lm_head"] == "none" else scheme_named(str(opts["lm_head"]), 32)
     return quantized_copy(ctx.target, scheme, head)
 
 

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from specdec.kernels import MAX_ROWS
 from specdec.model.loader import load_model, resolve_model
 from specdec.model.tokenizer import Tokenizer
-from specdec.quant.qmodel import describe, quantize_model, weight_bytes
+from specdec.quant.fp8 import Fp8Scheme
+from specdec.quant.qmodel import describe, quantize_model, scheme_named, weight_bytes
 from specdec.quant.schemes import QuantScheme
 from specdec.sampling_params import SamplingParams
 from specdec.spec.decoder import SpeculativeDecoder
@@ -40,16 +41,16 @@ CHAT = ["What is the capital of France? Answer in one sentence.",
 @dataclass
 class Variant:
     name: str  # e.g. "int4-g128 awq"
-    scheme: QuantScheme | None  # None: fp32
+    scheme: QuantScheme | Fp8Scheme | None  # None: fp32
     method: str = "rtn"
 
 
 def parse_variants(spec: str) -> list[Variant]:
-    """'int8-g128,int4-g128-awq' -> variants (fp32 always first)."""
+    """'int8-g128,int4-g128-awq,fp8' -> variants (fp32 always first)."""
     out = [Variant("fp32", None)]
     for item in filter(None, (s.strip() for s in spec.split(","))):
         parts = item.split("-")
-        scheme = QuantScheme.named(parts[0], int(parts[1][1:]) if len(parts) > 1 else 128)
+        scheme = scheme_named(parts[0], int(parts[1][1:]) if len(parts) > 1 and parts[1][:1] == "g" else 128)
         method = "awq" if "awq" in parts[2:] else "rtn"
         out.append(Variant(f"{scheme.name} {method}", scheme, method))
     return out

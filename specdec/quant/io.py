@@ -5,11 +5,15 @@ Tensor names are HF's, with each quantized projection stored as three tensors:
     model.layers.0.self_attn.q_proj.qweight   int8/uint8 [N, K] (8 bits) or uint8 [N, K/2] (4 bits)
     model.layers.0.self_attn.q_proj.scales    fp16 [N, ceil(K / G)]
     model.layers.0.self_attn.q_proj.zeros     fp16 [N, ceil(K / G)] (absent when symmetric int8)
-(layout in specdec/quant/schemes.py). A tied embedding is stored once, quantized, as
-model.embed_tokens.*; norms, biases and any matrix left in full precision keep `.weight`/`.bias`.
+(layout in specdec/quant/schemes.py), or, FP8 (specdec/quant/fp8.py), as two:
+    model.layers.0.self_attn.q_proj.qweight   float8_e4m3fn [N, K]
+    model.layers.0.self_attn.q_proj.scales    fp32 [N]
+A tied embedding is stored once, quantized, as model.embed_tokens.*; norms, biases and any matrix
+left in full precision keep `.weight`/`.bias`.
     "quantization_config": {"quant_method": "specdec", "format_version": 1, "bits": 4,
                             "group_size": 128, "symmetric": false, "method": "awq",
                             "lm_head": {"bits": 8, "group_size": 32, "symmetric": true}}
+(an FP8 scheme reads {"format": "fp8_e4m3", "weight_scales": "per_channel", "activation_scales": "per_token"}).
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from specdec.config import ConfigError
 from specdec.model.layers import Rotary
 from specdec.model.llama import LlamaModel
 from specdec.model.loader import read_safetensors_dir
+from specdec.quant.fp8 import FP8, Fp8Scheme, Fp8Weight
 from specdec.quant.qlinear import QEmbedding, QLinear, QuantizedWeight
 from specdec.quant.schemes import Packed, QuantScheme
 
@@ -69,6 +74,8 @@ def _put(out: dict, prefix: str, weight, rows: slice) -> None:
         out[prefix + ".qweight"], out[prefix + ".scales"] = p.qweight, p.scales
         if p.zeros is not None:
             out[prefix + ".zeros"] = p.zeros
+    elif isinstance(weight, Fp8Weight):
+        out[prefix + ".qweight"], out[prefix + ".scales"] = weight.qweight[rows], weight.scales[rows]
     else:
         out[prefix + ".weight"] = weight[rows]
 
@@ -99,15 +106,27 @@ def quantized_state_dict(model: LlamaModel) -> dict[str, torch.Tensor]:
     return {k: v.detach().contiguous().clone() for k, v in out.items()}
 
 
-def save_quantized(model: LlamaModel, src: Path, out: Path, scheme: QuantScheme, head: QuantScheme | None,
-                   method: str, extra: dict | None = None) -> Path:
+def _stored_as(w) -> str | None:
+    """What a weight is stored as: 'int4-g32'-style names, 'fp8-e4m3', or None (full precision)."""
+    if isinstance(w, QuantizedWeight):
+        return f"int{w.bits}-g{w.group_size}"
+    return "fp8-e4m3" if isinstance(w, Fp8Weight) else None
+
+
+def _scheme_as(sch) -> str | None:
+    if sch is None:
+        return None
+    return sch.name if isinstance(sch, Fp8Scheme) else f"int{sch.bits}-g{sch.group_size}"
+
+
+def save_quantized(model: LlamaModel, src: Path, out: Path, scheme: QuantScheme | Fp8Scheme,
+                   head: QuantScheme | Fp8Scheme | None, method: str, extra: dict | None = None) -> Path:
     """Write a quantized model as a directory that load_model() reads; tokenizer files from `src`."""
     require_llama_layout(model.config)
     for module, sch, what in ((model.layers[0].qkv, scheme, "layers"), (model.lm_head, head, "lm_head")):
-        w = module.weight
-        packed = (w.bits, w.group_size) if isinstance(w, QuantizedWeight) else None
-        if packed != (None if sch is None else (sch.bits, sch.group_size)):
-            raise ValueError(f"save_quantized: the model's {what} are {packed or 'not quantized'}, not {sch}")
+        stored = _stored_as(module.weight)
+        if stored != _scheme_as(sch):
+            raise ValueError(f"save_quantized: the model's {what} are {stored or 'not quantized'}, not {sch}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     raw = _raw_config(src)
@@ -123,28 +142,36 @@ def save_quantized(model: LlamaModel, src: Path, out: Path, scheme: QuantScheme,
     return out
 
 
-def _scheme(d: dict | None, what: str) -> QuantScheme | None:
+def _scheme(d: dict | None, what: str) -> QuantScheme | Fp8Scheme | None:
     if d is None:
         return None
+    if d.get("format") == "fp8_e4m3":
+        return Fp8Scheme()
     try:
         return QuantScheme(int(d["bits"]), int(d["group_size"]), bool(d.get("symmetric", False)))
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError(f"bad quantization_config for {what}: {e}") from None
 
 
-def _packed(t: dict, prefixes: tuple[str, ...], scheme: QuantScheme | None, K: int) -> Packed | None:
-    """The projections `prefixes` (quantized) concatenated along rows; None when stored in fp."""
+def _stored_weight(t: dict, prefixes: tuple[str, ...], scheme, K: int, dtype: torch.dtype):
+    """The projections `prefixes` (quantized) concatenated along rows, as a QuantizedWeight or an
+    Fp8Weight; None when stored in full precision."""
     if not all(p + ".qweight" in t for p in prefixes):
         return None
     if scheme is None:
         raise ConfigError(f"{prefixes[0]} is quantized but the config has no scheme for it")
     cat = lambda suffix: torch.cat([t[p + suffix] for p in prefixes])  # noqa: E731
+    if isinstance(scheme, Fp8Scheme):
+        q, s = cat(".qweight"), cat(".scales")
+        if q.dtype != FP8 or q.shape[1] != K or s.shape != q.shape[:1]:
+            raise ConfigError(f"{prefixes[0]}: stored tensors do not match fp8 e4m3 with per-channel scales")
+        return Fp8Weight(q, s, dtype)
     zeros = cat(".zeros") if all(p + ".zeros" in t for p in prefixes) else None
     p = Packed(cat(".qweight"), cat(".scales"), zeros, scheme.bits, scheme.group_size, K)
     width = K // 2 if scheme.bits == 4 else K
     if p.qweight.shape[1] != width or p.scales.shape != (p.qweight.shape[0], -(-K // scheme.group_size)):
         raise ConfigError(f"{prefixes[0]}: packed shapes do not match int{scheme.bits}, group {scheme.group_size}")
-    return p
+    return QuantizedWeight(p, dtype)
 
 
 def load_quantized(directory: Path, dtype: torch.dtype = torch.float32, max_len: int | None = None,
@@ -164,15 +191,14 @@ def load_quantized(directory: Path, dtype: torch.dtype = torch.float32, max_len:
         model = LlamaModel(cfg, max_len)
     sd: dict[str, torch.Tensor] = {"norm.weight": t.get("model.norm.weight")}
     H = cfg.hidden_size
-    emb, tie = _packed(t, ("model.embed_tokens",), head, H), False
+    emb, tie = _stored_weight(t, ("model.embed_tokens",), head, H, dtype), False
     if emb is not None:
-        qw = QuantizedWeight(emb, dtype)
-        model.embed, model.lm_head = QEmbedding(qw), QLinear(qw)
+        model.embed, model.lm_head = QEmbedding(emb), QLinear(emb)
     else:
         sd["embed.weight"] = t.get("model.embed_tokens.weight")
-        lm = _packed(t, ("lm_head",), head, H)
+        lm = _stored_weight(t, ("lm_head",), head, H, dtype)
         if lm is not None:
-            model.lm_head = QLinear(QuantizedWeight(lm, dtype))
+            model.lm_head = QLinear(lm)
         elif "lm_head.weight" in t:
             sd["lm_head.weight"] = t["lm_head.weight"]
         else:
@@ -189,9 +215,9 @@ def load_quantized(directory: Path, dtype: torch.dtype = torch.float32, max_len:
             prefixes = tuple(p + n for n in hf_names)
             bias = torch.cat([t[x + ".bias"] for x in prefixes]) if all(x + ".bias" in t for x in prefixes) else None
             K = getattr(layer, name).weight.shape[1]
-            packed = _packed(t, prefixes, body, K)
-            if packed is not None:
-                setattr(layer, name, QLinear(QuantizedWeight(packed, dtype), None if bias is None else bias.to(dtype)))
+            stored = _stored_weight(t, prefixes, body, K, dtype)
+            if stored is not None:
+                setattr(layer, name, QLinear(stored, None if bias is None else bias.to(dtype)))
                 continue
             if not all(x + ".weight" in t for x in prefixes):
                 raise ConfigError(f"{directory}: weights missing for {prefixes[0]}")

@@ -4,40 +4,55 @@
     quantized_copy(model, QuantScheme.named("int4", 32))  a second model that shares the norms,
                                                           rotary tables and fp32 embedding of
                                                           `model` (the qdraft drafter)
+    quantize_model(model, Fp8Scheme())                    FP8 e4m3 (torch._scaled_mm; for GPUs)
 The lm_head (and a tied embedding) uses its own scheme, int8 by default: it is a large share of a
-small model's error and only ~20% of its bytes. A matrix whose width is not a multiple of 32 stays
-in full precision.
+small model's error and only ~20% of its bytes. A matrix the scheme cannot hold (int: width not a
+multiple of 32; fp8: a dimension not a multiple of 16) stays in full precision.
 """
 from __future__ import annotations
 
 import torch
 
 from specdec.model.llama import LlamaModel
+from specdec.quant.fp8 import Fp8Scheme, Fp8Weight, fp8_applies
 from specdec.quant.qlinear import QEmbedding, QLinear, QuantizedWeight
 from specdec.quant.schemes import BLOCK, QuantScheme, quantize
+
+Scheme = QuantScheme | Fp8Scheme
 
 LAYER_LINEARS = ("qkv", "o_proj", "gate_up", "down")
 DEFAULT_HEAD = QuantScheme(8, 32, True)
 
 
-def _qlinear(lin: torch.nn.Module, scheme: QuantScheme, dtype: torch.dtype) -> torch.nn.Module:
-    if isinstance(lin, QLinear) or lin.weight.shape[1] % BLOCK:
-        return lin
-    return QLinear(QuantizedWeight(quantize(lin.weight, scheme), dtype), lin.bias)
+def scheme_named(name: str, group_size: int = 128, symmetric: bool | None = None) -> Scheme:
+    """'int8' / 'int4' (group-wise, qgemv.c on CPUs) or 'fp8' (e4m3, torch._scaled_mm: for GPUs)."""
+    return Fp8Scheme() if name == "fp8" else QuantScheme.named(name, group_size, symmetric)
 
 
-def _quantize_head(src: LlamaModel, dst: LlamaModel, head: QuantScheme | None, embed: bool) -> None:
+def packed_weight(w: torch.Tensor, scheme: Scheme, dtype: torch.dtype) -> torch.nn.Module | None:
+    """w [N, K] as `scheme` stores it (a module with .linear, .rows), or None where it cannot."""
+    if isinstance(scheme, Fp8Scheme):
+        return Fp8Weight.from_float(w, dtype) if fp8_applies(w) else None
+    return None if w.shape[1] % BLOCK else QuantizedWeight(quantize(w, scheme), dtype)
+
+
+def _qlinear(lin: torch.nn.Module, scheme: Scheme, dtype: torch.dtype) -> torch.nn.Module:
+    qw = None if isinstance(lin, QLinear) else packed_weight(lin.weight, scheme, dtype)
+    return lin if qw is None else QLinear(qw, lin.bias)
+
+
+def _quantize_head(src: LlamaModel, dst: LlamaModel, head: Scheme | None, embed: bool) -> None:
     """dst.lm_head (and dst.embed when `embed` and the model ties them) from src's weights."""
-    if head is None or src.lm_head.weight.shape[1] % BLOCK:
+    qw = None if head is None else packed_weight(src.lm_head.weight, head, src.dtype)
+    if qw is None:
         dst.lm_head = src.lm_head
         return
-    qw = QuantizedWeight(quantize(src.lm_head.weight, head), src.dtype)
     dst.lm_head = QLinear(qw)
     if embed and src.config.tie_word_embeddings:
         dst.embed = QEmbedding(qw)
 
 
-def quantize_model(model: LlamaModel, scheme: QuantScheme, head: QuantScheme | None = DEFAULT_HEAD,
+def quantize_model(model: LlamaModel, scheme: Scheme, head: Scheme | None = DEFAULT_HEAD,
                    embed: bool = True) -> LlamaModel:
     """Quantize every decoder linear with `scheme` and the lm_head with `head` (None: keep it), in place.
     embed: a tied embedding reads the packed lm_head (else it keeps its fp table)."""
@@ -49,7 +64,7 @@ def quantize_model(model: LlamaModel, scheme: QuantScheme, head: QuantScheme | N
     return model
 
 
-def quantized_copy(model: LlamaModel, scheme: QuantScheme, head: QuantScheme | None = DEFAULT_HEAD) -> LlamaModel:
+def quantized_copy(model: LlamaModel, scheme: Scheme, head: Scheme | None = DEFAULT_HEAD) -> LlamaModel:
     """A quantized twin of `model` sharing its norms, rotary tables and embedding (no fp copies)."""
     with torch.device("meta"):
         copy = type(model)(model.config, model.max_len)  # LlamaModel, Gemma3Model, ...
@@ -82,6 +97,8 @@ def describe(model: LlamaModel) -> str:
     def name(w) -> str:
         if isinstance(w, QuantizedWeight):
             return f"int{w.bits}-g{w.group_size}"
+        if isinstance(w, Fp8Weight):
+            return "fp8-e4m3"
         return str(w.dtype).replace("torch.", "")
     body, head = name(model.layers[0].qkv.weight), name(model.lm_head.weight)
     return body if head == body else f"{body} (lm_head {head})"

@@ -43,7 +43,7 @@ class QuantScheme:
         """'int8' (symmetric by default) or 'int4' (asymmetric by default)."""
         bits = {"int8": 8, "int4": 4}.get(name)
         if bits is None:
-            raise ConfigError(f"unknown quantization scheme {name!r}; choose int8 or int4")
+            raise ConfigError(f"unknown quantization scheme {name!r}; choose int8, int4 or fp8")
         return cls(bits, group_size, bits == 8 if symmetric is None else symmetric)
 
     @property
