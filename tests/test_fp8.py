@@ -111,3 +111,17 @@ def test_quality_report_variants_include_fp8():
     names = [(v.name, type(v.scheme).__name__) for v in parse_variants("int8-g128,int4-g32-awq,fp8")]
     assert names == [("fp32", "NoneType"), ("int8-g128-sym rtn", "QuantScheme"), ("int4-g32 awq", "QuantScheme"),
                      ("fp8-e4m3 rtn", "Fp8Scheme")]
+
+
+def test_old_gpus_get_a_clear_error(monkeypatch):
+    from specdec.quant import fp8
+
+    fp8.check_cuda_fp8.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "NVIDIA A100")
+    with pytest.raises(ConfigError, match="8.9"):
+        fp8.check_cuda_fp8(0)
+    fp8.check_cuda_fp8.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (9, 0))
+    fp8.check_cuda_fp8(0)  # Hopper: fine
+    fp8.check_cuda_fp8.cache_clear()

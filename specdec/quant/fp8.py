@@ -15,6 +15,7 @@ schemes are int8/int4 (qgemv.c).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -55,6 +56,16 @@ def fp8_applies(w: torch.Tensor) -> bool:
     return w.dim() == 2 and w.shape[0] % ALIGN == 0 and w.shape[1] % ALIGN == 0
 
 
+@lru_cache(maxsize=None)
+def check_cuda_fp8(device_index: int) -> None:
+    """FP8 matmuls need compute capability 8.9+ (Ada, Hopper and later): a clear error before CUDA's."""
+    major, minor = torch.cuda.get_device_capability(device_index)
+    if (major, minor) < (8, 9):
+        name = torch.cuda.get_device_name(device_index)
+        raise ConfigError(f"fp8 needs a GPU with FP8 tensor cores (compute capability 8.9+); {name} has "
+                          f"{major}.{minor}: use int8/int4, or bf16 without quantization")
+
+
 class Fp8Weight(torch.nn.Module):
     """An e4m3 [N, K] weight with per-channel scales that computes x @ W^T itself (as QuantizedWeight does)."""
 
@@ -82,6 +93,8 @@ class Fp8Weight(torch.nn.Module):
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., K] -> [..., N]: x quantized per token, one torch._scaled_mm."""
+        if x.is_cuda:
+            check_cuda_fp8(x.device.index if x.device.index is not None else torch.cuda.current_device())
         x2 = x.reshape(-1, self.in_features)
         amax = x2.detach().float().abs().amax(dim=1, keepdim=True)  # [M, 1]
         sx = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
