@@ -5,6 +5,7 @@ The model code is unchanged: it calls `linear(x, self.qkv.weight, self.qkv.bias)
 `self.qkv` is a QLinear its `weight` is a QuantizedWeight, which runs itself:
     rows <= QGEMV_ROWS, fp32, CPU -> qgemv.c (AVX2/OpenMP, batch-invariant; decode and verify)
     rows <= CHUNKED_ROWS          -> qgemv.c on QGEMV_ROWS rows at a time (a drafter's catch-up, short prompts)
+    int4 on a CUDA GPU            -> torch's int4 kernel (specdec/quant/torch_int4.py), where it applies
     otherwise (prefill, GPU, bf16) -> dequantize to the activation dtype, then F.linear (BLAS)
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 
 from specdec import kernels
 from specdec.quant.schemes import Packed, dequantize
+from specdec.quant.torch_int4 import CudaInt4
 
 _SRC = Path(kernels.__file__).with_name("qgemv.c")
 QGEMV_ROWS = 32  # rows per qgemv.c call here (layer.c calls it with up to kernels.MAX_ROWS rows)
@@ -88,6 +90,9 @@ class QuantizedWeight(torch.nn.Module):
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., K] -> [..., N]."""
+        if x.is_cuda and self.bits == 4 and self._cuda_int4() is not None:
+            y = self._cuda_int4()(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
+            return y if bias is None else y + bias.to(y.dtype)
         rows = x.numel() // x.shape[-1]
         lib = None
         if (x.device.type == "cpu" and x.dtype is torch.float32 and rows <= CHUNKED_ROWS
@@ -106,6 +111,12 @@ class QuantizedWeight(torch.nn.Module):
                   y2[r0].data_ptr(), n, self.in_features, self.out_features, self.group_size) != 0:
                 raise MemoryError("quantized matmul kernel: out of memory for the quantized activations")
         return y
+
+    def _cuda_int4(self) -> CudaInt4 | None:
+        """torch's int4 kernel for this weight on its GPU, converted once per device (None: not usable)."""
+        if getattr(self, "_int4_device", None) != self.qweight.device:
+            self._int4, self._int4_device = CudaInt4.build(self.packed), self.qweight.device
+        return self._int4
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The fp matrix [N, K] (the kernel's own arithmetic on CPU, the torch reference elsewhere)."""
