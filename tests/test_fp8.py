@@ -85,7 +85,8 @@ def test_save_and_load_round_trip(tiny_dir, tmp_path):
     src = tiny_dir("llama")
     model = quantize_model(load_model(src, torch.float32), Fp8Scheme(), head=Fp8Scheme())
     out = save_quantized(model, src, tmp_path / "fp8", Fp8Scheme(), Fp8Scheme(), "rtn")
-    back = load_model(out, torch.float32)
+    with pytest.warns(UserWarning, match="fp8 is for GPUs"):
+        back = load_model(out, torch.float32)
     for a, b in ((model.layers[1].gate_up.weight, back.layers[1].gate_up.weight), (model.lm_head.weight, back.lm_head.weight)):
         assert isinstance(b, Fp8Weight)
         assert torch.equal(a.qweight.view(torch.uint8), b.qweight.view(torch.uint8)) and torch.equal(a.scales, b.scales)
@@ -125,3 +126,14 @@ def test_old_gpus_get_a_clear_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (9, 0))
     fp8.check_cuda_fp8(0)  # Hopper: fine
     fp8.check_cuda_fp8.cache_clear()
+
+
+def test_cli_warns_in_one_line_on_a_cpu(tiny_dir, tmp_path, capsys):
+    from specdec.cli import main
+
+    out = tmp_path / "q"
+    assert main(["quantize", str(tiny_dir("llama")), "--scheme", "fp8", "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["generate", str(out), "--prompt", "hi", "--max-tokens", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "specdec: warning:" in err and "fp8 is for GPUs" in err and "warnings.warn" not in err

@@ -11,6 +11,7 @@ import argparse
 import importlib
 import pkgutil
 import sys
+import warnings
 
 from specdec.config import ConfigError
 
@@ -26,11 +27,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"specdec: warning: {message}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        with warnings.catch_warnings():
+            warnings.showwarning = _one_line  # one line each; catch_warnings restores the default
+            return int(args.func(args) or 0)
     except USER_ERRORS as e:
         print(f"specdec: error: {e}", file=sys.stderr)
         return 2

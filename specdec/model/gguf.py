@@ -166,7 +166,8 @@ def _tensors(reader, cfg: dict, arch: str, progress: bool) -> dict[str, torch.Te
             raise ConfigError(f"unsupported GGUF tensor {name!r}")
         if arch == "gemma3" and name.endswith("norm.weight"):
             w = w - 1.0  # llama.cpp's converter stored 1 + w
-        out[key] = torch.from_numpy(np.ascontiguousarray(w))
+        w = np.ascontiguousarray(w)
+        out[key] = torch.from_numpy(w if w.flags.writeable else w.copy())  # F32 tensors map the file read-only
     return out
 
 

@@ -18,6 +18,7 @@ left in full precision keep `.weight`/`.bias`.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -185,6 +186,9 @@ def load_quantized(directory: Path, dtype: torch.dtype = torch.float32, max_len:
         raise ConfigError(f"{directory}: quantization {qc.get('quant_method')!r} (version "
                           f"{qc.get('format_version')}) is not one specdec reads; make it with `specdec quantize`")
     body, head = _scheme(qc, "layers"), _scheme(qc.get("lm_head"), "lm_head")
+    if device == "cpu" and isinstance(body, Fp8Scheme):
+        warnings.warn(f"{directory}: fp8 weights on a CPU run torch's emulated FP8 matmul (~15x slower than "
+                      f"fp32); fp8 is for GPUs, int8/int4 for CPUs (specdec quantize --scheme int8)", stacklevel=2)
     max_len = min(max_len or min(cfg.max_position_embeddings, 8192), cfg.max_position_embeddings)
     t = read_safetensors_dir(Path(directory))
     with torch.device("meta"):
