@@ -1,7 +1,7 @@
 /* Small-batch matrix multiply for decoding on CPUs: y[T, N] = x[T, K] @ W[N, K]^T (+ bias).
  *
  * Decoding reads every weight once per forward pass, so speed is memory bandwidth. This kernel
- * streams W once for all T (<= 32) rows of x, splitting the N output rows across OpenMP threads,
+ * streams W once for all T (<= 64, specdec.kernels.MAX_ROWS) rows of x, splitting the N output rows across OpenMP threads,
  * and computes each y[t, n] with the same summation order whatever T is (batch invariance: a
  * verify pass over k+1 tokens gives bitwise the same logits as k+1 single-token passes).
  * From WIDE_T rows on the work is compute-bound, and a blocked kernel (wide_block) with the same

@@ -30,6 +30,7 @@ from specdec.model.llama import LlamaModel
 from specdec.model.loader import read_safetensors_dir
 from specdec.quant.fp8 import FP8, Fp8Scheme, Fp8Weight
 from specdec.quant.qlinear import QEmbedding, QLinear, QuantizedWeight
+from specdec.quant.qmodel import stored_as
 from specdec.quant.schemes import Packed, QuantScheme
 
 FORMAT_VERSION = 1
@@ -107,14 +108,8 @@ def quantized_state_dict(model: LlamaModel) -> dict[str, torch.Tensor]:
     return {k: v.detach().contiguous().clone() for k, v in out.items()}
 
 
-def _stored_as(w) -> str | None:
-    """What a weight is stored as: 'int4-g32'-style names, 'fp8-e4m3', or None (full precision)."""
-    if isinstance(w, QuantizedWeight):
-        return f"int{w.bits}-g{w.group_size}"
-    return "fp8-e4m3" if isinstance(w, Fp8Weight) else None
-
-
 def _scheme_as(sch) -> str | None:
+    """How `sch` stores a weight, in the names of qmodel.stored_as."""
     if sch is None:
         return None
     return sch.name if isinstance(sch, Fp8Scheme) else f"int{sch.bits}-g{sch.group_size}"
@@ -125,7 +120,7 @@ def save_quantized(model: LlamaModel, src: Path, out: Path, scheme: QuantScheme 
     """Write a quantized model as a directory that load_model() reads; tokenizer files from `src`."""
     require_llama_layout(model.config)
     for module, sch, what in ((model.layers[0].qkv, scheme, "layers"), (model.lm_head, head, "lm_head")):
-        stored = _stored_as(module.weight)
+        stored = stored_as(module.weight)
         if stored != _scheme_as(sch):
             raise ValueError(f"save_quantized: the model's {what} are {stored or 'not quantized'}, not {sch}")
     out = Path(out)

@@ -90,8 +90,9 @@ class QuantizedWeight(torch.nn.Module):
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., K] -> [..., N]."""
-        if x.is_cuda and self.bits == 4 and self._cuda_int4() is not None:
-            y = self._cuda_int4()(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
+        fast = self._cuda_int4() if x.is_cuda and self.bits == 4 else None
+        if fast is not None:
+            y = fast(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
             return y if bias is None else y + bias.to(y.dtype)
         rows = x.numel() // x.shape[-1]
         lib = None

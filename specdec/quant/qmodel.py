@@ -92,13 +92,16 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def stored_as(w) -> str | None:
+    """How a weight is stored: 'int4-g32', 'fp8-e4m3', ..., or None (a full-precision tensor)."""
+    if isinstance(w, QuantizedWeight):
+        return f"int{w.bits}-g{w.group_size}"
+    return "fp8-e4m3" if isinstance(w, Fp8Weight) else None
+
+
 def describe(model: LlamaModel) -> str:
     """e.g. 'int4-g32 (lm_head int8-g32)' or 'float32'."""
     def name(w) -> str:
-        if isinstance(w, QuantizedWeight):
-            return f"int{w.bits}-g{w.group_size}"
-        if isinstance(w, Fp8Weight):
-            return "fp8-e4m3"
-        return str(w.dtype).replace("torch.", "")
+        return stored_as(w) or str(w.dtype).replace("torch.", "")
     body, head = name(model.layers[0].qkv.weight), name(model.lm_head.weight)
     return body if head == body else f"{body} (lm_head {head})"

@@ -72,7 +72,7 @@ class CudaInt4:
             return None
         try:
             fast = cls(*pack_for_cuda(p), p.group_size)
-            x = torch.randn(3, p.in_features, device=p.qweight.device, generator=None)
+            x = torch.randn(3, p.in_features, device=p.qweight.device)
             want = x @ dequantize(p, torch.float32).t()
             got = fast(x.bfloat16()).float()
         except RuntimeError as e:  # this torch build or GPU does not take the layout
