@@ -396,9 +396,15 @@ def test_greedy_equals_plain_real_model(real_refs, method):
 
 
 @pytest.mark.parametrize("method, carried", [("draft_model", True), ("ngram", False)])
-def test_model_drafters_start_from_the_previous_requests_estimates(tiny_dir, method, carried):
+def test_model_drafters_start_from_the_previous_requests_estimates(tiny_dir, method, carried, monkeypatch):
     """A drafter with a per-token cost starts a request from the previous one's acceptance and probe
     wait; a lookup drafter (no cost: a miss is one verify column) starts each request fresh."""
+    from specdec.spec import adaptive
+
+    # per-step overheads held at zero: on this tiny model they are timing noise as large as a forward,
+    # and a plain overhead measured above the spec one let a step at acceptance 0.01 "pay" (and reset
+    # the probe wait this test checks) now and then
+    monkeypatch.setattr(adaptive.StepOverhead, "observe", lambda self, drafted, seconds: None)
     d = tiny_dir("llama")
     spec = llm(d, spec_config(method, tiny_dir("llama", seed=1)))
     dec = adaptive_decoder(spec)
