@@ -51,7 +51,8 @@ class LLM:
                  num_threads: int | None = None, progress: bool = True, device: str = "auto"):
         torch.set_num_threads(num_threads or os.cpu_count() or 1)
         self.source, self.model, self.tokenizer = load_target(model, dtype, max_model_len, progress, device)
-        self.dtype = self.model.dtype
+        self.dtype = self.model.dtype  # the activations' (bf16 on a CPU stores weights in bf16, computes in fp32)
+        self.load_dtype = resolve_dtype(dtype, str(self.model.device))  # what the weights were asked in
         self.speculative_config = SpeculativeConfig.from_dict(speculative_config)
         self.proposer = None
         if self.speculative_config is not None:
@@ -64,7 +65,7 @@ class LLM:
     def _load_aux(self, name: str):
         """Load another model (a drafter) at the target's dtype and context length."""
         source = resolve_model(name)
-        return (load_model(source.directory, self.dtype, self.model.max_len, str(self.model.device)),
+        return (load_model(source.directory, self.load_dtype, self.model.max_len, str(self.model.device)),
                 Tokenizer(source.directory), source)
 
     def _encode(self, prompt) -> tuple[str | None, list[int]]:
@@ -103,11 +104,13 @@ class LLM:
 
     def info(self) -> dict:
         from specdec.kernels import kernel_status
+        from specdec.quant.qmodel import describe
         cfg = self.model.config
         return {"model": self.source.origin, "loaded_from": str(self.source.directory), "source_kind": self.source.kind,
                 "architecture": cfg.model_type, "parameters": cfg.num_parameters, "layers": cfg.num_hidden_layers,
                 "hidden_size": cfg.hidden_size, "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
-                "vocab_size": cfg.vocab_size, "dtype": str(self.dtype).replace("torch.", ""), "device": str(self.model.device),
+                "vocab_size": cfg.vocab_size, "dtype": str(self.load_dtype).replace("torch.", ""),
+                "weights": describe(self.model), "activations": str(self.dtype).replace("torch.", ""), "device": str(self.model.device),
                 "max_model_len": self.model.max_len, "threads": torch.get_num_threads(), "kernels": kernel_status(),
                 "speculative_config": None if self.speculative_config is None else self.speculative_config.method}
 

@@ -31,6 +31,32 @@ def test_linear_is_batch_invariant(T, K):
     assert torch.equal(block, rows)
 
 
+@pytest.mark.parametrize("T,K,N", [(1, 576, 960), (3, 576, 1537), (8, 1536, 576), (17, 100, 33), (26, 1536, 577)])
+def test_bf16_linear_is_the_fp32_one_over_widened_weights(T, K, N):
+    """bf16 weights are widened exactly: the result is x @ float(W)^T, only the summation order may differ."""
+    torch.manual_seed(0)
+    x, w, b = torch.randn(T, K), torch.randn(N, K).bfloat16(), torch.randn(N)
+    torch.testing.assert_close(kernels.linear_bf16(x, w, b), F.linear(x, w.float(), b), atol=1e-4, rtol=1e-5)
+    # the very sums of the fp32 kernel on the widened matrix (same tiles, same order)
+    assert torch.equal(kernels.linear_bf16(x, w, b), kernels.linear(x, w.float(), b))
+
+
+@pytest.mark.parametrize("T,K", [(2, 576), (7, 576), (12, 576), (13, 576), (31, 104)])
+def test_bf16_linear_is_batch_invariant(T, K):
+    torch.manual_seed(0)
+    x, w = torch.randn(T, K), torch.randn(301, K).bfloat16()
+    block = kernels.linear_bf16(x, w)
+    rows = torch.cat([kernels.linear_bf16(x[i:i + 1], w) for i in range(T)])
+    assert torch.equal(block, rows)
+
+
+def test_bf16_linear_declines_what_it_cannot_run():
+    w = torch.randn(8, 32).bfloat16()
+    assert kernels.linear_bf16(torch.randn(kernels.MAX_ROWS + 1, 32), w) is None  # prefill-sized: torch
+    assert kernels.linear_bf16(torch.randn(2, 32).double(), w) is None
+    assert kernels.linear_bf16(torch.randn(2, 32), w.float()) is None
+
+
 def test_rmsnorm_and_silu_mul_match_torch():
     x, w = torch.randn(4, 576), torch.rand(576)
     torch.testing.assert_close(kernels.rms_norm(x, w, 1e-5), F.rms_norm(x, (576,), w, 1e-5), atol=1e-5, rtol=1e-5)

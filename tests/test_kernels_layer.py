@@ -7,6 +7,7 @@ import specdec.model.llama as llama
 from specdec.kernels import MAX_ROWS
 from specdec.kernels import layer as fused_layer
 from specdec.model.loader import load_model
+from specdec.quant.bf16 import Bf16Scheme
 from specdec.quant.qmodel import quantize_model
 from specdec.quant.schemes import QuantScheme
 from specdec.spec.tree import tree_mask, tree_positions
@@ -60,8 +61,8 @@ def _run(model, ids, monkeypatch, mode: str):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
-@pytest.mark.parametrize("scheme", [None, QuantScheme(8, 32, True), QuantScheme(4, 32, False)],
-                         ids=["fp32", "int8", "int4"])
+@pytest.mark.parametrize("scheme", [None, QuantScheme(8, 32, True), QuantScheme(4, 32, False), Bf16Scheme()],
+                         ids=["fp32", "int8", "int4", "bf16"])
 def test_fused_layer_is_bitwise_the_per_op_path(tiny_dir, monkeypatch, arch, scheme, mode):
     model = load_model(tiny_dir(arch), torch.float32)
     if scheme is not None:
@@ -114,7 +115,7 @@ def _run_paged(model, monkeypatch, mode: str):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("scheme", [None, QuantScheme(4, 32, False)], ids=["fp32", "int4"])
+@pytest.mark.parametrize("scheme", [None, QuantScheme(4, 32, False), Bf16Scheme()], ids=["fp32", "int4", "bf16"])
 def test_fused_layer_on_the_paged_batch_is_bitwise_the_per_op_path(tiny_dir, monkeypatch, scheme, mode):
     model = load_model(tiny_dir("qwen2"), torch.float32)
     if scheme is not None:

@@ -89,6 +89,8 @@ def _load():
         lib = ctypes.CDLL(str(_build()))
         lib.specdec_linear_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
         lib.specdec_linear_f32.restype = None
+        lib.specdec_linear_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+        lib.specdec_linear_bf16.restype = None
         lib.specdec_rmsnorm_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
         lib.specdec_rmsnorm_f32.restype = None
         lib.specdec_silu_mul_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
@@ -101,7 +103,9 @@ def _load():
 
 def kernel_status() -> str:
     lib = _load()
-    return "gemv.c (AVX2/OpenMP)" if lib is not None else f"torch ({_load_error})"
+    if lib is None:
+        return f"torch ({_load_error})"
+    return f"gemv.c ({ {16: 'AVX-512', 8: 'AVX2'}.get(lib.specdec_gemv_lanes(), 'scalar')}/OpenMP; fp32 and bf16 weights)"
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -119,6 +123,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     y = torch.empty(*x.shape[:-1], N, dtype=torch.float32)
     lib.specdec_linear_f32(x.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None,
                            y.data_ptr(), rows, K, N)
+    return y
+
+
+def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x [..., K] fp32 @ weight [N, K] bfloat16 ^T (+ bias) with fp32 sums through gemv.c: the weight is
+    widened exactly, so this is F.linear(x, weight.float(), bias) up to summation order. None where the
+    kernel does not apply (not CPU fp32, more than MAX_ROWS rows, autograd, no compiled library)."""
+    rows = x.numel() // x.shape[-1]
+    if (x.dtype is not torch.float32 or x.device.type != "cpu" or weight.dtype is not torch.bfloat16
+            or rows > MAX_ROWS or (bias is not None and bias.dtype is not torch.float32)
+            or (torch.is_grad_enabled() and x.requires_grad) or _load() is None):
+        return None
+    x = x.contiguous()
+    N, K = weight.shape
+    y = torch.empty(*x.shape[:-1], N, dtype=torch.float32)
+    _lib.specdec_linear_bf16(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.contiguous().data_ptr(),
+                             y.data_ptr(), rows, K, N)
     return y
 
 

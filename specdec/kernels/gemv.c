@@ -6,10 +6,15 @@
  * verify pass over k+1 tokens gives bitwise the same logits as k+1 single-token passes).
  * From WIDE_T rows on the work is compute-bound, and a blocked kernel (wide_block) with the same
  * summation order takes over. Built with -O3 -march=native; specdec falls back to torch when absent.
+ *
+ * The same kernel serves bf16 weights (specdec_linear_bf16: W stored as bfloat16, half the bytes to
+ * stream): each weight is widened exactly to fp32 in registers (a 16-bit shift) and the sums are the
+ * fp32 ones, so the result is x @ W.float()^T with the same order and batch invariance as fp32 weights.
  */
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
+#include <omp.h>
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -23,7 +28,38 @@ static inline float hsum256(__m256 s) {
 }
 #endif
 
-/* Every y[t, n] is: ACC 8-lane FMA accumulators striding over k in steps of 8*ACC, summed in a
+/* The vector unit: 16-lane AVX-512 where the CPU has it (32 registers), else 8-lane AVX2 (16). The
+ * width is fixed per build (-march=native), so every call on a machine sums in the same order. */
+#if defined(__AVX512F__) && !defined(GEMV_NO_AVX512)
+#define VW 16
+typedef __m512 vec;
+#define vzero _mm512_setzero_ps
+#define vloadu _mm512_loadu_ps
+#define vfmadd _mm512_fmadd_ps
+#define vadd _mm512_add_ps
+#define PIN_REG "+v"
+static inline float vhsum(__m512 s) {
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1));
+    return hsum256(_mm256_add_ps(_mm512_castps512_ps256(s), hi));
+}
+static inline vec widen_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+#elif defined(__AVX2__)
+#define VW 8
+typedef __m256 vec;
+#define vzero _mm256_setzero_ps
+#define vloadu _mm256_loadu_ps
+#define vfmadd _mm256_fmadd_ps
+#define vadd _mm256_add_ps
+#define PIN_REG "+x"
+#define vhsum hsum256
+static inline vec widen_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+#endif
+
+/* Every y[t, n] is: ACC VW-lane FMA accumulators striding over k in steps of VW*ACC, summed in a
  * fixed order, a horizontal sum, then the scalar tail: the same order for every tile shape below,
  * so results do not depend on T or on the tiling (two accumulators also halve the rounding error
  * of one long chain). A verify pass over T tokens streams each weight row once and applies it to
@@ -31,47 +67,67 @@ static inline float hsum256(__m256 s) {
  * not 4 + 1: a 1-row tile has only ACC FMA chains and stalls on their latency). A tile of 7 rows
  * holds 14 accumulators and the weight vector in AVX2's 16 registers (the inputs are memory
  * operands). Measured on the 135M model's matrices (AMD EPYC, 2 cores): T = 5 costs 1.12x T = 1
- * (1.28x with tiles of at most 4), T = 7 1.37x (1.49x), T = 8 1.65x (4 + 4, unchanged). */
+ * (1.28x with tiles of at most 4), T = 7 1.37x (1.49x), T = 8 1.65x (4 + 4, unchanged). With AVX-512
+ * (Intel Xeon, 2 cores, same matrices, in one process) 16 lanes and 32 registers cut T = 2..32 by
+ * 10-20% against the AVX2 build (T = 4 30.7 vs 36.3 ms, 32 rows 79.5 vs 96.6), T = 1 unchanged. */
 #ifndef ACC
 #define ACC 2
 #endif
 #ifndef MAX_TILE_T
+#if VW == 16
+#define MAX_TILE_T 8 /* input rows per tile: 16 accumulators + the weight in AVX-512's 32 registers (T = 8: one tile, 0.88x of 4 + 4, measured on a Xeon) */
+#else
 #define MAX_TILE_T 7 /* input rows per tile */
+#endif
 #endif
 #ifndef ROWS_T1
 #define ROWS_T1 6 /* weight rows per tile when T == 1: independent FMA chains, parallel streams (6: 2-4% faster than 4, measured) */
 #endif
 
+/* Weights are fp32 (WBF16 = 0) or bfloat16 (WBF16 = 1, widened to fp32 exactly as they are loaded);
+ * WBF16 is a literal at every call, so each kind compiles to its own loop. */
+static inline float wget(const void *W, const int WBF16, int64_t i) {
+    if (!WBF16) return ((const float *)W)[i];
+    union { uint32_t u; float f; } v = {.u = (uint32_t)((const uint16_t *)W)[i] << 16};
+    return v.f;
+}
+
+#ifdef VW
+static inline __attribute__((always_inline)) vec wload(const void *W, const int WBF16, int64_t i) {
+    return WBF16 ? widen_bf16((const uint16_t *)W + i) : vloadu((const float *)W + i);
+}
+#endif
+
 /* pin: keep the loaded inputs and weight vector in registers (an empty asm stops the compiler folding
  * them into a memory operand of every FMA, which re-loads an input once per weight row); for tiles
  * where nr * nt * ACC + nt + 1 <= 16 registers. */
-static inline __attribute__((always_inline)) void tile(const float *W, const float *x, float *y, const int nr,
-                                                       const int nt, int64_t K, int64_t N, const int pin) {
+static inline __attribute__((always_inline)) void tile(const void *W, const int WBF16, const float *x, float *y,
+                                                       const int nr, const int nt, int64_t K, int64_t N, const int pin) {
     int64_t k = 0;
     float out[ROWS_T1][MAX_TILE_T];
-#ifdef __AVX2__
-    __m256 acc[ROWS_T1][MAX_TILE_T][ACC];
+#ifdef VW
+    vec acc[ROWS_T1][MAX_TILE_T][ACC];
     for (int r = 0; r < nr; r++)
         for (int t = 0; t < nt; t++)
-            for (int a = 0; a < ACC; a++) acc[r][t][a] = _mm256_setzero_ps();
-    for (; k + 8 * ACC <= K; k += 8 * ACC)
+            for (int a = 0; a < ACC; a++) acc[r][t][a] = vzero();
+    for (; k + VW * ACC <= K; k += VW * ACC)
         for (int a = 0; a < ACC; a++) {
-            __m256 xv[MAX_TILE_T];
+            vec xv[MAX_TILE_T];
             for (int t = 0; t < nt; t++) {
-                xv[t] = _mm256_loadu_ps(x + t * K + k + 8 * a);
-                if (pin) __asm__("" : "+x"(xv[t]));
+                xv[t] = vloadu(x + t * K + k + VW * a);
+                if (pin) __asm__("" : PIN_REG(xv[t]));
             }
             for (int r = 0; r < nr; r++) {
-                __m256 wv = _mm256_loadu_ps(W + r * K + k + 8 * a);
-                if (pin) __asm__("" : "+x"(wv));
-                for (int t = 0; t < nt; t++) acc[r][t][a] = _mm256_fmadd_ps(wv, xv[t], acc[r][t][a]);
+                vec wv = wload(W, WBF16, r * K + k + VW * a);
+                if (pin) __asm__("" : PIN_REG(wv));
+                for (int t = 0; t < nt; t++) acc[r][t][a] = vfmadd(wv, xv[t], acc[r][t][a]);
             }
         }
     for (int r = 0; r < nr; r++)
         for (int t = 0; t < nt; t++) {
-            __m256 s = acc[r][t][0];
-            for (int a = 1; a < ACC; a++) s = _mm256_add_ps(s, acc[r][t][a]);
-            out[r][t] = hsum256(s);
+            vec s = acc[r][t][0];
+            for (int a = 1; a < ACC; a++) s = vadd(s, acc[r][t][a]);
+            out[r][t] = vhsum(s);
         }
 #else
     for (int r = 0; r < nr; r++)
@@ -80,7 +136,7 @@ static inline __attribute__((always_inline)) void tile(const float *W, const flo
     for (int r = 0; r < nr; r++)
         for (int t = 0; t < nt; t++) {
             float v = out[r][t];
-            for (int64_t j = k; j < K; j++) v += W[r * K + j] * x[t * K + j];
+            for (int64_t j = k; j < K; j++) v += wget(W, WBF16, r * K + j) * x[t * K + j];
             y[t * N + r] = v;
         }
 }
@@ -90,22 +146,39 @@ static void add_bias(float *y, const float *bias, int64_t T, int64_t N, int64_t 
         for (int64_t r = 0; r < nr; r++) y[t * N + n0 + r] += bias[n0 + r];
 }
 
+/* The weight matrix from row or element i on, whatever its kind. */
+static inline const void *wat(const void *W, const int WBF16, int64_t i) {
+    return WBF16 ? (const void *)((const uint16_t *)W + i) : (const void *)((const float *)W + i);
+}
+
 /* One weight row against every input row, in near-equal tiles of at most MAX_TILE_T rows; literal
  * tile sizes let the compiler keep the accumulators in registers. */
-static inline void row_tiles(const float *w, const float *x, float *y, int64_t T, int64_t K, int64_t N) {
+static inline __attribute__((always_inline)) void row_tiles(const void *w, const int WBF16, const float *x, float *y,
+                                                            int64_t T, int64_t K, int64_t N) {
     const int64_t ntiles = (T + MAX_TILE_T - 1) / MAX_TILE_T;
     for (int64_t i = 0, t0 = 0, nt; i < ntiles; i++, t0 += nt) {
         const float *xt = x + t0 * K;
         float *yt = y + t0 * N;
         nt = (T - t0) / (ntiles - i);
         switch (nt) {
-            case 7: tile(w, xt, yt, 1, 7, K, N, 0); break;
-            case 6: tile(w, xt, yt, 1, 6, K, N, 0); break;
-            case 5: tile(w, xt, yt, 1, 5, K, N, 0); break;
-            case 4: tile(w, xt, yt, 1, 4, K, N, 0); break;
-            case 3: tile(w, xt, yt, 1, 3, K, N, 0); break;
-            case 2: tile(w, xt, yt, 1, 2, K, N, 0); break;
-            default: tile(w, xt, yt, 1, 1, K, N, 0);
+#if MAX_TILE_T >= 12
+            case 12: tile(w, WBF16, xt, yt, 1, 12, K, N, 0); break;
+            case 11: tile(w, WBF16, xt, yt, 1, 11, K, N, 0); break;
+#endif
+#if MAX_TILE_T >= 10
+            case 10: tile(w, WBF16, xt, yt, 1, 10, K, N, 0); break;
+            case 9: tile(w, WBF16, xt, yt, 1, 9, K, N, 0); break;
+#endif
+#if MAX_TILE_T >= 8
+            case 8: tile(w, WBF16, xt, yt, 1, 8, K, N, 0); break;
+#endif
+            case 7: tile(w, WBF16, xt, yt, 1, 7, K, N, 0); break;
+            case 6: tile(w, WBF16, xt, yt, 1, 6, K, N, 0); break;
+            case 5: tile(w, WBF16, xt, yt, 1, 5, K, N, 0); break;
+            case 4: tile(w, WBF16, xt, yt, 1, 4, K, N, 0); break;
+            case 3: tile(w, WBF16, xt, yt, 1, 3, K, N, 0); break;
+            case 2: tile(w, WBF16, xt, yt, 1, 2, K, N, 0); break;
+            default: tile(w, WBF16, xt, yt, 1, 1, K, N, 0);
         }
     }
 }
@@ -118,58 +191,97 @@ static inline void row_tiles(const float *w, const float *x, float *y, int64_t T
 #define BLOCK_ROWS 48 /* weight rows (<= 288 KB) that stay in L2 while every input tile passes over them */
 
 /* The wide tiles: tile()'s sums (bit for bit a single-row pass's) with pinned registers, 5 loads per
- * 6 FMAs in the 2 x 3 tile instead of 8. One function per shape, each compiled on its own: inlined
- * together, the compiler spilled an accumulator of the 2 x 3 tile to the stack (-20% measured). */
+ * 6 FMAs in the 2 x 3 tile instead of 8. One function per shape and weight kind, each compiled on its
+ * own: inlined together, the compiler spilled an accumulator of the 2 x 3 tile to the stack (-20% measured). */
 #define WIDE_SHAPE(r, t) \
-    static __attribute__((noinline)) void wide_##r##x##t(const float *W, const float *x, float *y, int64_t K, int64_t N) \
-    { tile(W, x, y, r, t, K, N, 1); }
+    static __attribute__((noinline)) void wide_##r##x##t##_f32(const void *W, const float *x, float *y, int64_t K, int64_t N) \
+    { tile(W, 0, x, y, r, t, K, N, 1); } \
+    static __attribute__((noinline)) void wide_##r##x##t##_bf16(const void *W, const float *x, float *y, int64_t K, int64_t N) \
+    { tile(W, 1, x, y, r, t, K, N, 1); }
 WIDE_SHAPE(1, 1) WIDE_SHAPE(1, 2) WIDE_SHAPE(1, 3) WIDE_SHAPE(2, 1) WIDE_SHAPE(2, 2) WIDE_SHAPE(2, 3)
-typedef void (*wide_fn)(const float *, const float *, float *, int64_t, int64_t);
-static const wide_fn wide_shapes[WIDE_ROWS][WIDE_TILE_T] = {{wide_1x1, wide_1x2, wide_1x3}, {wide_2x1, wide_2x2, wide_2x3}};
+typedef void (*wide_fn)(const void *, const float *, float *, int64_t, int64_t);
+static const wide_fn wide_shapes[2][WIDE_ROWS][WIDE_TILE_T] = {
+    {{wide_1x1_f32, wide_1x2_f32, wide_1x3_f32}, {wide_2x1_f32, wide_2x2_f32, wide_2x3_f32}},
+    {{wide_1x1_bf16, wide_1x2_bf16, wide_1x3_bf16}, {wide_2x1_bf16, wide_2x2_bf16, wide_2x3_bf16}}};
 
 /* Weight rows [0, nr) of one block against every input row: near-equal input tiles of at most
  * WIDE_TILE_T rows (held in L1) pass over the block (held in L2 after the first), WIDE_ROWS rows at a time. */
-static void wide_block(const float *W, const float *x, float *y, int64_t T, int64_t K, int64_t N, int64_t nr) {
+static void wide_block(const void *W, const int WBF16, const float *x, float *y, int64_t T, int64_t K, int64_t N,
+                       int64_t nr) {
     const int64_t ntiles = (T + WIDE_TILE_T - 1) / WIDE_TILE_T;
     for (int64_t i = 0, t0 = 0, nt; i < ntiles; i++, t0 += nt) {
         nt = (T - t0) / (ntiles - i);
         for (int64_t r = 0; r < nr; r += WIDE_ROWS) {
             const int64_t rows = nr - r < WIDE_ROWS ? nr - r : WIDE_ROWS;
-            wide_shapes[rows - 1][nt - 1](W + r * K, x + t0 * K, y + t0 * N + r, K, N);
+            wide_shapes[WBF16][rows - 1][nt - 1](wat(W, WBF16, r * K), x + t0 * K, y + t0 * N + r, K, N);
         }
     }
 }
 
-/* x: [T, K], W: [N, K] row-major, bias: [N] or NULL, y: [T, N]. */
-void specdec_linear_f32(const float *x, const float *W, const float *bias, float *y,
-                        int64_t T, int64_t K, int64_t N) {
-    if (T == 1) { /* ROWS_T1 weight streams per step: bandwidth-bound, so many loads in flight */
-        #pragma omp parallel for schedule(static)
-        for (int64_t n0 = 0; n0 < N; n0 += ROWS_T1) {
-            int64_t nr = N - n0 < ROWS_T1 ? N - n0 : ROWS_T1;
-            if (nr == ROWS_T1) tile(W + n0 * K, x, y + n0, ROWS_T1, 1, K, N, 0);
-            else for (int64_t r = 0; r < nr; r++) tile(W + (n0 + r) * K, x, y + n0 + r, 1, 1, K, N, 0);
-            if (bias) add_bias(y, bias, 1, N, n0, nr);
-        }
-        return;
-    }
-    if (T >= WIDE_T) { /* compute-bound: weights from L2, inputs from L1, loads shared by more FMAs */
-        #pragma omp parallel for schedule(static)
-        for (int64_t n0 = 0; n0 < N; n0 += BLOCK_ROWS) {
-            int64_t nr = N - n0 < BLOCK_ROWS ? N - n0 : BLOCK_ROWS;
-            wide_block(W + n0 * K, x, y + n0, T, K, N, nr);
-            if (bias) add_bias(y, bias, T, N, n0, nr);
-        }
-        return;
-    }
-    #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        row_tiles(W + n * K, x, y + n, T, K, N);
-        if (bias) add_bias(y, bias, T, N, n, 1);
+/* Output rows in units of unit_rows(T): ROWS_T1 weight streams per step when T == 1 (bandwidth-bound,
+ * so many loads in flight); blocks of BLOCK_ROWS from WIDE_T rows on (compute-bound: weights from L2,
+ * inputs from L1, loads shared by more FMAs); else one weight row against all inputs. */
+static inline int64_t unit_rows(int64_t T) { return T == 1 ? ROWS_T1 : T >= WIDE_T ? BLOCK_ROWS : 1; }
+
+/* Output rows [n_lo, n_hi) (n_lo a multiple of unit_rows(T)) of y = x W^T + bias. */
+static inline __attribute__((always_inline)) void rows_range(const void *W, const int WBF16, const float *x,
+                                                             const float *bias, float *y, int64_t T, int64_t K,
+                                                             int64_t N, int64_t n_lo, int64_t n_hi) {
+    const int64_t unit = unit_rows(T);
+    for (int64_t n0 = n_lo; n0 < n_hi; n0 += unit) {
+        const int64_t nr = n_hi - n0 < unit ? n_hi - n0 : unit;
+        if (T == 1 && nr == ROWS_T1) tile(wat(W, WBF16, n0 * K), WBF16, x, y + n0, ROWS_T1, 1, K, N, 0);
+        else if (T == 1) for (int64_t r = 0; r < nr; r++) tile(wat(W, WBF16, (n0 + r) * K), WBF16, x, y + n0 + r, 1, 1, K, N, 0);
+        else if (T >= WIDE_T) wide_block(wat(W, WBF16, n0 * K), WBF16, x, y + n0, T, K, N, nr);
+        else row_tiles(wat(W, WBF16, n0 * K), WBF16, x, y + n0, T, K, N);
+        if (bias) add_bias(y, bias, T, N, n0, nr);
     }
 }
 
-int specdec_kernel_abi(void) { return 3; }
+static __attribute__((noinline)) void rows_f32(const void *W, const float *x, const float *bias, float *y, int64_t T,
+                                               int64_t K, int64_t N, int64_t n_lo, int64_t n_hi) {
+    rows_range(W, 0, x, bias, y, T, K, N, n_lo, n_hi);
+}
+
+static __attribute__((noinline)) void rows_bf16(const void *W, const float *x, const float *bias, float *y, int64_t T,
+                                                int64_t K, int64_t N, int64_t n_lo, int64_t n_hi) {
+    rows_range(W, 1, x, bias, y, T, K, N, n_lo, n_hi);
+}
+
+/* Each thread takes a contiguous, near-equal share of the units (OpenMP's static schedule). */
+static void linear_any(const void *W, const int wbf16, const float *x, const float *bias, float *y, int64_t T,
+                       int64_t K, int64_t N) {
+    const int64_t unit = unit_rows(T), units = (N + unit - 1) / unit;
+    #pragma omp parallel
+    {
+        const int64_t nth = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t lo = units * me / nth * unit, hi_unit = units * (me + 1) / nth * unit;
+        const int64_t hi = hi_unit < N ? hi_unit : N;
+        if (lo < hi) (wbf16 ? rows_bf16 : rows_f32)(W, x, bias, y, T, K, N, lo, hi);
+    }
+}
+
+/* x: [T, K], W: [N, K] row-major fp32, bias: [N] or NULL, y: [T, N]. */
+void specdec_linear_f32(const float *x, const float *W, const float *bias, float *y, int64_t T, int64_t K, int64_t N) {
+    linear_any(W, 0, x, bias, y, T, K, N);
+}
+
+/* The same with W bfloat16 [N, K] (the raw 16 bits): y = x @ float(W)^T + bias, fp32 sums. */
+void specdec_linear_bf16(const float *x, const uint16_t *W, const float *bias, float *y, int64_t T, int64_t K,
+                         int64_t N) {
+    linear_any(W, 1, x, bias, y, T, K, N);
+}
+
+int specdec_kernel_abi(void) { return 4; }
+
+/* fp32 lanes of the vector unit this build uses (16: AVX-512, 8: AVX2, 1: scalar) */
+int specdec_gemv_lanes(void) {
+#ifdef VW
+    return VW;
+#else
+    return 1;
+#endif
+}
 
 /* RMSNorm over the last dim: y[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w. x, y: [T, H]. */
 void specdec_rmsnorm_f32(const float *x, const float *w, float *y, int64_t T, int64_t H, float eps) {

@@ -6,19 +6,19 @@
  *     x += o_proj(attention(rotary(qkv(rms_norm(x)))))
  *     x += down(silu(gate) * up),  gate|up = gate_up(rms_norm(x))
  *
- * x: [T, H] fp32, updated in place; T <= 32 new tokens of one sequence in a static fp32 cache, or
- * (B > 0) the serving engine's B left-padded rows of T tokens over the paged pool, B * T <= 32, whose
+ * x: [T, H] fp32, updated in place; T <= 64 new tokens of one sequence in a static fp32 cache, or
+ * (B > 0) the serving engine's B left-padded rows of T tokens over the paged pool, B * T <= 64, whose
  * attention is specdec_paged_attention_f32 (k_cache, v_cache: the pool's [num_slots, Hkv, D] layer).
- * Each linear is described by a `Linear` (fp32 matrix, or a packed int8/int4 matrix, see qgemv.c).
+ * Each linear is described by a `Linear` (fp32 or bf16 matrix, see gemv.c, or a packed int8/int4 one, see qgemv.c).
  */
 #include <stdint.h>
 #include <stdlib.h>
 
-enum { LIN_F32 = 0, LIN_I8 = 1, LIN_I4 = 2 };
+enum { LIN_F32 = 0, LIN_I8 = 1, LIN_I4 = 2, LIN_BF16 = 3 };
 
 typedef struct {
-    int64_t kind;                  /* LIN_F32, LIN_I8 or LIN_I4 */
-    const void *weight;            /* fp32 [N, K] or the packed integers */
+    int64_t kind;                  /* LIN_F32, LIN_I8, LIN_I4 or LIN_BF16 */
+    const void *weight;            /* fp32 or bf16 [N, K], or the packed integers */
     const uint16_t *scales, *zeros; /* fp16 [N, K / G] (packed kinds; zeros may be NULL for int8) */
     const float *bias;             /* [N] or NULL */
     int64_t N, K, G;
@@ -41,6 +41,7 @@ typedef struct {
 } LayerShape;
 
 void specdec_linear_f32(const float *x, const float *W, const float *bias, float *y, int64_t T, int64_t K, int64_t N);
+void specdec_linear_bf16(const float *x, const uint16_t *W, const float *bias, float *y, int64_t T, int64_t K, int64_t N);
 int specdec_qlinear_i8(const float *x, const uint8_t *q, const uint16_t *scales, const uint16_t *zeros,
                         const float *bias, float *y, int64_t T, int64_t K, int64_t N, int64_t G);
 int specdec_qlinear_i4(const float *x, const uint8_t *q, const uint16_t *scales, const uint16_t *zeros,
@@ -59,6 +60,10 @@ void specdec_silu_mul_f32(const float *gu, float *y, int64_t T, int64_t I);
 static int apply(const Linear *l, const float *x, float *y, int64_t T) {
     if (l->kind == LIN_F32) {
         specdec_linear_f32(x, (const float *)l->weight, l->bias, y, T, l->K, l->N);
+        return 0;
+    }
+    if (l->kind == LIN_BF16) {
+        specdec_linear_bf16(x, (const uint16_t *)l->weight, l->bias, y, T, l->K, l->N);
         return 0;
     }
     if (l->kind == LIN_I8) return specdec_qlinear_i8(x, l->weight, l->scales, l->zeros, l->bias, y, T, l->K, l->N, l->G);
@@ -119,4 +124,4 @@ int specdec_decoder_layers_f32(float *x, LayerWeights *const *layers, int64_t n,
     return 0;
 }
 
-int specdec_layer_abi(void) { return 3; }
+int specdec_layer_abi(void) { return 4; }

@@ -4,7 +4,7 @@ call (layer.c) for decode-shaped passes; None where it does not apply.
 Applies where the fused attention does (fp32, no q/k norm; one sequence in a static cache with <= MAX_ROWS
 (64) new tokens, or the serving engine's paged batch with <= MAX_ROWS rows in all: B x T, padding
 included, which is where the per-op path's linears run the same kernels) and every projection is an
-fp32 matrix or a packed int8/int4 weight on the CPU. The
+fp32 matrix, a bf16 one (specdec.quant.bf16) or a packed int8/int4 weight on the CPU. The
 result is bitwise the one of the per-op path (same kernels, same order), so callers fall back to
 that path freely. The layer's pointers are described once and re-described only when a weight moves.
 """
@@ -23,7 +23,7 @@ from specdec.kernels.attention import FusedAttention, PagedAttention
 _DIR = Path(__file__).parent
 _lib = None
 _tried = False
-LIN_F32, LIN_I8, LIN_I4 = 0, 1, 2
+LIN_F32, LIN_I8, LIN_I4, LIN_BF16 = 0, 1, 2, 3
 
 
 class _Linear(ctypes.Structure):
@@ -70,7 +70,10 @@ def _describe(weight, bias: torch.Tensor | None) -> _Linear | None:
             return None
         N, K = weight.shape
         return _Linear(LIN_F32, weight.data_ptr(), None, None, b, N, K, 0)
-    q = getattr(weight, "qweight", None)  # a packed specdec.quant.QuantizedWeight (int8/int4, not fp8)
+    q = getattr(weight, "qweight", None)  # a packed specdec.quant weight: bf16, int8/int4 (not fp8)
+    if q is not None and q.dtype is torch.bfloat16 and q.device.type == "cpu" and q.is_contiguous():
+        N, K = q.shape
+        return _Linear(LIN_BF16, q.data_ptr(), None, None, b, N, K, 0)
     if q is None or q.device.type != "cpu" or getattr(weight, "bits", None) not in (4, 8):
         return None
     zeros = None if weight.zeros is None else weight.zeros.data_ptr()

@@ -159,6 +159,9 @@ def load_model(directory: Path, dtype: torch.dtype = torch.float32, max_len: int
     if is_quantized(directory):
         return load_quantized(directory, dtype, max_len, device)
     cfg = read_config(directory)
+    # bf16 on a CPU: bf16 weights, fp32 activations and sums (specdec/quant/bf16.py): converted after loading
+    cpu_bf16 = dtype is torch.bfloat16 and device == "cpu"
+    dtype = torch.float32 if cpu_bf16 else dtype
     max_len = min(max_len or min(cfg.max_position_embeddings, 8192), cfg.max_position_embeddings)
     arch = architecture(cfg)
     with torch.device("meta"):
@@ -175,6 +178,10 @@ def load_model(directory: Path, dtype: torch.dtype = torch.float32, max_len: int
     if missing:
         raise ConfigError(f"{directory}: weights missing for {missing[:3]}")
     model = model.to(device).eval()
+    if cpu_bf16:
+        from specdec.quant.bf16 import Bf16Scheme
+        from specdec.quant.qmodel import quantize_model
+        quantize_model(model, Bf16Scheme(), head=Bf16Scheme())
     if model.device.type == "cpu":
         move_to_huge_pages(model)
     return model

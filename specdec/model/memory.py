@@ -34,11 +34,12 @@ def _madvise_huge(buf: mmap.mmap) -> int | None:
 
 
 def move_to_huge_pages(model: torch.nn.Module) -> bool:
-    """Copy the model's CPU parameters into one huge-page arena (tied weights stay tied). True if done."""
+    """Copy the model's CPU parameters and buffers (packed weights: bf16, int8/int4) into one huge-page
+    arena (tied weights stay tied). True if done."""
     if not sys.platform.startswith("linux"):
         return False
     params = {}
-    for p in model.parameters():
+    for p in list(model.parameters()) + list(model.buffers()):
         if p.device.type != "cpu" or p.is_meta:
             return False
         params.setdefault(p.data_ptr(), p)  # tied parameters share storage: one copy

@@ -5,6 +5,7 @@
                                                           rotary tables and fp32 embedding of
                                                           `model` (the qdraft drafter)
     quantize_model(model, Fp8Scheme())                    FP8 e4m3 (torch._scaled_mm; for GPUs)
+    quantize_model(model, Bf16Scheme(), Bf16Scheme())     bf16 weights, fp32 sums (--dtype bfloat16 on a CPU)
 The lm_head (and a tied embedding) uses its own scheme, int8 by default: it is a large share of a
 small model's error and only ~20% of its bytes. A matrix the scheme cannot hold (int: width not a
 multiple of 32; fp8: a dimension not a multiple of 16) stays in full precision.
@@ -14,11 +15,12 @@ from __future__ import annotations
 import torch
 
 from specdec.model.llama import LlamaModel
+from specdec.quant.bf16 import Bf16Scheme, Bf16Weight
 from specdec.quant.fp8 import Fp8Scheme, Fp8Weight, fp8_applies
 from specdec.quant.qlinear import QEmbedding, QLinear, QuantizedWeight
 from specdec.quant.schemes import BLOCK, QuantScheme, quantize
 
-Scheme = QuantScheme | Fp8Scheme
+Scheme = QuantScheme | Fp8Scheme | Bf16Scheme
 
 LAYER_LINEARS = ("qkv", "o_proj", "gate_up", "down")
 DEFAULT_HEAD = QuantScheme(8, 32, True)
@@ -30,14 +32,20 @@ def scheme_named(name: str, group_size: int = 128, symmetric: bool | None = None
 
 
 def packed_weight(w: torch.Tensor, scheme: Scheme, dtype: torch.dtype) -> torch.nn.Module | None:
-    """w [N, K] as `scheme` stores it (a module with .linear, .rows), or None where it cannot."""
+    """w [N, K] as `scheme` stores it (a module with .linear, .rows), or None where it cannot.
+    A bf16-stored w (a bf16 target's weight) is widened first: a quantized copy of a bf16 model."""
+    if isinstance(w, Bf16Weight):
+        w = w.dequantize()
+    if isinstance(scheme, Bf16Scheme):
+        return Bf16Weight(w, dtype)
     if isinstance(scheme, Fp8Scheme):
         return Fp8Weight.from_float(w, dtype) if fp8_applies(w) else None
     return None if w.shape[1] % BLOCK else QuantizedWeight(quantize(w, scheme), dtype)
 
 
 def _qlinear(lin: torch.nn.Module, scheme: Scheme, dtype: torch.dtype) -> torch.nn.Module:
-    qw = None if isinstance(lin, QLinear) else packed_weight(lin.weight, scheme, dtype)
+    already = isinstance(lin, QLinear) and not isinstance(lin.weight, Bf16Weight)
+    qw = None if already else packed_weight(lin.weight, scheme, dtype)
     return lin if qw is None else QLinear(qw, lin.bias)
 
 
@@ -96,6 +104,8 @@ def stored_as(w) -> str | None:
     """How a weight is stored: 'int4-g32', 'fp8-e4m3', ..., or None (a full-precision tensor)."""
     if isinstance(w, QuantizedWeight):
         return f"int{w.bits}-g{w.group_size}"
+    if isinstance(w, Bf16Weight):
+        return "bf16"
     return "fp8-e4m3" if isinstance(w, Fp8Weight) else None
 
 

@@ -1,0 +1,69 @@
+"""bfloat16 weights with fp32 arithmetic: how `--dtype bfloat16` runs on a CPU.
+
+Decoding streams every weight once per token, so half the bytes is up to twice the speed. A
+Bf16Weight stores [N, K] as bfloat16 and computes x @ W^T with fp32 activations and fp32 sums: each
+weight is widened exactly (bf16 -> fp32 is a 16-bit shift), so the only rounding is the weight's own
+(llama.cpp runs a BF16 file the same way, keeping the residual stream and norms in fp32). Norms, the
+KV cache and every activation stay fp32, which is what model.dtype reports.
+
+    rows <= MAX_ROWS, CPU, fp32 x -> gemv.c's bf16 path (the fp32 kernel's tiles and order: batch invariant)
+    otherwise (prefill, GPU)      -> F.linear(x, W widened to x's dtype)
+
+`quantize_model(model, Bf16Scheme(), head=Bf16Scheme())` converts a loaded fp32 model in place
+(specdec/model/loader.py does so for `dtype=bfloat16` on a CPU); a tied embedding reads the same table.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specdec.kernels import linear_bf16
+
+
+@dataclass(frozen=True)
+class Bf16Scheme:
+    """Store a matrix as bfloat16 (round to nearest even), compute in fp32."""
+
+    @property
+    def name(self) -> str:
+        return "bf16"
+
+    def to_dict(self) -> dict:
+        return {"scheme": "bf16"}
+
+
+class Bf16Weight(torch.nn.Module):
+    """A bfloat16 [N, K] weight that computes x @ W^T in fp32 itself (as QuantizedWeight does)."""
+
+    def __init__(self, weight: torch.Tensor, compute_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.register_buffer("qweight", weight.detach().to(torch.bfloat16).contiguous())  # the stored matrix
+        self.compute_dtype = compute_dtype
+
+    out_features = property(lambda self: self.qweight.shape[0])
+    in_features = property(lambda self: self.qweight.shape[1])
+    shape = property(lambda self: self.qweight.shape)
+    dtype = property(lambda self: self.compute_dtype)
+    device = property(lambda self: self.qweight.device)
+
+    def extra_repr(self) -> str:
+        return f"bfloat16, fp32 sums, {self.out_features}x{self.in_features}"
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., K] -> [..., N]."""
+        y = linear_bf16(x, self.qweight, bias)
+        if y is not None:
+            return y
+        return F.linear(x, self.qweight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.qweight.to(dtype)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ids [...] -> [..., K] (an embedding lookup)."""
+        return self.qweight[ids].to(self.compute_dtype)
+
+    def nbytes(self) -> int:
+        return self.qweight.numel() * self.qweight.element_size()

@@ -1,0 +1,93 @@
+"""`dtype=bfloat16` on a CPU: bf16 weights, fp32 activations and sums (specdec/quant/bf16.py).
+
+Its only rounding is the weights': the model equals the fp32 model over bf16-rounded weights, and every
+speculative method reproduces its own plain greedy decoding token for token.
+"""
+import pytest
+import torch
+
+from specdec.llm import LLM
+from specdec.model.loader import load_model
+from specdec.quant.bf16 import Bf16Weight
+from specdec.quant.qmodel import LAYER_LINEARS, describe
+from specdec.sampling_params import SamplingParams
+
+PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick brown fox",
+           "def add(a, b):\n    return a + b\n\ndef add("]
+
+
+def _rounded_fp32(directory):
+    """The fp32 model with every matrix the bf16 model stores in bf16 rounded to bf16 (and widened back)."""
+    model = load_model(directory, torch.float32)
+    with torch.no_grad():
+        for layer in model.layers:
+            for name in LAYER_LINEARS:
+                w = getattr(layer, name).weight
+                w.copy_(w.bfloat16().float())
+        model.lm_head.weight.copy_(model.lm_head.weight.bfloat16().float())  # tied: the embedding too
+    return model
+
+
+def _passes(model):
+    """Logits of a 6-token prefill, two single-token steps and a 4-token verify-shaped block."""
+    ids = torch.randint(0, 1000, (1, 12), generator=torch.Generator().manual_seed(0))
+    cache = model.new_cache(32)
+    out = [model(ids[:, :6], torch.arange(6)[None], cache).logits]
+    for i in (6, 7):
+        out.append(model(ids[:, i:i + 1], torch.tensor([[i]]), cache).logits)
+    out.append(model(ids[:, 8:12], torch.arange(8, 12)[None], cache).logits)
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_cpu_bf16_model_is_the_fp32_model_over_rounded_weights(tiny_dir, arch):
+    bf16 = load_model(tiny_dir(arch), torch.bfloat16)
+    assert all(isinstance(getattr(layer, n).weight, Bf16Weight) for layer in bf16.layers for n in LAYER_LINEARS)
+    assert isinstance(bf16.lm_head.weight, Bf16Weight) and describe(bf16) == "bf16"
+    assert bf16.dtype is torch.float32  # activations and KV cache
+    want = _passes(_rounded_fp32(tiny_dir(arch)))
+    got = _passes(bf16)
+    for a, b in zip(got, want):
+        assert a.dtype is torch.float32
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    # and it is not the unrounded fp32 model (the comparison above can tell them apart)
+    fp32 = _passes(load_model(tiny_dir(arch), torch.float32))
+    assert max((a - b).abs().max().item() for a, b in zip(got, fp32)) > 1e-3
+
+
+def test_cpu_bf16_weights_take_half_the_bytes(tiny_dir):
+    from specdec.quant.qmodel import weight_bytes
+    fp32, bf16 = load_model(tiny_dir("llama"), torch.float32), load_model(tiny_dir("llama"), torch.bfloat16)
+    assert weight_bytes(bf16) < 0.52 * weight_bytes(fp32)
+
+
+@pytest.mark.parametrize("method", [{"method": "ngram", "num_speculative_tokens": 4},
+                                    {"method": "qdraft", "num_speculative_tokens": 3},
+                                    {"method": "suffix"}], ids=["ngram", "qdraft", "suffix"])
+def test_bf16_speculation_equals_bf16_plain_greedy(tiny_dir, method):
+    d = str(tiny_dir("llama"))
+    plain = LLM(d, dtype="bfloat16", progress=False)
+    spec = LLM(d, dtype="bfloat16", progress=False, speculative_config=method)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for prompt in PROMPTS:
+        a, b = plain.generate(prompt, params)[0], spec.generate(prompt, params)[0]
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert b.metrics["speculative"]["num_drafts"] > 0
+
+
+@pytest.mark.slow
+def test_bf16_real_model_speculation_equals_plain(smollm_llm):
+    """The real default model in bf16: qdraft+ngram (an int4 copy of the bf16 target) and n-gram
+    reproduce bf16 plain decoding; bf16 greedy stays close to fp32 greedy (not asserted equal)."""
+    plain = LLM("smollm2-135m", dtype="bfloat16", progress=False)
+    info = plain.info()
+    assert (info["dtype"], info["weights"], info["activations"]) == ("bfloat16", "bf16", "float32")
+    spec = LLM("smollm2-135m", dtype="bfloat16", progress=False,
+               speculative_config={"method": "qdraft", "lookup": "ngram", "num_speculative_tokens": 4})
+    tok = plain.tokenizer
+    params = SamplingParams(temperature=0, max_tokens=48)
+    for content in ["Explain in three sentences why the sky is blue.", "Write a Python function that reverses a list."]:
+        prompt = tok.apply_chat_template([{"role": "user", "content": content}])
+        a, b = plain.generate(prompt, params)[0], spec.generate(prompt, params)[0]
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert b.metrics["speculative"]["acceptance_rate"] > 0.5
