@@ -93,10 +93,12 @@ def measure_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
 
 def weight_bytes_per_token(model) -> int:
     """Bytes of weights one decode step reads: every matrix and norm once, the embedding only as one
-    row (unless it is tied to the LM head, which reads all of it)."""
+    row (unless it is tied to the LM head, which reads all of it). Packed matrices (bf16, int8/int4, fp8)
+    are buffers of their weight modules."""
     seen, total = set(), 0
     emb = model.embed.weight
-    for name, p in model.named_parameters():
+    packed = [b for n, b in model.named_buffers() if n.rsplit(".", 1)[-1] in ("qweight", "scales", "zeros")]
+    for p in list(model.parameters()) + packed:
         if p.data_ptr() in seen:
             continue
         seen.add(p.data_ptr())

@@ -66,7 +66,9 @@ class SpecdecSystem(System):
         self.target, self.tokenizer, self.target_dir = target, tokenizer, target_dir
         self.method = method or "plain"  # "qdraft+ngram": a model drafter with a lookup (config key `lookup`)
         self.name = f"specdec:{label or self.method}"
-        self.precision = str(target.dtype).replace("torch.", "")
+        from specdec.quant.qmodel import describe
+        body = describe(target)  # "float32", or how the weights are stored: "bf16", "int8-g128 (lm_head ...)"
+        self.precision = body if body == str(target.dtype).replace("torch.", "") else f"{body} weights, fp32 sums"
         base, lookup = split_method(self.method)
         self.config = dict(spec or {}, method=base, **({"lookup": lookup} if lookup else {})) if method else {}
         self.load_aux = load_aux

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from specdec.kernels import MAX_ROWS
 from specdec.model.loader import load_model, resolve_model
 from specdec.model.tokenizer import Tokenizer
+from specdec.quant.bf16 import Bf16Scheme
 from specdec.quant.fp8 import Fp8Scheme
 from specdec.quant.qmodel import describe, quantize_model, scheme_named, weight_bytes
 from specdec.quant.schemes import QuantScheme
@@ -41,7 +42,7 @@ CHAT = ["What is the capital of France? Answer in one sentence.",
 @dataclass
 class Variant:
     name: str  # e.g. "int4-g128 awq"
-    scheme: QuantScheme | Fp8Scheme | None  # None: fp32
+    scheme: QuantScheme | Fp8Scheme | Bf16Scheme | None  # None: fp32
     method: str = "rtn"
 
 
@@ -94,6 +95,8 @@ def build(variant: Variant, directory: Path, calib: list[list[int]] | None, max_
     if variant.method == "awq":
         from specdec.quant.awq import apply_awq
         apply_awq(model, calib, variant.scheme)
+    if isinstance(variant.scheme, Bf16Scheme):  # as --dtype bfloat16 loads it: the lm_head in bf16 too
+        return quantize_model(model, variant.scheme, head=variant.scheme)
     return quantize_model(model, variant.scheme)
 
 

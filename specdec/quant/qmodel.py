@@ -27,7 +27,10 @@ DEFAULT_HEAD = QuantScheme(8, 32, True)
 
 
 def scheme_named(name: str, group_size: int = 128, symmetric: bool | None = None) -> Scheme:
-    """'int8' / 'int4' (group-wise, qgemv.c on CPUs) or 'fp8' (e4m3, torch._scaled_mm: for GPUs)."""
+    """'int8' / 'int4' (group-wise, qgemv.c on CPUs), 'fp8' (e4m3, torch._scaled_mm: for GPUs) or 'bf16'
+    (bf16 weights, fp32 sums: what --dtype bfloat16 loads on a CPU)."""
+    if name == "bf16":
+        return Bf16Scheme()
     return Fp8Scheme() if name == "fp8" else QuantScheme.named(name, group_size, symmetric)
 
 
