@@ -41,7 +41,7 @@ def test_bf16_linear_is_the_fp32_one_over_widened_weights(T, K, N):
     assert torch.equal(kernels.linear_bf16(x, w, b), kernels.linear(x, w.float(), b))
 
 
-@pytest.mark.parametrize("T,K", [(2, 576), (7, 576), (12, 576), (13, 576), (31, 104)])
+@pytest.mark.parametrize("T,K", [(2, 576), (7, 576), (12, 576), (13, 576), (21, 576), (22, 576), (31, 104)])
 def test_bf16_linear_is_batch_invariant(T, K):
     torch.manual_seed(0)
     x, w = torch.randn(T, K), torch.randn(301, K).bfloat16()

@@ -186,6 +186,9 @@ static inline __attribute__((always_inline)) void row_tiles(const void *w, const
 #ifndef WIDE_T
 #define WIDE_T 13 /* from this many input rows on wide_block beats row_tiles (its speed over row_tiles, measured: 12 rows 0.93x, 13 1.04x, 32 1.43x) */
 #endif
+#ifndef WIDE_T_BF16
+#define WIDE_T_BF16 22 /* bf16 weights: row_tiles (prefetching, each weight widened once) stays ahead up to 20 rows (Xeon: 16 rows 28.5 vs 35.9 ms, 20: 36.0 vs 39.7, 24: 53.5 vs 45.3) */
+#endif
 #define WIDE_ROWS 2   /* weight rows per wide tile */
 #define WIDE_TILE_T 3 /* input rows per wide tile: 2 x 3 x ACC accumulators + 3 inputs + 1 weight = 16 registers */
 #define BLOCK_ROWS 48 /* weight rows (<= 288 KB) that stay in L2 while every input tile passes over them */
@@ -219,22 +222,24 @@ static void wide_block(const void *W, const int WBF16, const float *x, float *y,
 }
 
 #ifndef PF_ROWS
-#define PF_ROWS 2 /* verify passes (2-12 rows) prefetch the weight row this far ahead: the 30 layers' linears at
+#define PF_ROWS 2 /* row_tiles passes (2-12 rows, bf16 2-21) prefetch the weight row this far ahead: the 30 layers' linears at
                      2 / 4 / 8 rows, bf16 13.4 -> 9.2, 16.1 -> 10.5, 19.9 -> 14.4 ms; fp32 19.6 -> 17.1, 23.4 -> 19.2,
                      33.3 -> 27.8 ms (2-core Xeon, one process; 1 row ahead: a little less) */
 #endif
 
-/* Output rows in units of unit_rows(T): ROWS_T1 weight streams per step when T == 1 (bandwidth-bound,
- * so many loads in flight, and the next tile's rows prefetched: the 30 layers' bf16 linears 17.1 ->
- * 11.9 ms on a 2-core Xeon, fp32 21.9 -> 21.1: the hardware prefetcher alone left bf16 at ~12 GB/s); blocks of BLOCK_ROWS from WIDE_T rows on (compute-bound: weights from L2,
- * inputs from L1, loads shared by more FMAs); else one weight row against all inputs. */
-static inline int64_t unit_rows(int64_t T) { return T == 1 ? ROWS_T1 : T >= WIDE_T ? BLOCK_ROWS : 1; }
+/* Output rows in units of unit_rows(T, WBF16): ROWS_T1 weight streams per step when T == 1
+ * (bandwidth-bound, so many loads in flight, and the next tile's rows prefetched: the 30 layers' bf16
+ * linears 17.1 -> 11.9 ms on a 2-core Xeon, fp32 21.9 -> 21.1: the hardware prefetcher alone left bf16
+ * at ~12 GB/s); blocks of BLOCK_ROWS from WIDE_T (bf16: WIDE_T_BF16) rows on (compute-bound: weights
+ * from L2, inputs from L1, loads shared by more FMAs); else one weight row against all inputs. */
+static inline int wide(int64_t T, const int WBF16) { return T >= (WBF16 ? WIDE_T_BF16 : WIDE_T); }
+static inline int64_t unit_rows(int64_t T, const int WBF16) { return T == 1 ? ROWS_T1 : wide(T, WBF16) ? BLOCK_ROWS : 1; }
 
-/* Output rows [n_lo, n_hi) (n_lo a multiple of unit_rows(T)) of y = x W^T + bias. */
+/* Output rows [n_lo, n_hi) (n_lo a multiple of unit_rows(T, WBF16)) of y = x W^T + bias. */
 static inline __attribute__((always_inline)) void rows_range(const void *W, const int WBF16, const float *x,
                                                              const float *bias, float *y, int64_t T, int64_t K,
                                                              int64_t N, int64_t n_lo, int64_t n_hi) {
-    const int64_t unit = unit_rows(T);
+    const int64_t unit = unit_rows(T, WBF16);
     for (int64_t n0 = n_lo; n0 < n_hi; n0 += unit) {
         const int64_t nr = n_hi - n0 < unit ? n_hi - n0 : unit;
 #ifdef VW
@@ -245,7 +250,7 @@ static inline __attribute__((always_inline)) void rows_range(const void *W, cons
 #endif
         if (T == 1 && nr == ROWS_T1) tile(wat(W, WBF16, n0 * K), WBF16, x, y + n0, ROWS_T1, 1, K, N, 0);
         else if (T == 1) for (int64_t r = 0; r < nr; r++) tile(wat(W, WBF16, (n0 + r) * K), WBF16, x, y + n0 + r, 1, 1, K, N, 0);
-        else if (T >= WIDE_T) wide_block(wat(W, WBF16, n0 * K), WBF16, x, y + n0, T, K, N, nr);
+        else if (wide(T, WBF16)) wide_block(wat(W, WBF16, n0 * K), WBF16, x, y + n0, T, K, N, nr);
         else {
 #ifdef VW
             if (n0 + PF_ROWS < n_hi) { /* a later weight row into L1 while this one meets every input */
@@ -272,7 +277,7 @@ static __attribute__((noinline)) void rows_bf16(const void *W, const float *x, c
 /* Each thread takes a contiguous, near-equal share of the units (OpenMP's static schedule). */
 static void linear_any(const void *W, const int wbf16, const float *x, const float *bias, float *y, int64_t T,
                        int64_t K, int64_t N) {
-    const int64_t unit = unit_rows(T), units = (N + unit - 1) / unit;
+    const int64_t unit = unit_rows(T, wbf16), units = (N + unit - 1) / unit;
     #pragma omp parallel
     {
         const int64_t nth = omp_get_num_threads(), me = omp_get_thread_num();
