@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 
 from specdec.cli._common import add_model_args, add_spec_args, spec_config_from_args
 from specdec.config import ConfigError
@@ -39,8 +40,9 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def build_server(args):
-    """The uvicorn server and the app state (the engine thread starts with the app)."""
+def build_server(args, engine_on_caller: bool = False):
+    """The uvicorn server and the app state. The engine's thread starts with the app, or, with
+    engine_on_caller, the caller runs the engine loop itself (state.engine.run_here(), as run() does)."""
     import uvicorn
 
     from specdec.engine.async_engine import AsyncEngine
@@ -59,7 +61,8 @@ def build_server(args):
                                       args.num_kv_blocks, args.kv_cache_memory_gb, not args.no_prefix_caching))
     name = args.served_model_name or args.model
     metrics = ServerMetrics(name)
-    state = ServerState(AsyncEngine(engine, on_stats=metrics.on_stats), name, args.api_key or None,
+    # the engine loop runs on the main thread (run()), uvicorn on another: see specdec/engine/async_engine.py
+    state = ServerState(AsyncEngine(engine, on_stats=metrics.on_stats, own_thread=not engine_on_caller), name, args.api_key or None,
                         args.max_queued_requests, args.max_body_bytes, args.max_header_bytes, metrics=metrics)
     config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=args.log_level, http="h11",
                             h11_max_incomplete_event_size=args.max_header_bytes,
@@ -74,10 +77,15 @@ def build_server(args):
 
 
 def run(args) -> int:
-    server, _ = build_server(args)
+    server, state = build_server(args, engine_on_caller=True)
     logging.basicConfig(level=args.log_level.upper())
     print(f"specdec: serving {args.served_model_name or args.model} on http://{args.host}:{args.port}", flush=True)
-    # uvicorn re-raises the signal it caught after a graceful shutdown: make that a clean exit
-    signal.signal(signal.SIGTERM, lambda *_: None)
-    server.run()
-    return 0
+    # uvicorn serves from a second thread, so the signals reach this one: hand them to it (graceful
+    # shutdown: new requests get 503, running ones finish, then the app's shutdown stops the engine)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, server.handle_exit)
+    http = threading.Thread(target=server.run, name="specdec-http", daemon=True)
+    http.start()
+    state.engine.run_here(while_true=http.is_alive)
+    http.join()
+    return 0 if server.started else 1  # not started: uvicorn said why (e.g. the port is taken)
