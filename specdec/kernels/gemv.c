@@ -321,11 +321,41 @@ void specdec_rmsnorm_f32(const float *x, const float *w, float *y, int64_t T, in
     }
 }
 
-/* SwiGLU: gu [T, 2I] holds gate then up; y [T, I] = silu(gate) * up. */
+#ifdef __AVX2__
+/* exp(x) in 8 lanes (Cephes-style: 2^n * poly(r), ~2 ulp), x clamped to [-87, 88]. */
+static inline __m256 exp8_clamped(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+/* SwiGLU: gu [T, 2I] holds gate then up; y [T, I] = silu(gate) * up. Element-wise, so a value never
+ * depends on T: 8 lanes at a time (a vector exp: the scalar expf loop was ~8 us a layer, 0.25 ms of a
+ * 15 ms bf16 decode step), the last I % 8 elements of a row with expf. */
 void specdec_silu_mul_f32(const float *gu, float *y, int64_t T, int64_t I) {
     for (int64_t t = 0; t < T; t++) {
         const float *g = gu + t * 2 * I, *u = g + I;
         float *yt = y + t * I;
-        for (int64_t i = 0; i < I; i++) yt[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        int64_t i = 0;
+#ifdef __AVX2__
+        for (; i + 8 <= I; i += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + i);
+            const __m256 den = _mm256_add_ps(_mm256_set1_ps(1.0f), exp8_clamped(_mm256_sub_ps(_mm256_setzero_ps(), gv)));
+            _mm256_storeu_ps(yt + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
+        }
+#endif
+        for (; i < I; i++) yt[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
 }
