@@ -91,3 +91,16 @@ def test_bf16_real_model_speculation_equals_plain(smollm_llm):
         a, b = plain.generate(prompt, params)[0], spec.generate(prompt, params)[0]
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert b.metrics["speculative"]["acceptance_rate"] > 0.5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["eagle3", "medusa"])
+def test_bf16_learned_heads_read_the_packed_target(method):
+    """The shipped heads on a bf16 target: embeddings and LM-head rows come from the bf16 weights."""
+    plain = LLM("smollm2-135m", dtype="bfloat16", progress=False)
+    spec = LLM("smollm2-135m", dtype="bfloat16", progress=False, speculative_config={"method": method})
+    prompt = plain.tokenizer.apply_chat_template([{"role": "user", "content": "Name three colors of the rainbow."}])
+    params = SamplingParams(temperature=0, max_tokens=32)
+    a, b = plain.generate(prompt, params)[0], spec.generate(prompt, params)[0]
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert b.metrics["speculative"]["num_drafts"] > 0

@@ -64,8 +64,8 @@ class _EagleBase(Proposer):
             raise ConfigError(f"{path}: head was trained for hidden {self.head.cfg.hidden_size} / vocab "
                               f"{self.head.cfg.vocab_size}, the target has {tc.hidden_size} / {tc.vocab_size}")
         self.feature_layers = tuple(self.head.cfg.aux_layers)
-        self.embed = ctx.target.embed.weight  # [V, H]
-        self.lm_head = ctx.target.lm_head.weight
+        self.embed = ctx.target.embed  # ids -> [..., H]: a table, or rows of a packed one (a bf16 target)
+        self.lm_head = ctx.target.lm_head.weight  # a tensor or a packed weight (heads.draft_rows reads both)
         self.draft_ids = self.head.draft_ids  # [Vd] target id per draft id
         self.num_steps, self.topk = cfg.num_steps, cfg.eagle_topk
         self.budget = cfg.num_draft_tokens - 1  # drafted nodes (SGLang counts the root token too)
@@ -82,7 +82,7 @@ class _EagleBase(Proposer):
         cache: DraftKV = st["cache"]
         cache.length = st["len"]  # forget the speculative rows of the last proposal
         n = len(next_tokens)
-        emb = self.embed[torch.tensor(next_tokens)][None]  # [1, n, H]
+        emb = self.embed(torch.tensor(next_tokens))[None]  # [1, n, H]
         hidden = self.head.fuse(feats[None].to(emb.dtype), emb)
         pos = torch.arange(st["len"], st["len"] + n)[None]
         out = self.head.forward_layer(emb, hidden, pos, cache)
@@ -92,7 +92,7 @@ class _EagleBase(Proposer):
     def begin(self, state: RequestState, prefill: TargetOutput | None = None) -> None:
         n = len(state.prompt_ids)
         st = state.draft
-        st["cache"] = DraftKV(self.head.cfg, self.ctx.max_len + self.budget + 2, self.embed.dtype)
+        st["cache"] = DraftKV(self.head.cfg, self.ctx.max_len + self.budget + 2, self.ctx.dtype)
         st["len"] = 0
         st["pending"] = [(self._features(prefill.forward, prefill.accepted_rows), state.token_ids[1:n + 1])]
 
@@ -121,7 +121,7 @@ class _EagleBase(Proposer):
     def _forward_nodes(self, state, tokens: list[int], parent_out: torch.Tensor, depths: list[int],
                        mask: torch.Tensor | None) -> torch.Tensor:
         """tokens: target ids of the nodes; parent_out [m, H]; returns their outputs [m, H]."""
-        emb = self.embed[torch.tensor(tokens)][None]  # [1, m, H]
+        emb = self.embed(torch.tensor(tokens))[None]  # [1, m, H]
         hidden = self.head.step_input(emb, parent_out[None])
         pos = (state.draft["len"] + torch.tensor(depths) - 1)[None]
         return self.head.forward_layer(emb, hidden, pos, state.draft["cache"], mask)[0]
@@ -144,7 +144,7 @@ class _EagleBase(Proposer):
             if params.greedy:
                 tok = int(self.draft_ids[int(logits.argmax())])
             else:  # q over the full vocabulary, warped exactly as the target's p
-                full = torch.full((self.embed.shape[0],), float("-inf"))
+                full = torch.full((self.ctx.target.config.vocab_size,), float("-inf"))
                 full[self.draft_ids] = logits
                 q = warp(full[None], params)[0]
                 tok = sample(q, state.generator)

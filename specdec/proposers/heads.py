@@ -134,17 +134,25 @@ class EagleLayer(torch.nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def draft_rows(head: torch.nn.Module, target_lm_head: torch.Tensor) -> torch.Tensor:
+def draft_rows(head: torch.nn.Module, target_lm_head) -> torch.Tensor:
     """The target LM head's rows of the head's draft vocabulary [Vd, H], gathered once and kept (a
     gather per drafted token copied ~9 MB on the default model, more than the head's own work); the
-    whole matrix when the head drafts the full vocabulary. Refreshed when the target's matrix or the
-    head's vocabulary changes."""
-    if head.cfg.draft_vocab_size == 0:
+    whole matrix when the head drafts the full vocabulary. The target's matrix is a tensor or a packed
+    specdec.quant weight (a bf16 or quantized target: its rows widened to the compute dtype). Refreshed
+    when the target's matrix or the head's vocabulary changes."""
+    stored = target_lm_head if isinstance(target_lm_head, torch.Tensor) else target_lm_head.qweight
+    if head.cfg.draft_vocab_size == 0 and stored is target_lm_head:
         return target_lm_head
-    key = (target_lm_head.data_ptr(), target_lm_head._version, head.vocab_version)
+    key = (stored.data_ptr(), stored._version, head.vocab_version)
     cached = head.__dict__.get("_draft_rows")
     if cached is None or cached[0] != key:
-        cached = (key, target_lm_head[head.draft_ids])
+        if isinstance(target_lm_head, torch.Tensor):
+            rows = target_lm_head[head.draft_ids]
+        elif head.cfg.draft_vocab_size == 0:
+            rows = target_lm_head.dequantize(target_lm_head.dtype)
+        else:
+            rows = target_lm_head.rows(head.draft_ids)
+        cached = (key, rows)
         head.__dict__["_draft_rows"] = cached
     return cached[1]
 

@@ -77,6 +77,6 @@ class MedusaProposer(Proposer):
             return EMPTY
         paths = self.paths[:n]  # topological order: any prefix of the list is a tree
         depth = max(len(p) for p in paths)  # only the heads these nodes use
-        logits = self.head(h[None].to(self.lm_head.dtype), self.lm_head, depth)[:, 0]  # [depth, Vd]
+        logits = self.head(h[None].to(self.ctx.dtype), self.lm_head, depth)[:, 0]  # [depth, Vd]
         top = self.draft_ids[logits.topk(self.max_rank, dim=-1).indices].tolist()  # [depth, ranks] target ids
         return Proposal([top[len(p) - 1][p[-1]] for p in paths], None, self.parents[:n])
