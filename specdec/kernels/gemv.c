@@ -136,7 +136,9 @@ static inline __attribute__((always_inline)) void tile(const void *W, const int 
     for (int r = 0; r < nr; r++)
         for (int t = 0; t < nt; t++) {
             float v = out[r][t];
-            for (int64_t j = k; j < K; j++) v += wget(W, WBF16, r * K + j) * x[t * K + j];
+            /* fmaf, not `v += w * x`: whether the compiler contracts that into an FMA differed between
+             * the fp32 and bf16 copies of this loop on an AMD EPYC (Zen 4) build, so their tails disagreed */
+            for (int64_t j = k; j < K; j++) v = fmaf(wget(W, WBF16, r * K + j), x[t * K + j], v);
             y[t * N + r] = v;
         }
 }
