@@ -84,7 +84,19 @@ class ModelConfig:
         )
         if model_type == "gemma3":
             fields.update(_gemma3_fields(cfg))
+        elif cfg.get("sliding_window") and (model_type == "mistral" or cfg.get("use_sliding_window")):
+            # every layer attends within the window (Mistral 7B v0.1: 4096); the loader caps the context
+            # there, where the window hides nothing and full attention is the same computation
+            fields["sliding_window"] = int(cfg["sliding_window"])
         return cls(**fields)
+
+    @property
+    def context_limit(self) -> int:
+        """The longest context this runtime computes exactly: a Llama-family model whose every layer
+        has a sliding window is run within one window (gemma3 masks its local layers itself)."""
+        if self.sliding_window and self.model_type != "gemma3":
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
 
     @property
     def num_parameters(self) -> int:

@@ -25,7 +25,7 @@ def smollm_dir() -> Path:
 
 
 def make_tiny(arch: str, out: Path, tokenizer_src: Path, seed: int = 0, **overrides) -> Path:
-    """A random-weight model of `arch` (llama | qwen2 | qwen3 | llama3) saved as a HF directory."""
+    """A random-weight model of `arch` (llama | qwen2 | qwen3 | llama3 | mistral) saved as a HF directory."""
     import transformers as tf
 
     torch.manual_seed(seed)
@@ -37,6 +37,9 @@ def make_tiny(arch: str, out: Path, tokenizer_src: Path, seed: int = 0, **overri
         cfg = tf.LlamaConfig(**kw, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
         cls = tf.LlamaForCausalLM
+    elif arch == "mistral":  # every layer within a sliding window (Mistral 7B v0.1)
+        cfg = tf.MistralConfig(**{"sliding_window": 32, **kw})
+        cls = tf.MistralForCausalLM
     elif arch == "qwen2":
         cfg = tf.Qwen2Config(**kw)
         cls = tf.Qwen2ForCausalLM

@@ -39,3 +39,30 @@ def test_generate_json_and_info():
     assert out["metrics"]["target_forward_passes"] >= 2 and "speculative" in out["metrics"]
     r = specdec("info", "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["architecture"] == "llama"
+
+
+def test_prompt_file_json_and_chat_session(tmp_path):
+    """--prompt-file gives one JSON line per prompt; `chat` streams each turn with the chat template and
+    keeps the conversation: its first greedy answer is `generate --chat`'s for the same message."""
+    f = tmp_path / "prompts.txt"
+    f.write_text("The capital of France is\n\nOne, two, three,\n")
+    r = specdec("generate", "--prompt-file", str(f), "--max-tokens", "6", "--json", "--temperature", "0")
+    assert r.returncode == 0, r.stderr
+    outs = [json.loads(line) for line in r.stdout.strip().splitlines()]
+    assert [o["prompt"] for o in outs] == ["The capital of France is", "One, two, three,"]
+    assert all(len(o["token_ids"]) == 6 for o in outs)
+
+    one = specdec("generate", "--chat", "--prompt", "Name a color.", "--max-tokens", "10", "--temperature", "0",
+                  "--json")
+    expected = json.loads(one.stdout.strip().splitlines()[-1])["text"]
+    r = subprocess.run([sys.executable, "-m", "specdec.cli", "chat", "--max-tokens", "10", "--temperature", "0",
+                        "--speculative-method", "ngram"],
+                       input="Name a color.\nAnd another one?\n\n", capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert r.stdout.startswith("> " + expected)
+    assert r.stdout.count("> ") >= 3 and r.stderr.count("tok/s]") == 2  # two answered turns, then the empty line
+
+
+def test_missing_prompt_file_is_one_line(tmp_path):
+    r = specdec("generate", "--prompt-file", str(tmp_path / "nope.txt"))
+    assert r.returncode != 0 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -119,3 +119,32 @@ def test_weights_on_huge_pages_keep_values_and_ties(tiny_dir):
             assert torch.equal(v, before[k]), k
     assert model.lm_head.weight.data_ptr() == model.embed.weight.data_ptr()
     assert all(p.data_ptr() % 64 == 0 for p in model.parameters())
+
+
+# relative RMS error of each GGUF type's round trip (a wrong block layout gives ~1.4)
+GGUF_TYPES = {"F32": 0.0, "F16": 1e-3, "BF16": 5e-3, "Q8_0": 1e-2, "Q5_0": 5e-2, "Q5_1": 5e-2, "Q4_0": 0.1, "Q4_1": 0.1}
+
+
+@pytest.mark.parametrize("qtype", sorted(GGUF_TYPES))
+def test_gguf_weight_types_dequantize(tmp_path, qtype):
+    """Each weight type the GGUF loader reads (Q4_K and Q6_K: the real gemma3 file, test_gemma3), written
+    by the gguf package's own writer and quantizer, comes back in HF layout within the type's error."""
+    import gguf
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q, quants
+    from specdec.model.gguf import _tensors
+
+    q = Q[qtype]
+    w = np.random.default_rng(0).standard_normal((48, 256)).astype(np.float32)
+    path = tmp_path / "w.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    data = quants.quantize(w, q)
+    writer.add_tensor("blk.0.ffn_up.weight", data, raw_shape=data.shape, raw_dtype=q)
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
+    writer.close()
+    out = _tensors(gguf.GGUFReader(str(path)), {}, "qwen2", progress=False)["model.layers.0.mlp.up_proj.weight"]
+    assert out.dtype == torch.float32 and tuple(out.shape) == w.shape
+    rel_rms = float(((out.numpy() - w) ** 2).mean() ** 0.5 / (w ** 2).mean() ** 0.5)
+    assert rel_rms <= GGUF_TYPES[qtype] + 1e-9, rel_rms
+    if qtype != "F32":
+        assert rel_rms > 0  # really quantized: the test would catch a reader that ignored the type

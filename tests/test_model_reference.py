@@ -19,12 +19,23 @@ def _our_logits(model, ids):
     return model(torch.tensor([ids]), torch.arange(len(ids))[None], cache).logits[0]
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "qwen3", "mistral"])
 def test_tiny_logits_match_transformers(tiny_dir, arch):
     d = tiny_dir(arch)
     ref, _ = _hf_logits(d, PROMPT_IDS)
     ours = _our_logits(load_model(d), PROMPT_IDS)
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+
+
+def test_sliding_window_model_runs_within_its_window(tiny_dir):
+    """Mistral v0.1's window on every layer: the context is capped at the window, where it hides
+    nothing (the logits test above runs inside it); asking for more is a clear error, not wrong logits."""
+    from specdec.config import ConfigError
+    d = tiny_dir("mistral")
+    assert load_model(d).max_len == 32
+    with pytest.raises(ConfigError, match="sliding window"):
+        load_model(d, max_len=64)
+    assert load_model(tiny_dir("qwen2")).max_len > 32  # qwen2's sliding_window is off (use_sliding_window)
 
 
 def test_tiny_incremental_decode_matches_full_pass(tiny_dir):

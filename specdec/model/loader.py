@@ -153,6 +153,15 @@ def specdec_to_hf(model, layers: list[int] | None = None) -> dict[str, torch.Ten
     return architecture(model.config).to_hf(model, layers)
 
 
+def context_length(cfg: ModelConfig, max_len: int | None, directory: Path) -> int:
+    """The context to allocate: max_len (default: up to 8192) within what the model computes exactly."""
+    limit = cfg.context_limit
+    if max_len and max_len > limit and limit < cfg.max_position_embeddings:
+        raise ConfigError(f"{directory}: a context of {max_len} tokens exceeds the model's sliding window "
+                          f"({limit}); sliding-window attention past it is not supported for {cfg.model_type}")
+    return min(max_len or min(limit, 8192), limit)
+
+
 def load_model(directory: Path, dtype: torch.dtype = torch.float32, max_len: int | None = None,
                device: str = "cpu") -> LlamaModel:
     from specdec.quant.io import is_quantized, load_quantized  # `specdec quantize` output (int8/int4)
@@ -162,7 +171,7 @@ def load_model(directory: Path, dtype: torch.dtype = torch.float32, max_len: int
     # bf16 on a CPU: bf16 weights, fp32 activations and sums (specdec/quant/bf16.py): converted after loading
     cpu_bf16 = dtype is torch.bfloat16 and device == "cpu"
     dtype = torch.float32 if cpu_bf16 else dtype
-    max_len = min(max_len or min(cfg.max_position_embeddings, 8192), cfg.max_position_embeddings)
+    max_len = context_length(cfg, max_len, directory)
     arch = architecture(cfg)
     with torch.device("meta"):
         model = arch.model_cls(cfg, max_len)

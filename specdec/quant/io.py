@@ -172,7 +172,7 @@ def _stored_weight(t: dict, prefixes: tuple[str, ...], scheme, K: int, dtype: to
 
 def load_quantized(directory: Path, dtype: torch.dtype = torch.float32, max_len: int | None = None,
                    device: str = "cpu") -> LlamaModel:
-    from specdec.model.loader import read_config
+    from specdec.model.loader import context_length, read_config
 
     raw, cfg = _raw_config(directory), read_config(directory)
     require_llama_layout(cfg)
@@ -184,7 +184,7 @@ def load_quantized(directory: Path, dtype: torch.dtype = torch.float32, max_len:
     if device == "cpu" and isinstance(body, Fp8Scheme):
         warnings.warn(f"{directory}: fp8 weights on a CPU run torch's emulated FP8 matmul (~15x slower than "
                       f"fp32); fp8 is for GPUs, int8/int4 for CPUs (specdec quantize --scheme int8)", stacklevel=2)
-    max_len = min(max_len or min(cfg.max_position_embeddings, 8192), cfg.max_position_embeddings)
+    max_len = context_length(cfg, max_len, directory)
     t = read_safetensors_dir(Path(directory))
     with torch.device("meta"):
         model = LlamaModel(cfg, max_len)
