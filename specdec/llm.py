@@ -16,6 +16,7 @@ from specdec.model.loader import DEFAULT_MODEL, load_model, resolve_device, reso
 from specdec.model.tokenizer import Tokenizer
 from specdec.sampling_params import SamplingParams
 from specdec.spec.decoder import GenerationResult, SpeculativeDecoder
+from specdec.spec.metrics import SpecMetrics
 from specdec.spec.proposer import ProposerContext, make_proposer
 
 
@@ -27,6 +28,7 @@ class CompletionOutput:
     finish_reason: str
     logprobs: list[dict] | None = None
     stop_reason: str | int | None = None
+    metrics: dict = field(default_factory=dict)  # this sample's (RequestOutput.metrics: all n together)
 
 
 @dataclass
@@ -86,14 +88,15 @@ class LLM:
         results = []
         for prompt in prompts:
             text, ids = self._encode(prompt)
-            outs, metrics = [], {}
+            outs, runs = [], []
             for i in range(params.n):
                 p = params if params.n == 1 or params.seed is None else _with_seed(params, params.seed + i)
                 r = self.decoder.generate(ids, p)
-                outs.append(CompletionOutput(i, r.text, r.token_ids, r.finish_reason, r.logprobs, r.stop_reason))
-                metrics = r.metrics_dict()
+                runs.append(r)
+                outs.append(CompletionOutput(i, r.text, r.token_ids, r.finish_reason, r.logprobs, r.stop_reason,
+                                             r.metrics_dict()))
             self._counter += 1
-            results.append(RequestOutput(str(self._counter), text, ids, outs, metrics))
+            results.append(RequestOutput(str(self._counter), text, ids, outs, _combined_metrics(runs)))
         return results
 
     def chat(self, messages, sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
@@ -113,6 +116,20 @@ class LLM:
                 "weights": describe(self.model), "activations": str(self.dtype).replace("torch.", ""), "device": str(self.model.device),
                 "max_model_len": self.model.max_len, "threads": torch.get_num_threads(), "kernels": kernel_status(),
                 "speculative_config": None if self.speculative_config is None else self.speculative_config.method}
+
+
+def _combined_metrics(runs: list) -> dict:
+    """The metrics of a request's n samples together (each sample's are on its CompletionOutput)."""
+    if len(runs) == 1:
+        return runs[0].metrics_dict()
+    spec = SpecMetrics()
+    for r in runs:
+        spec.merge(r.metrics)
+    prefill, decode = sum(r.prefill_time for r in runs), sum(r.decode_time for r in runs)
+    decoded = sum(max(len(r.token_ids) - 1, 0) for r in runs)
+    return {"prefill_time_s": round(prefill, 4), "decode_time_s": round(decode, 4),
+            "decode_tokens_per_s": round(decoded / decode, 2) if decode > 0 else 0.0,
+            "target_forward_passes": spec.target_passes + len(runs), "speculative": spec.to_dict()}
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:

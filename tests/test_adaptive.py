@@ -137,3 +137,37 @@ def test_the_dearer_drafter_loses_the_step():
     assert ad.choose(0.4, lookup_match=3, lookup_len=8).lookup
     model = ad.choose(0.4, lookup_match=1, lookup_len=8)
     assert not model.lookup and model.k >= 3
+
+
+def test_one_stall_does_not_switch_a_paying_drafter_off():
+    """A shared machine pausing one step (100x its draft time) moves the estimate by <= 1.6x, so a
+    drafter that pays keeps drafting; without the cap it read as 30x dearer and went off."""
+    ad = AdaptiveK(8, _cost())
+    ks = _run(ad, 20, 1.0, draft_s=0.001, overhead_s=0.002)
+    assert ks[-1] >= 4
+    before = ad.draft_seconds
+    ad.observe_step(4, 4 * 0.1, 0.002)  # the stall
+    assert ad.draft_seconds <= 1.6 * before + 1e-12
+    assert ad.choose(draft_cost_rel=0.01).k >= 4
+    cost = _cost()
+    c2 = cost.seconds[2]
+    cost.observe(2, 100 * c2)  # a stalled verify pass moves the shared cost curve by as little
+    assert cost.seconds[2] <= 1.6 * c2 + 1e-12
+
+
+def test_real_cost_changes_still_get_through():
+    ad = AdaptiveK(8, _cost())
+    _run(ad, 10, 1.0, draft_s=0.001, overhead_s=0.002)
+    for _ in range(12):  # the drafter became 40x dearer for good
+        ad.observe_step(4, 4 * 0.040, 0.002)
+    assert ad.draft_seconds > 0.030
+
+
+def test_a_drafting_step_is_never_priced_below_a_plain_one():
+    """Overheads are timing noise on small models: a plain-step estimate above the drafting one must
+    not make a useless draft (acceptance 0.01) look like it pays."""
+    ad = AdaptiveK(8, _cost())
+    ad.acceptance = 0.01
+    ad.overhead.plain, ad.overhead.spec = 0.030, 0.0
+    ad.draft_seconds = 0.0
+    assert all(ad.expected_speedup(k, 0.0) < 1.0 for k in range(1, 9))

@@ -20,3 +20,17 @@ def test_lookup_steps_are_counted_by_match_length():
     m.merge(other)
     assert m.by_match_length[2] == [3, 8, 4] and m.num_drafts == 5
     assert "lookup_by_match_length" not in SpecMetrics().to_dict()  # no lookup, no table
+
+
+def test_n_samples_report_each_and_their_sum(tiny_dir):
+    """LLM.generate with n > 1: each sample carries its own metrics, the request the sum over all n."""
+    from specdec import LLM, SamplingParams
+    llm = LLM(str(tiny_dir("llama")), speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+              dtype="float32", max_model_len=128, progress=False)
+    out = llm.generate("one two three one two three one two", SamplingParams(temperature=0.8, seed=3, n=2,
+                                                                             max_tokens=12, ignore_eos=True))[0]
+    per = [o.metrics for o in out.outputs]
+    assert len(per) == 2 and all(m["target_forward_passes"] >= 1 for m in per)
+    assert out.metrics["target_forward_passes"] == sum(m["target_forward_passes"] for m in per)
+    for key in ("num_draft_tokens", "num_accepted_tokens"):
+        assert out.metrics["speculative"][key] == sum(m["speculative"][key] for m in per)

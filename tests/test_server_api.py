@@ -108,6 +108,7 @@ def test_bad_input_gets_400_in_openai_shape(server, path, body, param):
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
     assert err["type"] == "invalid_request_error" and err["param"] == param and err["message"]
+    assert server.engine.blocks.num_used == 0  # refused before any block was taken
 
 
 def test_malformed_json_body_and_size_limits(server):
@@ -154,6 +155,7 @@ def test_queue_full_answers_429_with_retry_after(server):
     limited = next(r for r in rs if r.status_code == 429)
     assert limited.headers["retry-after"] and limited.json()["error"]["type"] == "rate_limit_error"
     server.wait_idle()
+    assert server.engine.blocks.num_used == 0
 
 
 def test_disconnect_and_timeout_abort_and_free_blocks(server):
@@ -232,3 +234,29 @@ def test_json_schema_response_format(server):
     assert r.status_code == 200, r.text
     obj = json.loads(r.json()["choices"][0]["message"]["content"])
     assert isinstance(obj["ok"], bool) and obj["color"] in ("red", "green", "blue")
+
+
+def test_per_request_method_and_k(server, plain):
+    """A request picks its own drafter and k (the server runs n-gram at k = 4): same greedy text, and
+    its metrics name the method it got."""
+    prompt = "tree code tree code tree code tree"
+    want = plain.generate(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].outputs[0].text
+    for choice in ("suffix", {"method": "ngram", "num_speculative_tokens": 2}):
+        r = httpx.post(server.url + "/v1/completions", headers=headers(), timeout=60, json={
+            "prompt": prompt, "max_tokens": 20, "temperature": 0, "ignore_eos": True, "speculative": choice})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["choices"][0]["text"] == want
+        spec = body["metrics"]["speculative_decoding"]
+        assert spec["method"] == (choice if isinstance(choice, str) else choice["method"])
+        if isinstance(choice, dict):  # k = 2: no step drafts more than two tokens
+            assert len(spec["drafted_by_position"]) <= 2
+    assert server.engine.blocks.num_used == 0
+
+
+def test_regex_response_format(server):
+    r = httpx.post(server.url + "/v1/completions", headers=headers(), timeout=60, json={
+        "prompt": "my phone number is", "max_tokens": 20, "temperature": 0,
+        "response_format": {"type": "regex", "regex": "[0-9]{3}-[0-9]{4}"}})
+    assert r.status_code == 200, r.text
+    assert re.fullmatch("[0-9]{3}-[0-9]{4}", r.json()["choices"][0]["text"])

@@ -4,7 +4,7 @@ Measures, on the user's prompts and this machine:
     c(T)        the target's forward cost over T new tokens (the cost curve), T up to B * (k_max + 1)
     per method  a probe run at fixed k = k_max: how often draft position j is proposed / accepted per
                 target step, and the draft cost per drafted token c_draft
-and predicts for every k (algorithms.md, the cost model; B = batch size):
+and predicts for every k (docs/algorithms.md, the cost model; B = batch size):
 
     tokens(k)  = 1 + sum_{j<=k} P(position j accepted)            per target step (tau incl. plain steps)
     cost(k)    = E[c(B (L_k + 1))] / c(B) + E[L_k] * B * c_draft / c(B)     L_k = min(proposal length, k)

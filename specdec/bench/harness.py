@@ -268,12 +268,14 @@ def run_dtype(cfg: BenchConfig, dtype_name: str, prompts: list | None, log=print
 
     threads = set_threads(cfg.threads)
     dtype = resolve_dtype(dtype_name)
+    t0 = time.perf_counter()  # a load from the conversion cache (the first conversion ran before, if ever)
     source = resolve_model(cfg.model, progress=False)
     max_len = cfg.max_prompt_tokens + cfg.max_tokens + 160
     base_rss = rss_mb()
     target = load_model(source.directory, dtype, max_len)
     target_rss = None if base_rss is None else rss_mb() - base_rss
     tokenizer = Tokenizer(source.directory)
+    load_seconds = time.perf_counter() - t0
     plain = SpecdecSystem(target, tokenizer, source.directory)
     plain.setup()
     if prompts is None:
@@ -285,7 +287,7 @@ def run_dtype(cfg: BenchConfig, dtype_name: str, prompts: list | None, log=print
     result = {"dtype": str(dtype).replace("torch.", ""), "threads": threads, "model_dir": str(source.directory),
               "cost_curve": curve.to_dict(), "bandwidth_gb_s": round(measure_bandwidth(cfg.bandwidth_mb), 2),
               "weight_bytes_per_token": weight_bytes_per_token(target), "base_rss_mb": base_rss,
-              "target_rss_mb": target_rss}
+              "target_rss_mb": target_rss, "load_seconds": round(load_seconds, 3)}
     draft_dir = None
     if cfg.draft_model == "auto":
         draft_dir = auto_draft_dir(source.directory, target, cfg.draft_layers)

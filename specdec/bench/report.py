@@ -132,7 +132,8 @@ def foundation(run: dict, table: dict) -> dict:
             "plain_vs_transformers": plain / hf if plain and hf else None,
             "bandwidth_gb_s": run["bandwidth_gb_s"], "weight_mb_per_token": run["weight_bytes_per_token"] / 2**20,
             "bound_tokens_per_s": bound, "fraction_of_bound": plain / bound if plain else None,
-            "cost_relative": dict(zip(run["cost_curve"]["ks"], run["cost_curve"]["relative"]))}
+            "cost_relative": dict(zip(run["cost_curve"]["ks"], run["cost_curve"]["relative"])),
+            "load_seconds": run.get("load_seconds")}
 
 
 def best_vs_peers(run: dict, table: dict, categories: list[str]) -> dict:
@@ -207,7 +208,8 @@ def markdown(result: dict, summaries: dict, plots: dict) -> str:
               f"| streaming-read bandwidth (GB/s) | {_f(fd['bandwidth_gb_s'], 1)} |",
               f"| weights read per token (MiB) | {_f(fd['weight_mb_per_token'], 1)} |",
               f"| bandwidth bound (tokens/s) | {_f(fd['bound_tokens_per_s'], 1)} |",
-              f"| specdec plain, fraction of the bound | {_f(fd['fraction_of_bound'])} |", "",
+              f"| specdec plain, fraction of the bound | {_f(fd['fraction_of_bound'])} |",
+              f"| model load from the conversion cache (s) | {_f(fd.get('load_seconds'))} |", "",
               "Cost of one target forward over k new tokens relative to k = 1 (prefix of "
               f"{run['cost_curve']['prefix_len']} tokens; median of 5):", "",
               "| k | " + " | ".join(str(k) for k in (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32) if k in fd["cost_relative"]) + " |",

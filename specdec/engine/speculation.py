@@ -41,7 +41,7 @@ import torch
 
 from specdec.cache.paged_cache import BatchKV, PagedKVPool, SeqKV
 from specdec.config import ConfigError, SpeculativeConfig, split_method
-from specdec.spec.adaptive import ProbeBackoff, StepOverhead
+from specdec.spec.adaptive import ProbeBackoff, StepOverhead, robust_ema
 from specdec.spec.proposer import EMPTY, Proposal, ProposerContext, available_methods, make_proposer
 from specdec.spec.rejection import Verdict, verify_greedy, verify_sampling
 from specdec.sampler import warp
@@ -83,7 +83,7 @@ class BatchCost:
         if not self.seconds:  # never profiled: the first pass anchors the curve
             self.seconds[n] = seconds
             return
-        self.scale = (1 - EMA) * self.scale + EMA * seconds / self._curve(n)
+        self.scale = robust_ema(self.scale, seconds / self._curve(n))  # one stalled pass moves it <= 1.6x
 
     def estimate(self, n: int) -> float:
         return self._curve(n) * self.scale

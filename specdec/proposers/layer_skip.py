@@ -39,7 +39,7 @@ CALIBRATION_PROMPTS = (
     "Write a Python function that checks whether a number is prime.",
 )
 SKIP_FRACTIONS = (0.25, 0.375, 0.5)  # of the layers; SWIFT skips about half
-VERIFY_SLOPE = 0.13  # c_verify(T) / c_1 ~ 1 + slope * (T - 1) (algorithms.md: fp32 CPU, c(8)/c(1) = 1.9)
+VERIFY_SLOPE = 0.13  # c_verify(T) / c_1 ~ 1 + slope * (T - 1) (docs/algorithms.md: fp32 CPU, c(8)/c(1) = 1.9)
 _MEMO: dict[str, tuple[int, ...]] = {}
 
 

