@@ -80,9 +80,7 @@ static inline vec widen_bf16(const uint16_t *p) {
 #define MAX_TILE_T 7 /* input rows per tile */
 #endif
 #endif
-#ifndef ROWS_T1
-#define ROWS_T1 6 /* weight rows per tile when T == 1: independent FMA chains, parallel streams (6: 2-4% faster than 4, measured) */
-#endif
+#define MAX_TILE_ROWS 2 /* weight rows per tile: the wide tiles' 2 (see WIDE_ROWS) */
 
 /* Weights are fp32 (WBF16 = 0) or bfloat16 (WBF16 = 1, widened to fp32 exactly as they are loaded);
  * WBF16 is a literal at every call, so each kind compiles to its own loop. */
@@ -104,9 +102,9 @@ static inline __attribute__((always_inline)) vec wload(const void *W, const int 
 static inline __attribute__((always_inline)) void tile(const void *W, const int WBF16, const float *x, float *y,
                                                        const int nr, const int nt, int64_t K, int64_t N, const int pin) {
     int64_t k = 0;
-    float out[ROWS_T1][MAX_TILE_T];
+    float out[MAX_TILE_ROWS][MAX_TILE_T];
 #ifdef VW
-    vec acc[ROWS_T1][MAX_TILE_T][ACC];
+    vec acc[MAX_TILE_ROWS][MAX_TILE_T][ACC];
     for (int r = 0; r < nr; r++)
         for (int t = 0; t < nt; t++)
             for (int a = 0; a < ACC; a++) acc[r][t][a] = vzero();
@@ -224,18 +222,20 @@ static void wide_block(const void *W, const int WBF16, const float *x, float *y,
 }
 
 #ifndef PF_ROWS
-#define PF_ROWS 2 /* row_tiles passes (2-12 rows, bf16 2-21) prefetch the weight row this far ahead: the 30 layers' linears at
+#define PF_ROWS 2 /* row_tiles passes (1-12 rows, bf16 1-21) prefetch the weight row this far ahead: the 30 layers' linears at
                      2 / 4 / 8 rows, bf16 13.4 -> 9.2, 16.1 -> 10.5, 19.9 -> 14.4 ms; fp32 19.6 -> 17.1, 23.4 -> 19.2,
                      33.3 -> 27.8 ms (2-core Xeon, one process; 1 row ahead: a little less) */
 #endif
 
-/* Output rows in units of unit_rows(T, WBF16): ROWS_T1 weight streams per step when T == 1
- * (bandwidth-bound, so many loads in flight, and the next tile's rows prefetched: the 30 layers' bf16
- * linears 17.1 -> 11.9 ms on a 2-core Xeon, fp32 21.9 -> 21.1: the hardware prefetcher alone left bf16
- * at ~12 GB/s); blocks of BLOCK_ROWS from WIDE_T (bf16: WIDE_T_BF16) rows on (compute-bound: weights
- * from L2, inputs from L1, loads shared by more FMAs); else one weight row against all inputs. */
+/* Output rows in units of unit_rows(T, WBF16): blocks of BLOCK_ROWS from WIDE_T (bf16: WIDE_T_BF16)
+ * rows on (compute-bound: weights from L2, inputs from L1, loads shared by more FMAs); else one weight
+ * row at a time against all inputs, the row PF_ROWS ahead prefetched. Single-token passes too: on a
+ * Zen 4 EPYC, streaming row by row beat tiles of 6 rows read side by side (the previous T == 1 path)
+ * on the 30 layers' linears + LM head, one process, 15 interleaved repeats: fp32 21.3 -> 19.3 ms, bf16
+ * 13.3 -> 9.6 ms (AVX-512 build); AVX2 build 22.9 -> 20.1, 14.6 -> 9.1 ms. The weights are one
+ * sequential stream then, which the hardware prefetcher follows best. */
 static inline int wide(int64_t T, const int WBF16) { return T >= (WBF16 ? WIDE_T_BF16 : WIDE_T); }
-static inline int64_t unit_rows(int64_t T, const int WBF16) { return T == 1 ? ROWS_T1 : wide(T, WBF16) ? BLOCK_ROWS : 1; }
+static inline int64_t unit_rows(int64_t T, const int WBF16) { return wide(T, WBF16) ? BLOCK_ROWS : 1; }
 
 /* Output rows [n_lo, n_hi) (n_lo a multiple of unit_rows(T, WBF16)) of y = x W^T + bias. */
 static inline __attribute__((always_inline)) void rows_range(const void *W, const int WBF16, const float *x,
@@ -244,15 +244,7 @@ static inline __attribute__((always_inline)) void rows_range(const void *W, cons
     const int64_t unit = unit_rows(T, WBF16);
     for (int64_t n0 = n_lo; n0 < n_hi; n0 += unit) {
         const int64_t nr = n_hi - n0 < unit ? n_hi - n0 : unit;
-#ifdef VW
-        if (T == 1 && n0 + 2 * unit <= n_hi) { /* the next tile's weights into L1 while this one runs */
-            const char *next = (const char *)wat(W, WBF16, (n0 + unit) * K);
-            for (int64_t off = 0; off < unit * K * (WBF16 ? 2 : 4); off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
-        }
-#endif
-        if (T == 1 && nr == ROWS_T1) tile(wat(W, WBF16, n0 * K), WBF16, x, y + n0, ROWS_T1, 1, K, N, 0);
-        else if (T == 1) for (int64_t r = 0; r < nr; r++) tile(wat(W, WBF16, (n0 + r) * K), WBF16, x, y + n0 + r, 1, 1, K, N, 0);
-        else if (wide(T, WBF16)) wide_block(wat(W, WBF16, n0 * K), WBF16, x, y + n0, T, K, N, nr);
+        if (wide(T, WBF16)) wide_block(wat(W, WBF16, n0 * K), WBF16, x, y + n0, T, K, N, nr);
         else {
 #ifdef VW
             if (n0 + PF_ROWS < n_hi) { /* a later weight row into L1 while this one meets every input */
