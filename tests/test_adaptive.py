@@ -171,3 +171,18 @@ def test_a_drafting_step_is_never_priced_below_a_plain_one():
     ad.overhead.plain, ad.overhead.spec = 0.030, 0.0
     ad.draft_seconds = 0.0
     assert all(ad.expected_speedup(k, 0.0) < 1.0 for k in range(1, 9))
+
+
+def test_a_drafter_too_dear_at_full_acceptance_probes_rarely():
+    """Each drafted token costs 1.1 target steps: no k pays even if all are accepted, so probes
+    (which only re-measure) come at the longest interval; a drafter that is merely unlucky (acceptance
+    low, cost low) keeps the short one."""
+    from specdec.spec.adaptive import MAX_PROBE_INTERVAL
+    dear = AdaptiveK(8, _cost())
+    ks = _run(dear, 24, 1.0, draft_s=0.044, overhead_s=0.002)
+    assert ks[-1] == 0 and dear.probes.interval == MAX_PROBE_INTERVAL
+    cheap = AdaptiveK(8, _cost())
+    cheap.acceptance = 0.02
+    cheap.draft_seconds = 0.0005
+    ks = [cheap.choose(0.01).k for _ in range(40)]
+    assert cheap.probes.interval < MAX_PROBE_INTERVAL and sum(k > 0 for k in ks) >= 1

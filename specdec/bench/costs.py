@@ -82,7 +82,9 @@ def measure_bandwidth(megabytes: int = 512, repeats: int = 9) -> float:
     repeats). The best of 5 read 54-55 GB/s on a shared Zen 4 VM where medians were 28-32 GB/s minutes
     apart (runs S14, S14b): one burst set the bound, and the fraction of it swung 0.29-0.72."""
     n = megabytes * (1 << 20) // 4
-    buf = torch.ones(n, dtype=torch.float32)
+    # random values, like the weights: a buffer of identical pages is one a hypervisor may merge or
+    # compress (not shown to matter: 33.5 GB/s for ones vs 34.8 for random values, read back to back)
+    buf = torch.rand(n, dtype=torch.float32, generator=torch.Generator().manual_seed(0))
     buf.sum()  # fault the pages in
     times = []
     for _ in range(repeats):

@@ -97,11 +97,15 @@ class ProbeBackoff:
         self.plain_steps = 0  # plain steps since the last probe
         self.probed = False  # the previous step was a probe
 
-    def should_probe(self, speculating: bool) -> bool:
-        """Called once per step with the cost model's verdict; True: this (plain) step probes."""
+    def should_probe(self, speculating: bool, hopeless: bool = False) -> bool:
+        """Called once per step with the cost model's verdict; True: this (plain) step probes.
+        hopeless: no k would pay even if every draft were accepted (the drafter's measured cost alone
+        rules it out), so a probe can only re-measure that cost: wait the longest interval."""
         if speculating:
             self.interval, self.plain_steps, self.probed = self.base_interval, 0, False
             return False
+        if hopeless:
+            self.interval = self.max_interval
         if self.probed:  # the probe did not make speculation pay: wait longer for the next one
             self.interval = min(2 * self.interval, self.max_interval)
             self.probed = False
@@ -233,11 +237,13 @@ class AdaptiveK:
             return
         self.draft_seconds = robust_ema(self.draft_seconds, draft_seconds / num_drafted)
 
-    def expected_speedup(self, k: int, draft_cost_rel: float, match_len: int = 0) -> float:
+    def expected_speedup(self, k: int, draft_cost_rel: float, match_len: int = 0,
+                         acceptance: float | None = None) -> float:
         """Tokens per second at k over plain decoding's. draft_cost_rel: the proposer's own estimate of
         a drafted token's cost relative to one target token, used until steps have been measured;
-        match_len > 0: a lookup's chain after a match of that length (free to draft)."""
-        a = self._estimate(match_len).value
+        match_len > 0: a lookup's chain after a match of that length (free to draft); acceptance:
+        instead of the estimate (the ceiling: 0.99)."""
+        a = self._estimate(match_len).value if acceptance is None else acceptance
         tokens = (1 - a ** (k + 1)) / (1 - a)
         base = self.cost.seconds[1]
         if match_len > 0:
@@ -277,6 +283,10 @@ class AdaptiveK:
             if k > 0 and s * LOOKUP_MARGIN > best[1]:
                 best = Choice(k, True), s
         choice = best[0]
-        if self.probes.should_probe(choice.k > 0):
+        # a model drafter too dear to pay even at full acceptance (an int4 copy drafting for a bf16 target
+        # on a CPU whose single-token pass streams fast: 7.4 vs 9.3 ms) is probed at the longest interval
+        hopeless = model and choice.k == 0 and all(
+            self.expected_speedup(k, draft_cost_rel, acceptance=0.99) < 1.0 for k in range(1, self.k_max + 1))
+        if self.probes.should_probe(choice.k > 0, hopeless):
             return Choice(1, not model)  # probe: re-measure acceptance and cost
         return choice
