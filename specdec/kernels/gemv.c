@@ -80,7 +80,7 @@ static inline vec widen_bf16(const uint16_t *p) {
 #define MAX_TILE_T 7 /* input rows per tile */
 #endif
 #endif
-#define MAX_TILE_ROWS 2 /* weight rows per tile: the wide tiles' 2 (see WIDE_ROWS) */
+#define WIDE_ROWS 2 /* weight rows per tile, at most (only the wide tiles take more than one) */
 
 /* Weights are fp32 (WBF16 = 0) or bfloat16 (WBF16 = 1, widened to fp32 exactly as they are loaded);
  * WBF16 is a literal at every call, so each kind compiles to its own loop. */
@@ -102,9 +102,9 @@ static inline __attribute__((always_inline)) vec wload(const void *W, const int 
 static inline __attribute__((always_inline)) void tile(const void *W, const int WBF16, const float *x, float *y,
                                                        const int nr, const int nt, int64_t K, int64_t N, const int pin) {
     int64_t k = 0;
-    float out[MAX_TILE_ROWS][MAX_TILE_T];
+    float out[WIDE_ROWS][MAX_TILE_T];
 #ifdef VW
-    vec acc[MAX_TILE_ROWS][MAX_TILE_T][ACC];
+    vec acc[WIDE_ROWS][MAX_TILE_T][ACC];
     for (int r = 0; r < nr; r++)
         for (int t = 0; t < nt; t++)
             for (int a = 0; a < ACC; a++) acc[r][t][a] = vzero();
@@ -189,7 +189,6 @@ static inline __attribute__((always_inline)) void row_tiles(const void *w, const
 #ifndef WIDE_T_BF16
 #define WIDE_T_BF16 22 /* bf16 weights: row_tiles (prefetching, each weight widened once) stays ahead up to 20 rows (Xeon: 16 rows 28.5 vs 35.9 ms, 20: 36.0 vs 39.7, 24: 53.5 vs 45.3) */
 #endif
-#define WIDE_ROWS 2   /* weight rows per wide tile */
 #define WIDE_TILE_T 3 /* input rows per wide tile: 2 x 3 x ACC accumulators + 3 inputs + 1 weight = 16 registers */
 #define BLOCK_ROWS 48 /* weight rows (<= 288 KB) that stay in L2 while every input tile passes over them */
 

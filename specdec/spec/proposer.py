@@ -15,7 +15,7 @@ import torch
 
 from specdec.config import ConfigError, SpeculativeConfig
 from specdec.sampling_params import SamplingParams
-from specdec.spec.adaptive import MAX_JUMP
+from specdec.spec.adaptive import robust_ema
 
 
 @dataclass
@@ -96,8 +96,6 @@ class ProposerContext:
     load_model: Callable[[str], tuple[Any, Any]] | None = None  # name -> (model, tokenizer)
 
 
-DRAFT_COST_EMA = 0.3  # weight of the newest measurement in Proposer.draft_cost_per_token
-
 class Proposer(ABC):
     name: ClassVar[str] = ""
     deterministic: ClassVar[bool] = True  # gives no q: verified as one-hot proposals
@@ -128,11 +126,9 @@ class Proposer(ABC):
         return self.propose(state, k)
 
     def observe_draft_cost(self, per_token: float) -> None:
-        """Fold one measured cost per drafted token (seconds) into draft_cost_per_token (an EMA)."""
-        old = self.draft_cost_per_token
-        if old > 0:  # one stalled step moves it by <= 1.6x (spec/adaptive.py: MAX_JUMP)
-            per_token = min(per_token, MAX_JUMP * old)
-        self.draft_cost_per_token = (1 - DRAFT_COST_EMA) * old + DRAFT_COST_EMA * per_token
+        """Fold one measured cost per drafted token (seconds) into draft_cost_per_token (an EMA whose new
+        observations are capped, as adaptive k's own estimates are: one stalled step moves it <= 1.6x)."""
+        self.draft_cost_per_token = robust_ema(self.draft_cost_per_token, per_token)
 
     def propose_batch(self, states: list[RequestState], ks: list[int]) -> list[Proposal]:
         """Proposals for several requests of one decode batch (up to ks[b] tokens for states[b]).
