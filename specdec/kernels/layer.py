@@ -81,12 +81,25 @@ def _describe(weight, bias: torch.Tensor | None) -> _Linear | None:
                    weight.out_features, weight.in_features, weight.group_size)
 
 
+def _member(module, name: str):
+    """module.<name> (a parameter, buffer, submodule or plain attribute) without nn.Module.__getattr__,
+    whose cost was most of a decode step's Python time when every layer is checked per pass (30 layers
+    x ~20 lookups: 1.3 ms of a 10.8 ms bf16 step on a 2-core Zen 4)."""
+    d = module.__dict__
+    for store in ("_parameters", "_buffers", "_modules"):
+        if name in d[store]:
+            return d[store][name]
+    return d.get(name)
+
+
 def _tensors(layer) -> tuple:
     """Everything whose address the description holds (a change means: describe again)."""
-    out = [layer.input_norm.weight, layer.post_norm.weight, layer.qkv.bias]
-    for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
-        w = lin.weight
-        out += [w] if isinstance(w, torch.Tensor) else [getattr(w, "qweight", None), getattr(w, "scales", None)]
+    qkv = _member(layer, "qkv")
+    out = [_member(_member(layer, "input_norm"), "weight"), _member(_member(layer, "post_norm"), "weight"),
+           _member(qkv, "bias")]
+    for lin in (qkv, _member(layer, "o_proj"), _member(layer, "gate_up"), _member(layer, "down")):
+        w = _member(lin, "weight")
+        out += [w] if isinstance(w, torch.Tensor) else [_member(w, "qweight"), _member(w, "scales")]
     return tuple(None if t is None else t.data_ptr() for t in out)
 
 
