@@ -184,22 +184,23 @@ def qdraft(plain):
                speculative_config={"method": "qdraft"})
 
 
-def test_qdraft_in_the_engine_is_seeded_from_the_paged_pool(plain, qdraft):
-    """One request at a time the quantized self-draft drafts in a cache of its own, copying the target's
-    keys/values out of the sequence's blocks instead of prefilling the prompt in int4: it never feeds
-    more than the newest tokens, and output stays exact."""
+def test_qdraft_in_the_engine_reads_the_target_blocks(plain, qdraft):
+    """One request at a time too, the quantized self-draft keeps no cache of its own: it reads the
+    target's keys/values in the sequence's blocks (no int4 prefill of the prompt: every drafter forward
+    takes one token) and writes its drafts where the verify pass writes next; output stays exact."""
     engine = Engine(qdraft, EngineConfig(max_num_seqs=1, max_num_batched_tokens=16, block_size=8))
     drafter = engine.spec.proposer("qdraft")
-    fed = []
-    real = drafter._forward
-    drafter._forward = lambda cache, tokens: fed.append(len(tokens)) or real(cache, tokens)
+    shapes = []
+    real = drafter.model.forward
+    drafter.model.forward = lambda ids, *a, **kw: shapes.append(tuple(ids.shape)) or real(ids, *a, **kw)
+    drafter.model.new_cache = lambda *a, **kw: pytest.fail("the engine's drafter made a cache of its own")
     reqs = greedy_reqs(qdraft, max_tokens=24)[:3]
     for r in reqs:
         r.speculative = {"method": "qdraft", "num_speculative_tokens": 3}
     res = run(engine, reqs)
     for r in reqs:
         assert res[(r.request_id, 0)]["ids"] == reference(plain, r.prompt_ids, r.params)[0].token_ids
-    assert fed and max(fed) <= 2  # the last token (+ an accepted draft), never a prompt
+    assert shapes and set(shapes) == {(1, 1)}
 
 
 def test_qdraft_drafts_the_decode_batch_in_one_forward_per_step(plain, qdraft):

@@ -129,6 +129,8 @@ class Engine:
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks
         per_block = PagedKVPool.bytes_per_block(self.model.config, config.block_size, self.model.dtype)
+        if self.llm.proposer is not None:  # a draft model keeps its keys/values in the same blocks
+            per_block += self.llm.proposer.kv_bytes_per_block(config.block_size)
         by_memory = int(config.kv_cache_memory_gb * 2**30 // per_block)
         by_use = config.max_num_seqs * -(-(self.max_model_len + 64) // config.block_size)
         return max(1, min(by_memory, by_use))

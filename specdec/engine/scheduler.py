@@ -68,6 +68,8 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.free(seq)
+        if seq.begun and seq.spec.proposer is not None:  # what the drafter kept in the blocks is gone too
+            seq.spec.proposer.on_preempted(seq.state)
         seq.prefill_parts.clear()
         seq.status = Status.WAITING
         seq.num_preemptions += 1

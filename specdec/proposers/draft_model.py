@@ -14,88 +14,19 @@ recovered token.
 A draft with a different tokenizer is refused (ConfigError) unless extra={"universal_tokenizer": True},
 which drafts through text instead (specdec/proposers/universal.py).
 
-`draft_chain` / `draft_chains` (the autoregressive loop for one request or a batch of them: argmax
-for greedy requests, a sample from warp(logits) with the request's generator otherwise, a confidence
-early stop) is shared with the layer-skip and quantized self-draft drafters.
+In the serving engine (propose_batch) the drafter's keys/values live in the engine's KV blocks
+(specdec/proposers/paged_draft.py), and the rows of a decode batch draft together.
 """
 from __future__ import annotations
 
 import time
-from typing import Callable
-
 import torch
 
+from specdec.cache.paged_cache import PagedKVPool
 from specdec.config import ConfigError
-from specdec.sampler import sample, warp
+from specdec.proposers.chain import draft_chain, draft_chains, fit_vocab, time_one_step  # noqa: F401 (re-exported)
+from specdec.proposers.paged_draft import BATCH_CATCHUP, PagedDraft
 from specdec.spec.proposer import EMPTY, Proposal, Proposer, RequestState, TargetOutput, register_proposer
-
-
-def draft_chain(logits: torch.Tensor, step: Callable[[int], torch.Tensor], state: RequestState, k: int,
-                threshold: float = 0.0) -> Proposal:
-    """Draft up to k tokens. logits [V]: the drafter's prediction for the token after the context;
-    step(tok) feeds a drafted token and returns the logits [V] after it. (draft_chains, one row.)"""
-    return draft_chains(logits[None], lambda rows, toks: step(toks[0])[None], [state], [k], threshold)[0]
-
-
-def draft_chains(logits: torch.Tensor, step: Callable[[list[int], list[int]], torch.Tensor],
-                 states: list[RequestState], ks: list[int], threshold: float = 0.0) -> list[Proposal]:
-    """Draft up to ks[b] tokens for each of B requests, the rows still drafting fed together.
-    logits [B, V]: the drafter's prediction after each context; step(rows, tokens) feeds tokens[i] to
-    row rows[i] and returns the logits [len(rows), V] after them.
-
-    Greedy requests take the argmax (q is then irrelevant: probs None); sampling requests draw from
-    q = warp(logits, params) with the request's generator and return q [k, V], so verification is
-    exact. A row stops after a token whose draft probability max(softmax(logits)) < threshold (the
-    low-confidence token itself is still proposed: verifying it costs almost nothing)."""
-    tokens: list[list[int]] = [[] for _ in states]
-    qs: list[list[torch.Tensor]] = [[] for _ in states]
-    rows = list(range(len(states)))  # logits[i] belongs to rows[i]
-    while rows:
-        going = []
-        for i, b in enumerate(rows):
-            if ks[b] <= 0:
-                continue
-            params = states[b].params
-            if params.greedy:
-                tok = int(logits[i].argmax())
-            else:
-                q = warp(logits[i][None], params)[0]  # [V]
-                tok = sample(q, states[b].generator)
-                qs[b].append(q)
-            tokens[b].append(tok)
-            unsure = threshold > 0.0 and float(torch.softmax(logits[i].float(), -1).max()) < threshold
-            if len(tokens[b]) < ks[b] and not unsure:
-                going.append(b)
-        if going:
-            logits = step(going, [tokens[b][-1] for b in going])
-        rows = going
-    return [Proposal(t, torch.stack(q) if q else None) for t, q in zip(tokens, qs)]
-
-
-def fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Draft logits [..., V_d] -> [..., vocab]: padded embedding rows of either model never hold a
-    token the (identical) tokenizer can produce; they are cut, or padded with -inf."""
-    v = logits.shape[-1]
-    if v == vocab:
-        return logits
-    if v > vocab:
-        return logits[..., :vocab]
-    pad = logits.new_full((*logits.shape[:-1], vocab - v), float("-inf"))
-    return torch.cat((logits, pad), dim=-1)
-
-
-@torch.inference_mode()
-def time_one_step(model, layers: list[int] | None = None, repeats: int = 3) -> float:
-    """A first estimate of seconds per drafted token: a one-token forward after a short prefix
-    (proposers refine it from every proposal)."""
-    cache = model.new_cache(16)
-    model(torch.zeros(1, 4, dtype=torch.long), torch.arange(4)[None], cache, num_logits=1, layers=layers)
-    times = []
-    for i in range(repeats):
-        t0 = time.perf_counter()
-        model(torch.zeros(1, 1, dtype=torch.long), torch.tensor([[4 + i]]), cache, layers=layers)
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
 
 
 def check_same_vocab(target_tok, draft_tok, draft_name: str) -> None:
@@ -128,13 +59,41 @@ class DraftModelProposer(Proposer):
         self.vocab = ctx.target.config.vocab_size
         self.threshold = ctx.config.draft_confidence_threshold
         self.draft_cost_per_token = time_one_step(self.model)
+        self.paged = None if self.universal is not None else PagedDraft(self.model, self.vocab)
 
     def begin(self, state: RequestState, prefill: TargetOutput | None = None) -> None:
-        cap = len(state.prompt_ids) + state.params.max_tokens + self.ctx.config.k_max + 1
+        """The own cache is made when propose() first needs it: in the serving engine the drafter's
+        keys/values live in the engine's blocks instead (propose_batch, specdec/proposers/paged_draft.py)."""
         if self.universal is not None:
+            cap = len(state.prompt_ids) + state.params.max_tokens + self.ctx.config.k_max + 1
             self.universal.begin(state, cap)
-            return
-        state.draft["cache"] = self.model.new_cache(min(cap, self.model.max_len))
+
+    def _own_cache(self, state: RequestState):
+        if "cache" not in state.draft:
+            cap = len(state.prompt_ids) + state.params.max_tokens + self.ctx.config.k_max + 1
+            state.draft["cache"] = self.model.new_cache(min(cap, self.model.max_len))
+        return state.draft["cache"]
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        if self.paged is None:
+            return 0
+        return PagedKVPool.bytes_per_block(self.model.config, block_size, self.model.dtype)
+
+    @torch.inference_mode()
+    def propose_batch(self, states: list[RequestState], ks: list[int]) -> list[Proposal]:
+        """The engine's rows: one forward per draft step for all of them, keys/values in the engine's blocks."""
+        if self.paged is None or not PagedDraft.applies(states):
+            return super().propose_batch(states, ks)
+        behind = max(len(s.token_ids) - s.draft.get("paged_len", 0) for s in states)
+        t0 = time.perf_counter()
+        proposals = self.paged.propose(states, ks, self.threshold)
+        n = sum(len(p.tokens) for p in proposals)
+        if n and behind <= BATCH_CATCHUP:  # a prompt's catch-up is not a per-token drafting cost
+            self.observe_draft_cost((time.perf_counter() - t0) / n)
+        return proposals
+
+    def on_preempted(self, state: RequestState) -> None:
+        PagedDraft.reset(state)
 
     def _forward(self, cache, tokens: list[int]) -> torch.Tensor:
         """Feed tokens at the next positions of the draft cache; logits [V] after the last one."""
@@ -152,9 +111,9 @@ class DraftModelProposer(Proposer):
             if proposal.tokens:
                 self.observe_draft_cost(per_token)
             return proposal
-        cache = state.draft.get("cache")
+        cache = self._own_cache(state)
         ids = state.token_ids
-        if cache is None or len(ids) + k > cache.max_len:
+        if len(ids) + k > cache.max_len:
             return EMPTY  # the draft's context is full: the target goes on alone
         t0 = time.perf_counter()
         if cache.length >= len(ids):  # never expected; keep the invariant anyway
@@ -170,8 +129,11 @@ class DraftModelProposer(Proposer):
 
     def on_verified(self, state: RequestState, proposal: Proposal, num_accepted: int,
                     target: TargetOutput | None = None) -> None:
+        if PagedDraft.on_verified(state, num_accepted):
+            return
         pending = state.draft.pop("pending", None)
         if pending is None:
             return
         pre_len, fed = pending
         state.draft["cache"].rollback(pre_len + min(num_accepted, fed))
+

@@ -92,7 +92,11 @@ class _EagleBase(Proposer):
     def begin(self, state: RequestState, prefill: TargetOutput | None = None) -> None:
         n = len(state.prompt_ids)
         st = state.draft
-        st["cache"] = DraftKV(self.head.cfg, self.ctx.max_len + self.budget + 2, self.ctx.dtype)
+        # committed rows (at most the request's prompt + output) and one proposal's speculative rows:
+        # a chain's, or the tree's frontier forwards (<= topk per depth); sized by the request, not the context
+        committed = min(n + state.params.max_tokens, self.ctx.max_len)
+        speculative = max(self.budget, self.num_steps * self.topk) + 2
+        st["cache"] = DraftKV(self.head.cfg, committed + speculative, self.ctx.dtype)
         st["len"] = 0
         st["pending"] = [(self._features(prefill.forward, prefill.accepted_rows), state.token_ids[1:n + 1])]
 

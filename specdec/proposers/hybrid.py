@@ -94,6 +94,13 @@ class HybridProposer(Proposer):
         self.model.on_verified(_view(state, "model"), proposal, num_accepted, target)
         self.lookup.on_verified(_view(state, "lookup"), proposal, num_accepted, target)
 
+    def on_preempted(self, state: RequestState) -> None:
+        self.model.on_preempted(_view(state, "model"))
+        self.lookup.on_preempted(_view(state, "lookup"))
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        return self.model.kv_bytes_per_block(block_size)
+
     def end(self, state: RequestState) -> None:
         self.model.end(_view(state, "model"))
         self.lookup.end(_view(state, "lookup"))

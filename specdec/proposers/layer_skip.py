@@ -30,7 +30,7 @@ import torch
 
 from specdec.cache.kv_cache import KVCache
 from specdec.config import ConfigError
-from specdec.proposers.draft_model import draft_chain, time_one_step
+from specdec.proposers.chain import draft_chain, time_one_step
 from specdec.spec.proposer import EMPTY, Proposal, Proposer, RequestState, register_proposer
 
 SEARCH_VERSION = "1"

@@ -20,8 +20,8 @@ static KVCache, or the sequence's blocks in the serving engine's paged pool) wit
 context position the target has computed instead of recomputing them in int4: no draft prefill of
 the prompt, no catch-up forward on accepted tokens. The drafter then conditions on the target's
 cache, which only changes what it proposes; verification keeps the output exact.
-In the serving engine (`propose_batch`, every target cache a sequence's blocks in one paged pool) the
-drafter needs no cache of its own at all: it reads the target's keys/values in place and writes its
+In the serving engine (`propose_batch`, every target cache a sequence's blocks in one paged pool, one
+row or many) the drafter needs no cache of its own at all: it reads the target's keys/values in place and writes its
 drafted tokens' keys/values into the sequence's blocks at the positions the verify pass writes next
 (the blocks are allocated for the draft, and the verify pass rewrites every layer there before its
 attention reads them), and the rows of the decode batch draft together: one int4 forward over B rows
@@ -41,7 +41,7 @@ import time
 import torch
 
 from specdec.config import ConfigError
-from specdec.proposers.draft_model import draft_chain, draft_chains, time_one_step
+from specdec.proposers.chain import draft_chain, draft_chains, time_one_step
 from specdec.spec.proposer import EMPTY, Proposal, Proposer, RequestState, TargetOutput, register_proposer
 
 DEFAULTS = {"scheme": "int4", "group_size": 32, "lm_head": "int8"}
@@ -119,7 +119,7 @@ class QDraftProposer(Proposer):
         """All rows at once when every target cache is a sequence's blocks in one paged pool (see above)."""
         from specdec.cache.paged_cache import BatchKV, SeqKV
         kvs = [s.draft.get("target_cache") for s in states]
-        if len(states) < 2 or any(type(kv) is not SeqKV or kv.pool is not kvs[0].pool for kv in kvs):
+        if not states or any(type(kv) is not SeqKV or kv.pool is not kvs[0].pool for kv in kvs):
             return super().propose_batch(states, ks)
         t0 = time.perf_counter()
         pool = kvs[0].pool

@@ -145,6 +145,14 @@ class Proposer(ABC):
         accepted num_accepted drafted tokens (tree: along one path); state.output_ids already holds
         them plus the recovered/bonus token. Roll back any draft-side cache here."""
 
+    def on_preempted(self, state: RequestState) -> None:
+        """The serving engine freed the request's KV blocks (preemption by recompute): forget anything
+        the drafter kept in them (its keys/values in the engine's blocks)."""
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        """Bytes the drafter keeps in each of the serving engine's KV blocks (0: none, or a cache of its own)."""
+        return 0
+
     def end(self, state: RequestState) -> None:
         """The request finished; free its per-request state."""
         state.draft.clear()

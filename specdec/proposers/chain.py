@@ -1,0 +1,86 @@
+"""The autoregressive drafting loop shared by every model drafter (draft model, quantized self-draft,
+layer skipping, and the draft model's paged path in the serving engine), and its helpers:
+
+    draft_chains  up to k tokens for each of B requests, the rows still drafting fed together: argmax
+                  for greedy requests, a sample from q = warp(logits) with the request's generator
+                  otherwise (q returned, so verification is exact), a confidence early stop
+    fit_vocab     a drafter's logits cut or padded to the target's vocabulary
+    time_one_step a first estimate of a drafter's seconds per token
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from specdec.sampler import sample, warp
+from specdec.spec.proposer import Proposal, RequestState
+
+
+def draft_chain(logits: torch.Tensor, step: Callable[[int], torch.Tensor], state: RequestState, k: int,
+                threshold: float = 0.0) -> Proposal:
+    """Draft up to k tokens. logits [V]: the drafter's prediction for the token after the context;
+    step(tok) feeds a drafted token and returns the logits [V] after it. (draft_chains, one row.)"""
+    return draft_chains(logits[None], lambda rows, toks: step(toks[0])[None], [state], [k], threshold)[0]
+
+
+def draft_chains(logits: torch.Tensor, step: Callable[[list[int], list[int]], torch.Tensor],
+                 states: list[RequestState], ks: list[int], threshold: float = 0.0) -> list[Proposal]:
+    """Draft up to ks[b] tokens for each of B requests, the rows still drafting fed together.
+    logits [B, V]: the drafter's prediction after each context; step(rows, tokens) feeds tokens[i] to
+    row rows[i] and returns the logits [len(rows), V] after them.
+
+    Greedy requests take the argmax (q is then irrelevant: probs None); sampling requests draw from
+    q = warp(logits, params) with the request's generator and return q [k, V], so verification is
+    exact. A row stops after a token whose draft probability max(softmax(logits)) < threshold (the
+    low-confidence token itself is still proposed: verifying it costs almost nothing)."""
+    tokens: list[list[int]] = [[] for _ in states]
+    qs: list[list[torch.Tensor]] = [[] for _ in states]
+    rows = list(range(len(states)))  # logits[i] belongs to rows[i]
+    while rows:
+        going = []
+        for i, b in enumerate(rows):
+            if ks[b] <= 0:
+                continue
+            params = states[b].params
+            if params.greedy:
+                tok = int(logits[i].argmax())
+            else:
+                q = warp(logits[i][None], params)[0]  # [V]
+                tok = sample(q, states[b].generator)
+                qs[b].append(q)
+            tokens[b].append(tok)
+            unsure = threshold > 0.0 and float(torch.softmax(logits[i].float(), -1).max()) < threshold
+            if len(tokens[b]) < ks[b] and not unsure:
+                going.append(b)
+        if going:
+            logits = step(going, [tokens[b][-1] for b in going])
+        rows = going
+    return [Proposal(t, torch.stack(q) if q else None) for t, q in zip(tokens, qs)]
+
+
+def fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Draft logits [..., V_d] -> [..., vocab]: padded embedding rows of either model never hold a
+    token the (identical) tokenizer can produce; they are cut, or padded with -inf."""
+    v = logits.shape[-1]
+    if v == vocab:
+        return logits
+    if v > vocab:
+        return logits[..., :vocab]
+    pad = logits.new_full((*logits.shape[:-1], vocab - v), float("-inf"))
+    return torch.cat((logits, pad), dim=-1)
+
+
+@torch.inference_mode()
+def time_one_step(model, layers: list[int] | None = None, repeats: int = 3) -> float:
+    """A first estimate of seconds per drafted token: a one-token forward after a short prefix
+    (proposers refine it from every proposal)."""
+    cache = model.new_cache(16)
+    model(torch.zeros(1, 4, dtype=torch.long), torch.arange(4)[None], cache, num_logits=1, layers=layers)
+    times = []
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        model(torch.zeros(1, 1, dtype=torch.long), torch.tensor([[4 + i]]), cache, layers=layers)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]

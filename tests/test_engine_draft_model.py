@@ -1,0 +1,97 @@
+"""A draft model in the serving engine: its keys/values live in the engine's KV blocks (a pool of its
+own indexed by the same block tables), the rows of a decode batch draft together, and outputs equal
+single-request plain decoding, with preemption and prefix sharing (tiny random models)."""
+from __future__ import annotations
+
+import pytest
+
+from specdec.engine.engine import Engine, EngineConfig, EngineRequest
+from specdec.llm import LLM
+from specdec.sampling_params import SamplingParams
+from tests.test_engine_batching import greedy_reqs, reference, run
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_dir):
+    return LLM(str(tiny_dir("llama")), dtype="float32", max_model_len=160, progress=False, num_threads=1)
+
+
+def drafting(tiny_dir, draft, k: int | None = None) -> LLM:
+    cfg = {"method": "draft_model", "model": str(draft)}
+    if k is not None:
+        cfg["num_speculative_tokens"] = k
+    return LLM(str(tiny_dir("llama")), dtype="float32", max_model_len=160, progress=False, num_threads=1,
+               speculative_config=cfg)
+
+
+def accepted_alone(llm: LLM, req: EngineRequest) -> int:
+    """Drafts accepted when the request runs alone in the single-request decoder (own draft cache)."""
+    out = llm.generate({"prompt_token_ids": req.prompt_ids}, req.params)[0]
+    return out.metrics["speculative"]["num_accepted_tokens"]
+
+
+@pytest.fixture(scope="module", params=["self", "other"])
+def draft_llm(request, tiny_dir):
+    """draft == target (every draft accepted) and a 1-layer model of other weights (most rejected)."""
+    draft = tiny_dir("llama") if request.param == "self" else tiny_dir("llama", seed=1, num_hidden_layers=1)
+    return drafting(tiny_dir, draft)
+
+
+def spy_forwards(engine: Engine) -> list[tuple[int, int]]:
+    drafter = engine.spec.proposer("draft_model")
+    shapes: list[tuple[int, int]] = []
+    real = drafter.model.forward
+    drafter.model.forward = lambda ids, *a, **kw: shapes.append(tuple(ids.shape)) or real(ids, *a, **kw)
+    drafter.model.new_cache = lambda *a, **kw: pytest.fail("the engine's drafter made a cache of its own")
+    return shapes
+
+
+def test_draft_model_drafts_in_the_engines_blocks(plain, draft_llm):
+    engine = Engine(draft_llm, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, block_size=8))
+    drafter = engine.spec.proposer("draft_model")
+    assert drafter.kv_bytes_per_block(8) > 0
+    shapes = spy_forwards(engine)
+    reqs = greedy_reqs(draft_llm, max_tokens=24)[:4]
+    sampled = EngineRequest("s", reqs[0].prompt_ids, SamplingParams(temperature=0.8, max_tokens=24, seed=3,
+                                                                     ignore_eos=True))
+    for r in reqs + [sampled]:
+        r.speculative = {"method": "draft_model", "num_speculative_tokens": 3}
+    res = run(engine, reqs + [sampled])  # asserts that no block leaked
+    for r in reqs:
+        assert res[(r.request_id, 0)]["ids"] == reference(plain, r.prompt_ids, r.params)[0].token_ids
+    assert len(res[("s", 0)]["ids"]) == 24
+    [pool] = drafter.paged.pools.values()
+    assert pool.num_blocks == engine.pool.num_blocks and pool.block_size == engine.pool.block_size
+    assert max(b for b, t in shapes if t == 1) >= 3  # draft steps: several rows in one forward
+    drafted = sum(res[(r.request_id, 0)]["out"].metrics.num_draft_tokens for r in reqs)
+    accepted = sum(res[(r.request_id, 0)]["out"].metrics.num_accepted_tokens for r in reqs)
+    assert drafted > 0
+    if draft_llm.proposer.model.config.num_hidden_layers == plain.model.config.num_hidden_layers:
+        assert accepted == drafted  # the target drafting for itself: rollback never loses a token
+
+
+def test_draft_model_survives_preemption_and_prefix_sharing(plain, tiny_dir):
+    """Preemption frees the drafter's blocks with the target's (its drafter starts over); a prompt shared
+    through the prefix cache is re-read by each request's own drafter. Outputs stay exact, and each
+    request's drafter keeps the state it has alone: the same drafts accepted (k fixed, greedy; a drafter
+    reading stale keys/values would still give exact outputs, only fewer accepted drafts)."""
+    llm = drafting(tiny_dir, tiny_dir("llama", seed=1, num_hidden_layers=1), k=3)
+    reqs = greedy_reqs(llm, max_tokens=40)
+    reqs.append(EngineRequest("dup", reqs[4].prompt_ids, reqs[4].params))  # the same prompt again
+    alone = {r.request_id: accepted_alone(llm, r) for r in reqs}
+    engine = Engine(llm, EngineConfig(max_num_seqs=6, max_num_batched_tokens=32, block_size=8, num_kv_blocks=21))
+    spy_forwards(engine)
+    res = run(engine, reqs)
+    assert engine.scheduler.num_preemptions > 0
+    for r in reqs:
+        got = res[(r.request_id, 0)]
+        assert got["ids"] == reference(plain, r.prompt_ids, r.params)[0].token_ids, r.request_id
+        assert got["out"].metrics.num_accepted_tokens == alone[r.request_id], r.request_id
+
+
+def test_engine_blocks_are_sized_with_the_drafters_bytes(tiny_dir):
+    llm = drafting(tiny_dir, tiny_dir("llama"))
+    cfg = EngineConfig(max_num_seqs=64, kv_cache_memory_gb=0.001, block_size=8, profile_cost=False)
+    plain_blocks = Engine(LLM(str(tiny_dir("llama")), dtype="float32", max_model_len=160, progress=False,
+                              num_threads=1), cfg).pool.num_blocks
+    assert Engine(llm, cfg).pool.num_blocks == plain_blocks // 2  # the draft here is a copy of the target
