@@ -75,6 +75,24 @@ static void add_into(float *x, const float *y, int64_t n) {
     for (int64_t i = 0; i < n; i++) x[i] = x[i] + y[i];
 }
 
+/* The calling thread's scratch for one layer: 64-byte aligned, so the linears' input rows (whole
+ * multiples of 16 floats on these models) never straddle cache lines (with malloc's 16-byte alignment
+ * most vector loads of an input did, and a verify pass re-reads its inputs once per weight row); grown
+ * as needed and kept, instead of a fresh block per layer (a verify pass's, T = 8: 184 KB, is above
+ * glibc's mmap threshold: new zeroed pages every layer). NULL if it cannot grow. */
+static float *layer_buffer(int64_t floats) {
+    static __thread float *buf = NULL;
+    static __thread int64_t size = 0;
+    if (floats > size) {
+        void *grown = NULL;
+        if (posix_memalign(&grown, 64, sizeof(float) * floats) != 0) return NULL;
+        free(buf);
+        buf = grown;
+        size = floats;
+    }
+    return buf;
+}
+
 /* 0 on success, -1 when a buffer cannot be allocated (x is then unchanged or partly updated:
  * the caller raises, and the cache length is not advanced). */
 static int attention(const float *qkv, const LayerWeights *w, const LayerShape *s, float *out) {
@@ -91,7 +109,7 @@ int specdec_decoder_layer_f32(float *x, const LayerWeights *w, const LayerShape 
     const int64_t widest = w->qkv.N > w->gate_up.N ? w->qkv.N : w->gate_up.N;
     /* normed x [T, H] | projection out [T, widest] | attention or silu out [T, max(Hq D, I)] | [T, H] */
     const int64_t mid = s->Hq * s->D > I ? s->Hq * s->D : I;
-    float *buf = malloc(sizeof(float) * T * (H + widest + mid + H));
+    float *buf = layer_buffer(T * (H + widest + mid + H));
     if (buf == NULL) return -1;
     float *normed = buf, *proj = normed + T * H, *act = proj + T * widest, *delta = act + T * mid;
 
@@ -110,7 +128,6 @@ int specdec_decoder_layer_f32(float *x, const LayerWeights *w, const LayerShape 
         rc = apply(&w->down, act, delta, T);
     }
     if (rc == 0) add_into(x, delta, T * H);
-    free(buf);
     return rc;
 }
 
