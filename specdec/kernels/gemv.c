@@ -183,11 +183,28 @@ static inline __attribute__((always_inline)) void row_tiles(const void *w, const
     }
 }
 
+/* From WIDE_T input rows on (bf16 weights: WIDE_T_BF16) wide_block beats row_tiles; where depends on the
+ * core. An AMD Zen core with AVX-512 (Zen 4: GCC 12 calls it znver3) double-pumps 512-bit operations,
+ * and there the 30 layers' linears (2 threads, one process, the two builds interleaved, 11 repeats)
+ * took fp32 7 rows 31.0 (row_tiles) vs 32.2 ms (wide), 8 36.4 vs 34.7, 10 40.9 vs 34.2; bf16 14 rows
+ * 28.6 vs 29.1, 16 38.9 vs 32.0, 20 48.8 vs 36.3. Elsewhere: the earlier measurements below. Both
+ * paths sum in the same order, so the choice never changes a result. */
+#if VW == 16 && (defined(__znver3__) || defined(__znver4__) || defined(__znver5__))
+#define ZEN_AVX512 1
+#endif
 #ifndef WIDE_T
-#define WIDE_T 13 /* from this many input rows on wide_block beats row_tiles (its speed over row_tiles, measured: 12 rows 0.93x, 13 1.04x, 32 1.43x) */
+#ifdef ZEN_AVX512
+#define WIDE_T 8
+#else
+#define WIDE_T 13 /* AMD EPYC, AVX2: 12 rows 0.93x, 13 1.04x, 32 1.43x (wide_block's speed over row_tiles) */
+#endif
 #endif
 #ifndef WIDE_T_BF16
-#define WIDE_T_BF16 22 /* bf16 weights: row_tiles (prefetching, each weight widened once) stays ahead up to 20 rows (Xeon: 16 rows 28.5 vs 35.9 ms, 20: 36.0 vs 39.7, 24: 53.5 vs 45.3) */
+#ifdef ZEN_AVX512
+#define WIDE_T_BF16 15
+#else
+#define WIDE_T_BF16 22 /* row_tiles (prefetching, each weight widened once) stays ahead up to 20 rows (Xeon: 16 rows 28.5 vs 35.9 ms, 20: 36.0 vs 39.7, 24: 53.5 vs 45.3) */
+#endif
 #endif
 #define WIDE_TILE_T 3 /* input rows per wide tile: 2 x 3 x ACC accumulators + 3 inputs + 1 weight = 16 registers */
 #define BLOCK_ROWS 48 /* weight rows (<= 288 KB) that stay in L2 while every input tile passes over them */
