@@ -33,8 +33,8 @@ def _count_fused_layers(monkeypatch, mode: str) -> list[bool]:
         calls.append(out is not None)
         return out
 
-    def stack(layers, layer_ids, x, fused):
-        out = fused_layer.decoder_layers(layers, layer_ids, x, fused) if mode == "stack" else None
+    def stack(layers, layer_ids, x, fused, keep=()):
+        out = fused_layer.decoder_layers(layers, layer_ids, x, fused, keep) if mode == "stack" else None
         calls.extend([True] * len(layer_ids) if out is not None else [])
         return out
 
@@ -128,8 +128,8 @@ def test_fused_layer_on_the_paged_batch_is_bitwise_the_per_op_path(tiny_dir, mon
 
 
 def test_stacked_segments_keep_the_requested_hidden_states(tiny_dir, monkeypatch):
-    """With output_layers (EAGLE-3's features) the stack runs in segments cut after those layers: the
-    kept hidden states and the logits are bitwise the per-op path's."""
+    """With output_layers (EAGLE-3's features) the stack still runs in one call, copying the hidden
+    states after those layers: they and the logits are bitwise the per-op path's."""
     model = load_model(tiny_dir("llama"), torch.float32)
     ids = torch.randint(0, 1000, (1, 24), generator=torch.Generator().manual_seed(3))
     results = {}

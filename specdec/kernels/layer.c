@@ -13,6 +13,7 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 enum { LIN_F32 = 0, LIN_I8 = 1, LIN_I4 = 2, LIN_BF16 = 3 };
 
@@ -132,13 +133,18 @@ int specdec_decoder_layer_f32(float *x, const LayerWeights *w, const LayerShape 
 }
 
 /* Layers one after another in one call (the Python loop around specdec_decoder_layer_f32 cost ~0.1 ms
- * a layer on the 135M model, a tenth of a decode step): 0, or the first layer's nonzero return. */
-int specdec_decoder_layers_f32(float *x, LayerWeights *const *layers, int64_t n, const LayerShape *s) {
+ * a layer on the 135M model, a tenth of a decode step): 0, or the first layer's nonzero return.
+ * saves: NULL, or n pointers (NULL: not kept) where x [T, H] is copied after that layer (the hidden
+ * states an EAGLE head reads: kept in the same call, not by cutting the stack into several). */
+int specdec_decoder_layers_f32(float *x, LayerWeights *const *layers, int64_t n, const LayerShape *s,
+                               float *const *saves) {
+    const int64_t rows = s->B > 0 ? s->B * s->T : s->T;
     for (int64_t i = 0; i < n; i++) {
         const int rc = specdec_decoder_layer_f32(x, layers[i], s);
         if (rc != 0) return rc;
+        if (saves != NULL && saves[i] != NULL) memcpy(saves[i], x, sizeof(float) * rows * s->H);
     }
     return 0;
 }
 
-int specdec_layer_abi(void) { return 4; }
+int specdec_layer_abi(void) { return 5; }

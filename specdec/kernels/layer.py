@@ -14,6 +14,7 @@ import ctypes
 import math
 from ctypes import c_float, c_int64, c_void_p
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -50,7 +51,7 @@ def _load():
         lib, _ = load_library(_DIR / "layer.c", tuple(_DIR / f for f in ("gemv.c", "qgemv.c", "attention.c")))
         if lib is not None:
             lib.specdec_decoder_layers_f32.argtypes = [c_void_p, ctypes.POINTER(ctypes.POINTER(_LayerWeights)),
-                                                       c_int64, ctypes.POINTER(_LayerShape)]
+                                                       c_int64, ctypes.POINTER(_LayerShape), c_void_p]
             lib.specdec_decoder_layers_f32.restype = ctypes.c_int
         _lib = lib
     return _lib
@@ -122,18 +123,22 @@ def _layer_weights(layer) -> _LayerWeights | None:
 def decoder_layer(layer, x: torch.Tensor, fused, layer_idx: int) -> torch.Tensor | None:
     """layer(x) for x [B, T, H] through layer.c, writing this layer's k/v; None if it does not apply.
     `fused` is the pass's FusedAttention (one sequence, static cache) or PagedAttention (paged batch)."""
-    return _run([(layer_idx, layer)], x, fused, layer)
+    ran = _run([(layer_idx, layer)], x, fused, layer, ())
+    return None if ran is None else ran[0]
 
 
-def decoder_layers(layers, layer_ids, x: torch.Tensor, fused) -> torch.Tensor | None:
+def decoder_layers(layers, layer_ids, x: torch.Tensor, fused,
+                   keep: Sequence[int] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]] | None:
     """layers[i](x) for every i of layer_ids in turn, in ONE call to layer.c (bitwise the per-layer
-    path, which costs a Python round trip per layer); None if layer.c does not apply to one of them."""
-    return _run([(i, layers[i]) for i in layer_ids], x, fused, layers)
+    path, which costs a Python round trip per layer), with the hidden states after the layers in
+    `keep` ({i: [B, T, H]}); None if layer.c does not apply to one of them."""
+    return _run([(i, layers[i]) for i in layer_ids], x, fused, layers, keep)
 
 
-def _run(indexed: list, x: torch.Tensor, fused, owner) -> torch.Tensor | None:
-    """The (layer index, layer) pairs in turn through layer.c in one call; `owner` (the layer or the
-    model's layer list) keeps the C array of their descriptions between passes."""
+def _run(indexed: list, x: torch.Tensor, fused, owner, keep: Sequence[int]):
+    """The (layer index, layer) pairs in turn through layer.c in one call: (x after the last, {kept
+    layer: x after it}), or None. `owner` (the layer or the model's layer list) keeps the C array of
+    their descriptions between passes."""
     paged = type(fused) is PagedAttention
     if (not (paged or type(fused) is FusedAttention) or torch.is_grad_enabled() or _load() is None
             or (paged and x.shape[0] * x.shape[1] > MAX_ROWS)):
@@ -158,9 +163,13 @@ def _run(indexed: list, x: torch.Tensor, fused, owner) -> torch.Tensor | None:
         make = _paged_shape if paged else _layer_shape
         shape = fused.layer_shape = make(fused, out.shape[1], out.shape[2], first.n_heads, first.n_kv,
                                          first.head_dim, first.input_norm.eps)
-    if _lib.specdec_decoder_layers_f32(out.data_ptr(), stacks[key], len(descs), ctypes.byref(shape)) != 0:
+    kept = {i: torch.empty_like(out) for i, _ in indexed if i in keep}
+    saves = None
+    if kept:
+        saves = (c_void_p * len(indexed))(*(kept[i].data_ptr() if i in kept else None for i, _ in indexed))
+    if _lib.specdec_decoder_layers_f32(out.data_ptr(), stacks[key], len(descs), ctypes.byref(shape), saves) != 0:
         raise MemoryError("decoder layer kernel: out of memory for its buffers")
-    return out
+    return out, kept
 
 
 def _layer_shape(fused, T: int, H: int, Hq: int, Hkv: int, D: int, eps: float) -> _LayerShape:

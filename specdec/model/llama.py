@@ -75,17 +75,6 @@ class DecoderLayer(torch.nn.Module):
         return attn.transpose(1, 2).reshape(B, T, -1)
 
 
-def _segments(layer_ids: list[int], output_layers: Sequence[int]) -> list[list[int]]:
-    """layer_ids cut after every layer whose output is kept: [0..29] with (2, 15) -> [0..2], [3..15], [16..29]."""
-    out, current = [], []
-    for i in layer_ids:
-        current.append(i)
-        if i in output_layers:
-            out.append(current)
-            current = []
-    return out + [current] if current else out
-
-
 class LlamaModel(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, max_len: int | None = None):
         super().__init__()
@@ -129,17 +118,18 @@ class LlamaModel(torch.nn.Module):
         else:
             cos = sin = mask = None
         layer_ids = list(range(len(self.layers)) if layers is None else layers)
-        kept = {} if output_layers else None
-        for segment in _segments(layer_ids, output_layers):
-            # a segment's layers in one C call where layer.c applies to all of them, else one by one
-            stacked = None if fused is None else decoder_layers(self.layers, segment, x, fused)
-            if stacked is not None:
-                x = stacked
-            else:
-                for i in segment:
-                    x = self.layers[i](x, cos, sin, cache, i, mask, fused)
-            if kept is not None and segment[-1] in output_layers:
-                kept[segment[-1]] = x
+        # every layer in one C call where layer.c applies to all of them (keeping the requested hidden
+        # states in the same call), else one by one
+        stacked = None if fused is None else decoder_layers(self.layers, layer_ids, x, fused, output_layers)
+        if stacked is not None:
+            x, kept = stacked
+        else:
+            kept = {}
+            for i in layer_ids:
+                x = self.layers[i](x, cos, sin, cache, i, mask, fused)
+                if i in output_layers:
+                    kept[i] = x
+        kept = kept if output_layers else None
         cache.advance(T)
         h = self.norm(x)
         h_logits = h if num_logits is None else h[:, -num_logits:]
