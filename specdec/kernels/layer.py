@@ -86,6 +86,8 @@ def _member(module, name: str):
     """module.<name> (a parameter, buffer, submodule or plain attribute) without nn.Module.__getattr__,
     whose cost was most of a decode step's Python time when every layer is checked per pass (30 layers
     x ~20 lookups: 1.3 ms of a 10.8 ms bf16 step on a 2-core Zen 4)."""
+    if not isinstance(module, torch.nn.Module):  # a weight of another kind (e.g. AWQ's input recorder)
+        return getattr(module, name, None)
     d = module.__dict__
     for store in ("_parameters", "_buffers", "_modules"):
         if name in d[store]:

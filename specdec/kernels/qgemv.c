@@ -183,6 +183,11 @@ static inline __m256i reduce8(const __m256i p[8]) {
 /* n (<= 8) fp16 values -> 8 floats, zero past n */
 static inline __m256 load_halves(const uint16_t *h, int n) {
     if (n == 8) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    /* a masked load: the copy through the stack below stalls on store-to-load forwarding, once per
+     * weight row for the last blocks of every K = 576 row of the 135M model */
+    return _mm256_cvtph_ps(_mm_maskz_loadu_epi16((__mmask8)((1u << n) - 1), h));
+#endif
     uint16_t tmp[8] = {0};
     memcpy(tmp, h, sizeof(uint16_t) * n);
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)tmp));
@@ -202,7 +207,12 @@ static inline __m256i pair_dot(const uint8_t *qr, const int8_t *xq, int64_t c, i
     const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
     const __m256i xlo = _mm256_loadu_si256((const __m256i *)(xq + c * QBLOCK));
     const __m256i xhi = _mm256_loadu_si256((const __m256i *)(xq + c * QBLOCK + 32));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    (void)ones;
+    return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, xlo), hi, xhi);
+#else
     return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi)), ones);
+#endif
 }
 
 /* Four pair_dot vectors -> [dot of block 0, ..., dot of block 7] (exact). */
