@@ -14,7 +14,8 @@ ends with that error and the engine is emptied (blocks freed), then goes on serv
 runs the C kernels' parallel regions, throttles its workers' spin-wait when a thread other than the
 process's first one starts the regions on a machine with few cores (more managed threads than CPUs),
 and each of a step's ~120 regions then waits for a sleeping worker: measured on a 2-core Xeon, a bf16
-decode step 14 ms on the main thread, 23 ms on a second one.
+decode step 14 ms on the main thread, 23 ms on a second one. The C kernels now run on their own pool
+off the main thread (specdec/kernels/pool.c), but torch's ops between them still run in libgomp.
 """
 from __future__ import annotations
 

@@ -2,9 +2,10 @@
 
 `linear(x, weight, bias)` equals torch.nn.functional.linear; for fp32 on CPU with few rows
 (decode, verify of a draft) it calls gemv.c, which streams the weights at memory bandwidth where
-MKL's small-M path does not (measured: 2x on an AMD EPYC). The shared library is compiled with
--march=native into $SPECDEC_CACHE/kernels (keyed by source, compiler flags and CPU), so a machine
-never runs code built for another. Without a compiler, or with SPECDEC_KERNELS=0, torch is used.
+MKL's small-M path does not (measured: 2x on an AMD EPYC). All kernel files are compiled together
+with -march=native into one shared library in $SPECDEC_CACHE/kernels (keyed by sources, compiler flags
+and CPU), so a machine never runs code built for another, and they share one pool of worker threads
+(pool.c). Without a compiler, or with SPECDEC_KERNELS=0, torch is used.
 """
 from __future__ import annotations
 
@@ -64,40 +65,40 @@ def build_library(source: Path, extra: tuple[Path, ...] = ()) -> Path:
     return out
 
 
+# every kernel file goes into ONE library, so that all of them share pool.c's worker threads (two
+# pools would spin against each other between a layer stack's call and the LM head's)
+_SOURCES = tuple(_SRC.with_name(f) for f in ("layer.c", "gemv.c", "qgemv.c", "attention.c", "pool.c"))
+
+
 def _build() -> Path:
-    return build_library(_SRC)
+    return build_library(_SOURCES[0], _SOURCES[1:])
 
 
-def load_library(source: Path, extra: tuple[Path, ...] = ()) -> tuple[ctypes.CDLL | None, str | None]:
-    """Build and load another kernel file as gemv.c is: (library, None), or (None, why not)."""
+def load_kernels() -> tuple[ctypes.CDLL | None, str | None]:
+    """The compiled kernels (gemv.c, qgemv.c, attention.c, layer.c, pool.c in one library): (library,
+    None), or (None, why not). Loading it again returns the same library."""
     if os.environ.get("SPECDEC_KERNELS", "1") == "0" or platform.machine() not in ("x86_64", "AMD64"):
         return None, "disabled"
     try:
-        return ctypes.CDLL(str(build_library(source, extra))), None
+        return ctypes.CDLL(str(_build())), None
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         return None, (str(e).splitlines()[0] if str(e) else type(e).__name__)
 
 
 def _load():
     global _lib, _load_error
-    if _lib is not None or _load_error is not None:
-        return _lib
-    if os.environ.get("SPECDEC_KERNELS", "1") == "0" or platform.machine() not in ("x86_64", "AMD64"):
-        _load_error = "disabled"
-        return None
-    try:
-        lib = ctypes.CDLL(str(_build()))
-        lib.specdec_linear_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
-        lib.specdec_linear_f32.restype = None
-        lib.specdec_linear_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
-        lib.specdec_linear_bf16.restype = None
-        lib.specdec_rmsnorm_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
-        lib.specdec_rmsnorm_f32.restype = None
-        lib.specdec_silu_mul_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
-        lib.specdec_silu_mul_f32.restype = None
-        _lib = lib
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        _load_error = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if _lib is None and _load_error is None:
+        lib, _load_error = load_kernels()
+        if lib is not None:
+            lib.specdec_linear_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+            lib.specdec_linear_f32.restype = None
+            lib.specdec_linear_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+            lib.specdec_linear_bf16.restype = None
+            lib.specdec_rmsnorm_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
+            lib.specdec_rmsnorm_f32.restype = None
+            lib.specdec_silu_mul_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+            lib.specdec_silu_mul_f32.restype = None
+            _lib = lib
     return _lib
 
 
@@ -105,7 +106,7 @@ def kernel_status() -> str:
     lib = _load()
     if lib is None:
         return f"torch ({_load_error})"
-    return f"gemv.c ({ {16: 'AVX-512', 8: 'AVX2'}.get(lib.specdec_gemv_lanes(), 'scalar')}/OpenMP; fp32 and bf16 weights)"
+    return f"gemv.c ({ {16: 'AVX-512', 8: 'AVX2'}.get(lib.specdec_gemv_lanes(), 'scalar')}, own threads; fp32 and bf16 weights)"
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
+#include <stdatomic.h>
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -286,6 +287,52 @@ static float *scratch(int64_t padded, int64_t D) {
     return malloc(sizeof(float) * MAX_Q * (padded + D + 1));
 }
 
+typedef void (*pool_fn)(void *ctx, int64_t me, int64_t nth);
+void specdec_parallel(pool_fn fn, void *ctx, int64_t nth); /* pool.c */
+int64_t specdec_num_threads(void);
+
+/* One attention call's work: B rows (B = 1 and gather == NULL: the static cache, vis rows [T, L];
+ * else the paged pool, mask [B, T, L]) x Hkv kv heads x `units` units of queries, split in a static
+ * schedule over the threads; each unit's result is independent of who computes it. */
+typedef struct {
+    const float *qkv, *cos, *sin;
+    const int64_t *pos;
+    const float *kc, *vc;
+    const int64_t *new_slot, *gather;
+    const uint8_t *vis; /* static: [T, L] visibility; paged: the [B, T, L] mask */
+    float *out;
+    int64_t B, T, L, Hq, Hkv, D, max_len, group, per_set, units, padded;
+    float scale;
+    _Atomic int failed;
+} AttendJob;
+
+static void attend_share(void *ctx, int64_t me, int64_t nth) {
+    AttendJob *j = ctx;
+    const int64_t total = j->B * j->Hkv * j->units, lo = total * me / nth, hi = total * (me + 1) / nth;
+    if (lo >= hi) return;
+    float *buf = scratch(j->padded, j->D);
+    if (buf == NULL) {
+        atomic_store(&j->failed, 1);
+        return;
+    }
+    const int paged = j->gather != NULL;
+    for (int64_t i = lo; i < hi; i++) {
+        const int64_t b = i / (j->Hkv * j->units), g = i / j->units % j->Hkv, u = i % j->units;
+        const uint8_t *vis[MAX_Q];
+        float *outs[MAX_Q], *q = buf + MAX_Q * j->padded;
+        const int64_t nq = unit_queries(j->qkv, j->cos, j->sin, j->pos, b * j->T, u * j->per_set / j->units,
+                                        (u + 1) * j->per_set / j->units, g, j->group, j->Hq, j->Hkv, j->D,
+                                        j->vis + b * j->T * j->L, j->L, j->out, q, vis, outs);
+        if (paged)
+            attend(q, nq, vis, outs, j->kc + g * j->D, j->vc + g * j->D, j->gather + b * j->L, j->Hkv * j->D, j->L,
+                   j->D, j->scale, buf, q + MAX_Q * j->D, j->padded);
+        else
+            attend(q, nq, vis, outs, j->kc + g * j->max_len * j->D, j->vc + g * j->max_len * j->D, NULL, j->D, j->L,
+                   j->D, j->scale, buf, q + MAX_Q * j->D, j->padded);
+    }
+    free(buf);
+}
+
 /* Returns 0, or -1 when a scratch buffer cannot be allocated. */
 int specdec_attention_f32(const float *qkv, const float *cos, const float *sin, const int64_t *pos,
                           float *kc, float *vc, const uint8_t *mask, float *out,
@@ -303,29 +350,11 @@ int specdec_attention_f32(const float *qkv, const float *cos, const float *sin, 
         for (int64_t j = 0; j < T; j++) vis_rows[t * n_keys + past + j] = mask ? mask[t * T + j] : j <= t;
     }
     /* 3. softmax(q k^T * scale) v for every query, a unit of one kv head's queries at a time */
-    int failed = 0;
-    #pragma omp parallel if (Hq * T * n_keys * D > 200000)
-    {
-        float *buf = scratch(padded, D);
-        if (buf == NULL) {
-            #pragma omp atomic write
-            failed = 1;
-        }
-        #pragma omp for schedule(static) collapse(2)
-        for (int64_t g = 0; g < Hkv; g++)
-            for (int64_t u = 0; u < units; u++) {
-                if (buf == NULL) continue;
-                const uint8_t *vis[MAX_Q];
-                float *outs[MAX_Q], *q = buf + MAX_Q * padded;
-                const int64_t nq = unit_queries(qkv, cos, sin, pos, 0, u * per_set / units, (u + 1) * per_set / units,
-                                                g, group, Hq, Hkv, D, vis_rows, n_keys, out, q, vis, outs);
-                attend(q, nq, vis, outs, kc + g * max_len * D, vc + g * max_len * D, NULL, D, n_keys, D, scale,
-                       buf, q + MAX_Q * D, padded);
-            }
-        free(buf);
-    }
+    AttendJob job = {qkv, cos, sin, pos, kc, vc, NULL, NULL, vis_rows, out, 1, T, n_keys, Hq, Hkv, D, max_len,
+                     group, per_set, units, padded, scale, 0};
+    specdec_parallel(attend_share, &job, Hq * T * n_keys * D > 200000 ? specdec_num_threads() : 1);
     free(vis_rows);
-    return failed ? -1 : 0;
+    return atomic_load(&job.failed) ? -1 : 0;
 }
 
 /* The same attention for a batch of sequences in the paged pool (the serving engine's BatchKV):
@@ -346,28 +375,8 @@ int specdec_paged_attention_f32(const float *qkv, const float *cos, const float 
     const int64_t per_set = T * group, units = units_per_set(per_set);
     for (int64_t bt = 0; bt < B * T; bt++)
         if (new_slot[bt] >= 0) write_kv(qkv, cos, sin, pos, kc, vc, bt, Hq, Hkv, D, new_slot[bt] * slot, D);
-    int failed = 0;
-    #pragma omp parallel if (B * Hq * T * L * D > 200000)
-    {
-        float *buf = scratch(padded, D);
-        if (buf == NULL) {
-            #pragma omp atomic write
-            failed = 1;
-        }
-        #pragma omp for schedule(static) collapse(3)
-        for (int64_t b = 0; b < B; b++)
-            for (int64_t g = 0; g < Hkv; g++)
-                for (int64_t u = 0; u < units; u++) {
-                    if (buf == NULL) continue;
-                    const uint8_t *vis[MAX_Q];
-                    float *outs[MAX_Q], *q = buf + MAX_Q * padded;
-                    const int64_t nq = unit_queries(qkv, cos, sin, pos, b * T, u * per_set / units,
-                                                    (u + 1) * per_set / units, g, group, Hq, Hkv, D, mask + b * T * L,
-                                                    L, out, q, vis, outs);
-                    attend(q, nq, vis, outs, kc + g * D, vc + g * D, gather + b * L, slot, L, D, scale, buf,
-                           q + MAX_Q * D, padded);
-                }
-        free(buf);
-    }
-    return failed ? -1 : 0;
+    AttendJob job = {qkv, cos, sin, pos, kc, vc, new_slot, gather, mask, out, B, T, L, Hq, Hkv, D, 0,
+                     group, per_set, units, padded, scale, 0};
+    specdec_parallel(attend_share, &job, B * Hq * T * L * D > 200000 ? specdec_num_threads() : 1);
+    return atomic_load(&job.failed) ? -1 : 0;
 }

@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import ctypes
 import math
-from pathlib import Path
 
 import torch
 
 from specdec.cache.kv_cache import KVCache
 from specdec.cache.paged_cache import BatchKV
-from specdec.kernels import MAX_ROWS, load_library
+from specdec.kernels import MAX_ROWS, load_kernels
 
-_SRC = Path(__file__).with_name("attention.c")
 PAGED_ROWS = 128  # a paged pass wider than this (B x T, padding included) runs torch's SDPA
 _lib = None
 _tried = False
@@ -27,7 +25,7 @@ def _load():
     global _lib, _tried
     if not _tried:
         _tried = True
-        lib, _ = load_library(_SRC)
+        lib, _ = load_kernels()
         if lib is not None:
             lib.specdec_attention_f32.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 6 + [ctypes.c_float]
             lib.specdec_attention_f32.restype = ctypes.c_int

@@ -1,7 +1,7 @@
 /* Small-batch matrix multiply for decoding on CPUs: y[T, N] = x[T, K] @ W[N, K]^T (+ bias).
  *
  * Decoding reads every weight once per forward pass, so speed is memory bandwidth. This kernel
- * streams W once for all T (<= 64, specdec.kernels.MAX_ROWS) rows of x, splitting the N output rows across OpenMP threads,
+ * streams W once for all T (<= 64, specdec.kernels.MAX_ROWS) rows of x, splitting the N output rows across threads (pool.c),
  * and computes each y[t, n] with the same summation order whatever T is (batch invariance: a
  * verify pass over k+1 tokens gives bitwise the same logits as k+1 single-token passes).
  * From WIDE_T rows on the work is compute-bound, and a blocked kernel (wide_block) with the same
@@ -14,7 +14,6 @@
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
-#include <omp.h>
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -284,17 +283,31 @@ static __attribute__((noinline)) void rows_bf16(const void *W, const float *x, c
     rows_range(W, 1, x, bias, y, T, K, N, n_lo, n_hi);
 }
 
-/* Each thread takes a contiguous, near-equal share of the units (OpenMP's static schedule). */
+typedef void (*pool_fn)(void *ctx, int64_t me, int64_t nth);
+void specdec_parallel(pool_fn fn, void *ctx, int64_t nth); /* pool.c */
+int64_t specdec_num_threads(void);
+
+typedef struct {
+    const void *W;
+    const float *x, *bias;
+    float *y;
+    int64_t T, K, N;
+    int wbf16;
+} LinearJob;
+
+/* Thread `me` of nth takes a contiguous, near-equal share of the units (a static schedule). */
+static void linear_share(void *ctx, int64_t me, int64_t nth) {
+    const LinearJob *j = ctx;
+    const int64_t unit = unit_rows(j->T, j->wbf16), units = (j->N + unit - 1) / unit;
+    const int64_t lo = units * me / nth * unit, hi_unit = units * (me + 1) / nth * unit;
+    const int64_t hi = hi_unit < j->N ? hi_unit : j->N;
+    if (lo < hi) (j->wbf16 ? rows_bf16 : rows_f32)(j->W, j->x, j->bias, j->y, j->T, j->K, j->N, lo, hi);
+}
+
 static void linear_any(const void *W, const int wbf16, const float *x, const float *bias, float *y, int64_t T,
                        int64_t K, int64_t N) {
-    const int64_t unit = unit_rows(T, wbf16), units = (N + unit - 1) / unit;
-    #pragma omp parallel
-    {
-        const int64_t nth = omp_get_num_threads(), me = omp_get_thread_num();
-        const int64_t lo = units * me / nth * unit, hi_unit = units * (me + 1) / nth * unit;
-        const int64_t hi = hi_unit < N ? hi_unit : N;
-        if (lo < hi) (wbf16 ? rows_bf16 : rows_f32)(W, x, bias, y, T, K, N, lo, hi);
-    }
+    LinearJob job = {W, x, bias, y, T, K, N, wbf16};
+    specdec_parallel(linear_share, &job, specdec_num_threads());
 }
 
 /* x: [T, K], W: [N, K] row-major fp32, bias: [N] or NULL, y: [T, N]. */

@@ -18,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-from specdec.kernels import MAX_ROWS, load_library
+from specdec.kernels import MAX_ROWS, load_kernels
 from specdec.kernels.attention import FusedAttention, PagedAttention
 
 _DIR = Path(__file__).parent
@@ -48,7 +48,7 @@ def _load():
     global _lib, _tried
     if not _tried:
         _tried = True
-        lib, _ = load_library(_DIR / "layer.c", tuple(_DIR / f for f in ("gemv.c", "qgemv.c", "attention.c")))
+        lib, _ = load_kernels()
         if lib is not None:
             lib.specdec_decoder_layers_f32.argtypes = [c_void_p, ctypes.POINTER(ctypes.POINTER(_LayerWeights)),
                                                        c_int64, ctypes.POINTER(_LayerShape), c_void_p]

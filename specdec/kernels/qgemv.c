@@ -382,15 +382,34 @@ static inline __attribute__((always_inline)) void row_tile(const int KIND, int64
             for (int r = 0; r < nr; r++) y[t * N + n0 + r] += bias[n0 + r];
 }
 
-/* One function per weight kind, each with its own parallel loop: OpenMP outlines the loop body
- * before inlining, so a shared loop would test the kind at run time in the innermost loop (3x slower). */
+typedef void (*pool_fn)(void *ctx, int64_t me, int64_t nth);
+void specdec_parallel(pool_fn fn, void *ctx, int64_t nth); /* pool.c */
+int64_t specdec_num_threads(void);
+
+typedef struct {
+    const QActs *a;
+    const uint8_t *q;
+    const uint16_t *sc, *zp;
+    const float *bias;
+    float *y;
+    int64_t T, K, N, G;
+} QJob;
+
+/* One function per weight kind, each with its own share of the tiles (a static schedule): a shared
+ * body would test the kind at run time in the innermost loop (3x slower, measured under OpenMP). */
 #define DEFINE_QLINEAR(name, KIND)                                                                         \
+    static void name##_share(void *ctx, int64_t me, int64_t nth) {                                         \
+        const QJob *j = ctx;                                                                               \
+        const int64_t step = ROWS(KIND, j->T), tiles = (j->N + step - 1) / step;                           \
+        for (int64_t i = tiles * me / nth; i < tiles * (me + 1) / nth; i++)                                \
+            row_tile(KIND, i * step, j->a, j->q, j->sc, j->zp, j->bias, j->y, j->T, j->K, j->N, j->G);     \
+    }                                                                                                      \
     static int name(const float *x, const uint8_t *q, const uint16_t *sc, const uint16_t *zp,              \
                     const float *bias, float *y, int64_t T, int64_t K, int64_t N, int64_t G) {            \
         QActs a;                                                                                           \
         if (quantize_acts(KIND, x, T, K, G, &a) != 0) return -1;                                           \
-        _Pragma("omp parallel for schedule(static) if (N * K * (T < 4 ? T : 4) >= PARALLEL_MIN)")        \
-        for (int64_t n0 = 0; n0 < N; n0 += ROWS(KIND, T)) row_tile(KIND, n0, &a, q, sc, zp, bias, y, T, K, N, G); \
+        QJob job = {&a, q, sc, zp, bias, y, T, K, N, G};                                                   \
+        specdec_parallel(name##_share, &job, N * K * (T < 4 ? T : 4) >= PARALLEL_MIN ? specdec_num_threads() : 1); \
         free(a.xq), free(a.xd);                                                                            \
         return 0;                                                                                          \
     }
@@ -413,26 +432,39 @@ int specdec_qlinear_i4(const float *x, const uint8_t *q, const uint16_t *scales,
 
 /* The whole fp32 matrix out [N, K] (for long prompts, where a BLAS matmul wins). q * s is exact in
  * fp32 (<= 19 significant bits), so this equals the readable torch reference bit for bit. */
-void specdec_dequant(int bits, const uint8_t *q, const uint16_t *scales, const uint16_t *zeros, float *out,
-                     int64_t K, int64_t N, int64_t G) {
-    const int64_t ng = (K + G - 1) / G, qrow = bits == 4 ? K / 2 : K;
-    #pragma omp parallel for schedule(static) if (N * K >= PARALLEL_MIN)
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t *qr = q + n * qrow;
+typedef struct {
+    int bits;
+    const uint8_t *q;
+    const uint16_t *scales, *zeros;
+    float *out;
+    int64_t K, N, G;
+} DequantJob;
+
+static void dequant_share(void *ctx, int64_t me, int64_t nth) {
+    const DequantJob *j = ctx;
+    const int64_t K = j->K, G = j->G, ng = (K + G - 1) / G, qrow = j->bits == 4 ? K / 2 : K;
+    for (int64_t n = j->N * me / nth; n < j->N * (me + 1) / nth; n++) {
+        const uint8_t *qr = j->q + n * qrow;
         for (int64_t k = 0; k < K; k++) {
             const int64_t g = k / G;
-            const float s = half_to_float(scales[n * ng + g]), z = zeros ? half_to_float(zeros[n * ng + g]) : 0.f;
+            const float s = half_to_float(j->scales[n * ng + g]), z = j->zeros ? half_to_float(j->zeros[n * ng + g]) : 0.f;
             float v;
-            if (bits == 4) {
+            if (j->bits == 4) {
                 const uint8_t b = qr[(k / 32) * 16 + (k % 16)];
                 v = (float)((k % 32) < 16 ? b & 15 : b >> 4);
             } else {
                 const uint8_t b = qr[(k / 32) * 32 + 4 * (k % 8) + (k % 32) / 8];
-                v = zeros ? (float)b : (float)(int8_t)b;
+                v = j->zeros ? (float)b : (float)(int8_t)b;
             }
-            out[n * K + k] = zeros ? __builtin_fmaf(v, s, z) : v * s;
+            j->out[n * K + k] = j->zeros ? __builtin_fmaf(v, s, z) : v * s;
         }
     }
+}
+
+void specdec_dequant(int bits, const uint8_t *q, const uint16_t *scales, const uint16_t *zeros, float *out,
+                     int64_t K, int64_t N, int64_t G) {
+    DequantJob job = {bits, q, scales, zeros, out, K, N, G};
+    specdec_parallel(dequant_share, &job, N * K >= PARALLEL_MIN ? specdec_num_threads() : 1);
 }
 
 int specdec_qkernel_abi(void) { return 2; }

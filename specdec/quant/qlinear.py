@@ -11,7 +11,6 @@ The model code is unchanged: it calls `linear(x, self.qkv.weight, self.qkv.bias)
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +19,6 @@ from specdec import kernels
 from specdec.quant.schemes import Packed, dequantize
 from specdec.quant.torch_int4 import CudaInt4
 
-_SRC = Path(kernels.__file__).with_name("qgemv.c")
 QGEMV_ROWS = 32  # rows per qgemv.c call here (layer.c calls it with up to kernels.MAX_ROWS rows)
 # Up to this many rows the kernel, streaming the packed weight once per QGEMV_ROWS rows, beats writing
 # a full-precision copy of it first (int4 3072 x 576, 1 thread, AMD EPYC: 40 rows 7.7 vs 11.9 ms,
@@ -34,7 +32,7 @@ def qkernel():
     """The compiled qgemv.c, or None (no compiler, not x86, SPECDEC_KERNELS=0)."""
     global _lib, _load_error
     if _lib is None and _load_error is None:
-        lib, _load_error = kernels.load_library(_SRC)
+        lib, _load_error = kernels.load_kernels()
         if lib is not None:
             ptrs, i64 = [ctypes.c_void_p] * 6, [ctypes.c_int64] * 4
             for fn in (lib.specdec_qlinear_i8, lib.specdec_qlinear_i4):
