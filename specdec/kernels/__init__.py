@@ -45,7 +45,8 @@ def build_library(source: Path, extra: tuple[Path, ...] = ()) -> Path:
     from specdec.model.loader import cache_root
 
     sources = (source, *extra)
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources))
+    headers = sorted({h for p in sources for h in p.parent.glob("*.h")})  # what the sources #include
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in (*sources, *headers)))
     digest.update(" ".join(_FLAGS).encode() + _cpu_key().encode())
     out = cache_root() / "kernels" / f"libspecdec_{source.stem}-{digest.hexdigest()[:16]}.so"
     if out.exists():

@@ -22,9 +22,7 @@
 #include <string.h>
 #include <math.h>
 #include <stdatomic.h>
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
+#include "common.h"
 
 static void rope(const float *x, const float *c, const float *s, float *y, int64_t D) {
     int64_t h = D / 2;
@@ -36,22 +34,8 @@ static void rope(const float *x, const float *c, const float *s, float *y, int64
 /* exp(x) for x <= 0 in 8 lanes (Cephes-style: 2^n * poly(r), ~2 ulp), 0 where x = -inf. Applied
  * to aligned chunks of 8 scores, so a score's value never depends on how many keys a row has. */
 static inline __m256 exp8(__m256 x) {
-    const __m256 neg_inf = _mm256_set1_ps(-INFINITY);
-    __m256 dead = _mm256_cmp_ps(x, neg_inf, _CMP_EQ_OQ);
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_blendv_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), _mm256_setzero_ps(), dead);
+    const __m256 dead = _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ);
+    return _mm256_blendv_ps(exp8_in_range(_mm256_max_ps(x, _mm256_set1_ps(-87.0f))), _mm256_setzero_ps(), dead);
 }
 
 /* The dot product of q with one key: an FMA chain per 8 lanes over D, then the reduction tree
@@ -286,10 +270,6 @@ static int64_t unit_queries(const float *qkv, const float *cos, const float *sin
 static float *scratch(int64_t padded, int64_t D) {
     return malloc(sizeof(float) * MAX_Q * (padded + D + 1));
 }
-
-typedef void (*pool_fn)(void *ctx, int64_t me, int64_t nth);
-void specdec_parallel(pool_fn fn, void *ctx, int64_t nth); /* pool.c */
-int64_t specdec_num_threads(void);
 
 /* One attention call's work: B rows (B = 1 and gather == NULL: the static cache, vis rows [T, L];
  * else the paged pool, mask [B, T, L]) x Hkv kv heads x `units` units of queries, split in a static

@@ -8,6 +8,7 @@ The caller falls back to the torch path (rotary, `cache.write`, SDPA) on None, s
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 
 import torch
@@ -17,22 +18,18 @@ from specdec.cache.paged_cache import BatchKV
 from specdec.kernels import MAX_ROWS, load_kernels
 
 PAGED_ROWS = 128  # a paged pass wider than this (B x T, padding included) runs torch's SDPA
-_lib = None
-_tried = False
 
 
+@functools.cache
 def _load():
-    global _lib, _tried
-    if not _tried:
-        _tried = True
-        lib, _ = load_kernels()
-        if lib is not None:
-            lib.specdec_attention_f32.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 6 + [ctypes.c_float]
-            lib.specdec_attention_f32.restype = ctypes.c_int
-            lib.specdec_paged_attention_f32.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int64] * 6 + [ctypes.c_float]
-            lib.specdec_paged_attention_f32.restype = ctypes.c_int
-        _lib = lib
-    return _lib
+    """The kernel library with this module's functions declared, or None."""
+    lib, _ = load_kernels()
+    if lib is not None:
+        lib.specdec_attention_f32.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 6 + [ctypes.c_float]
+        lib.specdec_attention_f32.restype = ctypes.c_int
+        lib.specdec_paged_attention_f32.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int64] * 6 + [ctypes.c_float]
+        lib.specdec_paged_attention_f32.restype = ctypes.c_int
+    return lib
 
 
 def _kernel_applies(rotary, positions: torch.Tensor, x: torch.Tensor, kv_dtype: torch.dtype) -> bool:
@@ -67,7 +64,7 @@ class FusedAttention:
         qkv = qkv.contiguous()
         out = torch.empty(1, T, n_heads * head_dim, dtype=torch.float32)
         k, v = self.cache.k[layer, 0], self.cache.v[layer, 0]  # [Hkv, max_len, D], contiguous
-        rc = _lib.specdec_attention_f32(
+        rc = _load().specdec_attention_f32(
             qkv.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(), self.positions.data_ptr(),
             k.data_ptr(), v.data_ptr(), None if self.mask is None else self.mask.data_ptr(), out.data_ptr(),
             T, n_heads, n_kv, head_dim, self.past, self.cache.max_len, 1.0 / math.sqrt(head_dim))
@@ -106,7 +103,7 @@ class PagedAttention:
         out = torch.empty(B, T, n_heads * head_dim, dtype=torch.float32)
         k, v = self.cache.pool.k[layer], self.cache.pool.v[layer]  # [num_slots, Hkv, D]
         L = self.gather.shape[1]
-        rc = _lib.specdec_paged_attention_f32(
+        rc = _load().specdec_paged_attention_f32(
             qkv.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(), self.positions.data_ptr(), k.data_ptr(),
             v.data_ptr(), self.new_slot.data_ptr(), self.gather.data_ptr(), self.mask.data_ptr(), out.data_ptr(),
             B, T, L, n_heads, n_kv, head_dim, 1.0 / math.sqrt(head_dim))

@@ -14,18 +14,8 @@
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
+#include "common.h"
 
-#ifdef __AVX2__
-static inline float hsum256(__m256 s) {
-    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-    lo = _mm_hadd_ps(lo, lo);
-    lo = _mm_hadd_ps(lo, lo);
-    return _mm_cvtss_f32(lo);
-}
-#endif
 
 /* The vector unit: 16-lane AVX-512 where the CPU has it (32 registers), else 8-lane AVX2 (16). The
  * width is fixed per build (-march=native), so every call on a machine sums in the same order. */
@@ -283,10 +273,6 @@ static __attribute__((noinline)) void rows_bf16(const void *W, const float *x, c
     rows_range(W, 1, x, bias, y, T, K, N, n_lo, n_hi);
 }
 
-typedef void (*pool_fn)(void *ctx, int64_t me, int64_t nth);
-void specdec_parallel(pool_fn fn, void *ctx, int64_t nth); /* pool.c */
-int64_t specdec_num_threads(void);
-
 typedef struct {
     const void *W;
     const float *x, *bias;
@@ -347,20 +333,7 @@ void specdec_rmsnorm_f32(const float *x, const float *w, float *y, int64_t T, in
 #ifdef __AVX2__
 /* exp(x) in 8 lanes (Cephes-style: 2^n * poly(r), ~2 ulp), x clamped to [-87, 88]. */
 static inline __m256 exp8_clamped(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    return exp8_in_range(_mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f)));
 }
 #endif
 

@@ -11,9 +11,9 @@ that path freely. The layer's pointers are described once and re-described only 
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 from ctypes import c_float, c_int64, c_void_p
-from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -21,9 +21,6 @@ import torch
 from specdec.kernels import MAX_ROWS, load_kernels
 from specdec.kernels.attention import FusedAttention, PagedAttention
 
-_DIR = Path(__file__).parent
-_lib = None
-_tried = False
 LIN_F32, LIN_I8, LIN_I4, LIN_BF16 = 0, 1, 2, 3
 
 
@@ -44,17 +41,15 @@ class _LayerShape(ctypes.Structure):
                 ("B", c_int64), ("L", c_int64), ("new_slot", c_void_p), ("gather", c_void_p)]
 
 
+@functools.cache
 def _load():
-    global _lib, _tried
-    if not _tried:
-        _tried = True
-        lib, _ = load_kernels()
-        if lib is not None:
-            lib.specdec_decoder_layers_f32.argtypes = [c_void_p, ctypes.POINTER(ctypes.POINTER(_LayerWeights)),
-                                                       c_int64, ctypes.POINTER(_LayerShape), c_void_p]
-            lib.specdec_decoder_layers_f32.restype = ctypes.c_int
-        _lib = lib
-    return _lib
+    """The kernel library with this module's functions declared, or None."""
+    lib, _ = load_kernels()
+    if lib is not None:
+        lib.specdec_decoder_layers_f32.argtypes = [c_void_p, ctypes.POINTER(ctypes.POINTER(_LayerWeights)),
+                                                   c_int64, ctypes.POINTER(_LayerShape), c_void_p]
+        lib.specdec_decoder_layers_f32.restype = ctypes.c_int
+    return lib
 
 
 def _cpu_f32(t: torch.Tensor | None) -> bool:
@@ -169,7 +164,7 @@ def _run(indexed: list, x: torch.Tensor, fused, owner, keep: Sequence[int]):
     saves = None
     if kept:
         saves = (c_void_p * len(indexed))(*(kept[i].data_ptr() if i in kept else None for i, _ in indexed))
-    if _lib.specdec_decoder_layers_f32(out.data_ptr(), stacks[key], len(descs), ctypes.byref(shape), saves) != 0:
+    if _load().specdec_decoder_layers_f32(out.data_ptr(), stacks[key], len(descs), ctypes.byref(shape), saves) != 0:
         raise MemoryError("decoder layer kernel: out of memory for its buffers")
     return out, kept
 

@@ -24,6 +24,7 @@
 #include <unistd.h>
 #include <sys/syscall.h>
 #include <omp.h>
+#include "common.h"
 #ifdef __SSE2__
 #include <immintrin.h>
 #define PAUSE() _mm_pause()
@@ -35,8 +36,6 @@
 #ifndef SPIN_NS
 #define SPIN_NS 200000 /* a decode step's kernels follow each other within tens of microseconds */
 #endif
-
-typedef void (*pool_fn)(void *ctx, int64_t me, int64_t nth);
 
 static pthread_mutex_t dispatch = PTHREAD_MUTEX_INITIALIZER; /* held by the job's caller */
 static pthread_mutex_t sleep_mu = PTHREAD_MUTEX_INITIALIZER;

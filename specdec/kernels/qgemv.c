@@ -25,9 +25,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
+#include "common.h"
 
 #define QBLOCK 32
 #ifndef QPF
@@ -98,13 +96,6 @@ static void quantize_row(const int KIND, const float *x, int64_t K, int64_t G, i
 }
 
 #ifdef __AVX2__
-static inline float hsum256(__m256 s) {
-    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-    lo = _mm_hadd_ps(lo, lo);
-    lo = _mm_hadd_ps(lo, lo);
-    return _mm_cvtss_f32(lo);
-}
-
 /* 32 weights of block b of a row as signed bytes in the activations' order */
 static inline __m256i load_block(const int KIND, const uint8_t *qr, int64_t b) {
     if (KIND == I4) {
@@ -381,10 +372,6 @@ static inline __attribute__((always_inline)) void row_tile(const int KIND, int64
         for (int64_t t = 0; t < T; t++)
             for (int r = 0; r < nr; r++) y[t * N + n0 + r] += bias[n0 + r];
 }
-
-typedef void (*pool_fn)(void *ctx, int64_t me, int64_t nth);
-void specdec_parallel(pool_fn fn, void *ctx, int64_t nth); /* pool.c */
-int64_t specdec_num_threads(void);
 
 typedef struct {
     const QActs *a;

@@ -44,7 +44,7 @@ def qkernel():
 
 
 def qkernel_status() -> str:
-    return "qgemv.c (AVX2/OpenMP)" if qkernel() is not None else f"torch dequantize + matmul ({_load_error})"
+    return "qgemv.c (AVX2)" if qkernel() is not None else f"torch dequantize + matmul ({_load_error})"
 
 
 def _ptr(t: torch.Tensor | None):
