@@ -80,15 +80,19 @@ def test_acceptance_estimate_does_not_count_untested_drafts():
 
 
 def test_a_request_starts_from_the_previous_requests_estimates():
-    """After a request whose drafter never pays, the next one does not draft at all in its first 100
-    steps (no probe: the wait it inherits is 128), where a fresh start drafts on its second step; a
-    drafter that pays again is back within one probe interval."""
+    """After a request whose drafter never pays, the next one does not draft before the wait it inherits
+    (128 steps, partly counted down already) runs out, and then probes once, where a fresh start drafts
+    on its second step; a drafter that pays again is back within one probe interval."""
+    from specdec.spec.adaptive import MAX_PROBE_INTERVAL
     losing = AdaptiveK(8, _cost(), probe_interval=16)
     _run(losing, 420, 0.0, draft_s=0.004, overhead_s=0.002)
+    assert losing.probes.interval == MAX_PROBE_INTERVAL
     fresh = _run(AdaptiveK(8, _cost()), 100, 0.0, draft_s=0.004, overhead_s=0.002)
     assert fresh[1] > 0  # the negative case: the prior 0.6 drafts at once
     after = AdaptiveK(8, _cost(), previous=losing)
-    assert _run(after, 100, 0.0, draft_s=0.004, overhead_s=0.002) == [0] * 100
+    left = MAX_PROBE_INTERVAL - losing.probes.plain_steps  # plain steps the inherited wait still needs
+    ks = _run(after, 100, 0.0, draft_s=0.004, overhead_s=0.002)
+    assert sum(k > 0 for k in ks) <= 1 and all(k == 0 for k in ks[:left])
     recovered = AdaptiveK(8, _cost(), previous=losing)
     ks = _run(recovered, 200, 1.0, draft_s=0.0001, overhead_s=0.0)
     assert sum(k > 0 for k in ks[140:]) >= 55
@@ -186,3 +190,22 @@ def test_a_drafter_too_dear_at_full_acceptance_probes_rarely():
     cheap.draft_seconds = 0.0005
     ks = [cheap.choose(0.01).k for _ in range(40)]
     assert cheap.probes.interval < MAX_PROBE_INTERVAL and sum(k > 0 for k in ks) >= 1
+
+
+def test_a_drafter_switched_off_by_a_stall_comes_back_across_short_requests():
+    """Run S16: a stall of the machine inflated a pairing's int4 draft cost, it read as too dear to pay
+    (the longest probe wait), and as each 64-token request restarted that 128-step wait, no probe ever
+    came: off for the rest of the run. The wait now counts on across requests, and a probe that finds
+    the drafter cheap again replaces the inflated estimates."""
+    ad = AdaptiveK(8, _cost())
+    _run(ad, 20, 1.0, draft_s=0.001, overhead_s=0.002)
+    for _ in range(15):  # a stall of 15 drafting steps, each ~40x its cost
+        ad.observe_step(4, 4 * 0.040, 0.080)
+    requests, drafted = [], []
+    for _ in range(6):  # 64-step requests, each from the previous one's estimates; the drafter is cheap
+        ad = AdaptiveK(8, _cost(), previous=ad)
+        ks = _run(ad, 64, 1.0, draft_s=0.001, overhead_s=0.002)
+        requests.append(ad)
+        drafted.append(sum(k > 0 for k in ks))
+    assert drafted[0] == 0  # off at first: the inflated estimates say it cannot pay
+    assert drafted[-1] >= 8, drafted  # back, drafting most steps (a step drafts up to 8 tokens)

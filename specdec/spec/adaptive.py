@@ -198,7 +198,10 @@ class AdaptiveK:
             self.model.accepted, self.model.tested = previous.model.accepted, previous.model.tested
             self.draft_seconds = previous.draft_seconds
             self.overhead.spec, self.overhead.plain = previous.overhead.spec, previous.overhead.plain
-            self.probes.interval = previous.probes.interval
+            # the wait goes on counting where the previous request left it: restarted per request, a wait
+            # longer than a request (up to 128 steps against 64-token answers) never ended, and a drafter
+            # switched off once (a stall of the machine inflating its measured cost, run S16) stayed off
+            self.probes.interval, self.probes.plain_steps = previous.probes.interval, previous.probes.plain_steps
 
     @property
     def acceptance(self) -> float:
@@ -232,10 +235,21 @@ class AdaptiveK:
         (verification, the drafter's bookkeeping on the accepted tokens, output)."""
         if not model:
             other_seconds += draft_seconds
-        self.overhead.observe(num_drafted > 0, other_seconds)
+        # a probe exists to re-measure: what it finds cheaper than the estimates replaces them (estimates
+        # inflated by a stall would otherwise decay by one EMA step per probe, 128 steps apart); what it
+        # finds dearer enters as any other measurement
+        probe = self.probes.probed and num_drafted > 0
+        if probe and other_seconds < self.overhead.spec:
+            self.overhead.spec = other_seconds
+        else:
+            self.overhead.observe(num_drafted > 0, other_seconds)
         if num_drafted == 0 or not model:
             return
-        self.draft_seconds = robust_ema(self.draft_seconds, draft_seconds / num_drafted)
+        per_token = draft_seconds / num_drafted
+        if probe and self.draft_seconds is not None and per_token < self.draft_seconds:
+            self.draft_seconds = per_token
+        else:
+            self.draft_seconds = robust_ema(self.draft_seconds, per_token)
 
     def expected_speedup(self, k: int, draft_cost_rel: float, match_len: int = 0,
                          acceptance: float | None = None) -> float:
