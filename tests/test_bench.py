@@ -211,3 +211,20 @@ def test_speedups_from_a_fixed_clock_and_failing_systems_are_dropped():
     assert cell["speedup"]["per_repeat"] == [4.0, 4.0] and cell["tokens_per_s"]["median"] == 40.0
     assert cell["decode_speedup"]["median"] == pytest.approx(4.0) and cell["tokens_per_pass"] == 1.0
     assert s["foundation"]["bound_tokens_per_s"] == 10.0 and s["foundation"]["fraction_of_bound"] == pytest.approx(0.9)  # decode: 9 tokens in 1 s
+
+
+def test_prompts_for_a_model_without_chat_template(tiny_dir):
+    """A base model (no chat template, as the gemma3-270m GGUF) gets its prompts as plain text, not an error."""
+    from specdec.bench.prompts import build_prompts, render
+    from specdec.model.tokenizer import Tokenizer
+
+    tok = Tokenizer(tiny_dir("llama"))
+    assert tok.chat_template  # the templated rendering first
+    messages = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello"},
+                {"role": "user", "content": "Name a colour"}]
+    assert render(tok, messages) == tok.apply_chat_template(messages, add_generation_prompt=True)
+    tok.chat_template = None
+    assert render(tok, messages) == "Hi there\n\nHello\n\nName a colour\n\n"
+    prompts = build_prompts(tok, per_category=1, categories=("qa", "math"))
+    assert len(prompts) == 2 and all(p.text.endswith("\n\n") and p.token_ids for p in prompts)
+    assert [p.token_ids for p in prompts] == [tok.encode(p.text) for p in prompts]

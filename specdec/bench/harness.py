@@ -228,8 +228,10 @@ def _cached_loader(dtype, max_len):
 
 
 def _answer_fn(plain: SpecdecSystem, tokenizer, max_tokens: int):
+    from specdec.bench.prompts import render
+
     def answer(messages: list[dict]) -> str:
-        ids = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        ids = tokenizer.encode(render(tokenizer, messages))
         g = plain.generate(ids, max_tokens)
         return tokenizer.decode(g.token_ids).strip() or "OK."
     return answer

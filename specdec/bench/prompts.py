@@ -42,7 +42,7 @@ class BenchPrompt:
     category: str
     source: str  # where it came from, e.g. "mt_bench:81" or "sharegpt:QWJhYvA_0"
     messages: list[dict]  # the conversation given to the chat template
-    text: str = ""  # rendered with the chat template
+    text: str = ""  # rendered with the chat template (plain text for a model without one)
     token_ids: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -152,6 +152,14 @@ def _user(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
 
+def render(tokenizer, messages: list[dict], chat: bool = True) -> str:
+    """A conversation as the model's prompt text: its chat template; for a base model without one (the
+    gemma3-270m GGUF), or chat=False, the turns' texts one per paragraph, open for the continuation."""
+    if chat and tokenizer.chat_template:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return "\n\n".join(m["content"] for m in messages) + "\n\n"
+
+
 def _mt(questions: list[dict], category: str, n: int) -> list[tuple[str, dict]]:
     cats = MT_SOURCES[category]
     picked = [q for q in questions if q["category"] in cats]
@@ -226,11 +234,11 @@ def build_prompts(tokenizer, per_category: int, categories: tuple[str, ...] = CA
     out = []
     for cat in categories:
         for source, messages in category_messages(cat, per_category, questions, pools, answer_fn):
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            text = render(tokenizer, messages)
             ids = tokenizer.encode(text)
             while len(ids) > max_prompt_tokens and len(messages) > 1:  # drop the oldest exchange
                 messages = messages[2:] if len(messages) > 2 else messages[1:]
-                text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+                text = render(tokenizer, messages)
                 ids = tokenizer.encode(text)
             out.append(BenchPrompt(cat, source, messages, text, ids[-max_prompt_tokens:]))
     return out
@@ -256,11 +264,7 @@ def load_prompt_file(path: Path, tokenizer, chat: bool = True) -> list[list[int]
             messages = obj.get("messages") or _user(str(obj.get("prompt", "")))
         else:
             messages = _user(line.replace("\\n", "\n"))
-        if chat and tokenizer.chat_template:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        else:
-            text = "\n".join(m["content"] for m in messages)
-        ids = tokenizer.encode(text)
+        ids = tokenizer.encode(render(tokenizer, messages, chat))
         if ids:
             out.append(ids)
     return out
