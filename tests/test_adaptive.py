@@ -209,3 +209,18 @@ def test_a_drafter_switched_off_by_a_stall_comes_back_across_short_requests():
         drafted.append(sum(k > 0 for k in ks))
     assert drafted[0] == 0  # off at first: the inflated estimates say it cannot pay
     assert drafted[-1] >= 8, drafted  # back, drafting most steps (a step drafts up to 8 tokens)
+
+
+def test_a_hopeless_drafters_probes_thin_out_across_requests():
+    """A drafter too dear even at full acceptance probes after 128 steps, then 256, 512, up to 1024 while
+    each probe confirms it (its probes count across requests, and a draft model's probe pays a catch-up
+    over the whole context); one that is merely unlucky keeps waits of at most 128."""
+    from specdec.spec.adaptive import HOPELESS_INTERVAL_FACTOR, MAX_PROBE_INTERVAL
+    ad, probes = AdaptiveK(8, _cost()), []
+    for request in range(40):  # 64-step requests, each from the previous one's estimates
+        ad = AdaptiveK(8, _cost(), previous=ad) if request else ad
+        ks = _run(ad, 64, 1.0, draft_s=0.044, overhead_s=0.002)
+        probes.append(sum(k > 0 for k in ks))
+    assert sum(probes[:2]) >= 1  # the first measurement, then the first hopeless wait of 128 steps
+    assert ad.probes.interval == HOPELESS_INTERVAL_FACTOR * MAX_PROBE_INTERVAL
+    assert 4 <= sum(probes) <= 8, probes  # 128-step waits would have probed ~20 times in these 2560 steps

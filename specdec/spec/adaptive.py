@@ -46,6 +46,7 @@ PRIOR_ACCEPTANCE = 0.6
 EMA = 0.3
 PLAIN_REFRESH = 32  # one plain step in this many keeps o_plain measured
 MAX_PROBE_INTERVAL = 128
+HOPELESS_INTERVAL_FACTOR = 8  # waits of a drafter too dear even at full acceptance grow up to 8 x 128 steps
 MAX_MATCH_KEY = 8  # lookup chains after matches of >= 8 tokens share one estimate
 # acceptance assumed for a lookup's chains at a match length not seen yet in the request (0.8 measured
 # the same within +-3% on chat, code, math, summarization for n-gram and both pairings)
@@ -105,9 +106,13 @@ class ProbeBackoff:
             self.interval, self.plain_steps, self.probed = self.base_interval, 0, False
             return False
         if hopeless:
-            self.interval = self.max_interval
+            self.interval = max(self.interval, self.max_interval)
         if self.probed:  # the probe did not make speculation pay: wait longer for the next one
-            self.interval = min(2 * self.interval, self.max_interval)
+            # a hopeless drafter's waits go on doubling: they count across requests, and a probe of a draft
+            # model pays its catch-up over the whole context (a universal-tokenizer draft for gemma3-270m
+            # probed every 128 steps: 0.89x)
+            cap = HOPELESS_INTERVAL_FACTOR * self.max_interval if hopeless else self.max_interval
+            self.interval = min(2 * self.interval, cap)
             self.probed = False
         self.plain_steps += 1
         if self.plain_steps >= self.interval:
