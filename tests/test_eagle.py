@@ -105,3 +105,32 @@ def test_incremental_draft_matches_training_unroll(tiny, tmp_path, kind):
         torch.testing.assert_close(prop.head.logits(out, target.lm_head.weight)[0], logits[1][0, n], atol=1e-4, rtol=1e-4)
         out2 = prop._forward_nodes(state, [tokens[n + 2]], out, [2], None)
         torch.testing.assert_close(prop.head.logits(out2, target.lm_head.weight)[0], logits[2][0, n + 1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.parametrize("shape", SHAPES[:2], ids=["chain", "tree3x3"])
+def test_first_digest_keeps_the_newest_prompt_rows_at_their_positions(tiny, tmp_path, monkeypatch, kind, shape):
+    """A prompt longer than PROMPT_WINDOW: the head's first digest is its newest PROMPT_WINDOW rows, at
+    their true positions (row 0 at position len - window), and the output is still plain decoding's."""
+    from specdec.llm import LLM
+    from specdec.proposers import eagle
+    monkeypatch.setattr(eagle, "PROMPT_WINDOW", 6)
+    commits = []
+    original = eagle._EagleBase._commit
+
+    def record(self, state, feats, next_tokens):
+        commits.append((state.draft["offset"], state.draft["len"], len(next_tokens)))
+        original(self, state, feats, next_tokens)
+
+    monkeypatch.setattr(eagle._EagleBase, "_commit", record)
+    d, plain = tiny
+    head = random_head(plain.model, kind, tmp_path / "head", draft_vocab=512 if kind == "eagle3" else 0)
+    spec = LLM(str(d), dtype="float32", progress=False,
+               speculative_config={"method": kind, "model": str(head), "num_speculative_tokens": 3, **shape})
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ids = plain.tokenizer.encode("Hello there, 1 2 3 4 5 6 7 8 9 10 11 12, and again 1 2 3 4 5 6")
+    assert len(ids) > 12
+    r = spec.generate_one(ids, params)
+    assert r.token_ids == plain.generate_one(ids, params).token_ids and r.metrics.num_drafts > 0
+    assert commits[0] == (len(ids) - 6, 0, 6)  # the first digest: 6 rows, row 0 at position len(ids) - 6
+    assert all(off == len(ids) - 6 for off, _, _ in commits)  # later rows follow at offset + len
