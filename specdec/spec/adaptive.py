@@ -12,11 +12,15 @@ measured on every step of the request: a drafter whose cost the model does not k
 of the target on one busy core, say) still loses its steps to plain decoding. When the best k
 gives no gain, speculation is off for the request; after `probe_interval` plain steps it drafts
 once to re-measure acceptance and cost, and each probe that still finds no gain doubles the wait
-(up to MAX_PROBE_INTERVAL): a probe costs a drafter's catch-up on every token it missed, which kept
-a losing draft model ~5% below plain decoding when probes came every 16 steps.
+(up to MAX_PROBE_INTERVAL; for a drafter too dear even at full acceptance, up to
+HOPELESS_INTERVAL_FACTOR times that): a probe costs a drafter's catch-up on every token it missed, which
+kept a losing draft model ~5% below plain decoding when probes came every 16 steps. A probe that
+measures the drafter cheaper than its estimates replaces them, so estimates inflated by a stall of the
+machine recover at the next probe.
 
 A request starts from what the previous request of the same decoder ended with (`previous`): its
-acceptance as the prior, the drafter's and the step's measured costs, and its probe wait. Starting
+acceptance as the prior, the drafter's and the step's measured costs, and its probe wait with the steps
+already waited (a wait restarted per request never ended when longer than a request). Starting
 each request from the fixed prior (0.6) made a useless draft model draft on every request's second
 step, paying its catch-up over the whole prompt each time (0.87-0.98x on 64-token answers). The
 decoder does this for model drafters only: a lookup drafter's probe costs one verify column, and
