@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.kernels import linear_bf16
+from specdec.quant.schemes import StoredWeight
 
 
 @dataclass(frozen=True)
@@ -34,19 +35,13 @@ class Bf16Scheme:
         return {"scheme": "bf16"}
 
 
-class Bf16Weight(torch.nn.Module):
+class Bf16Weight(StoredWeight):
     """A bfloat16 [N, K] weight that computes x @ W^T in fp32 itself (as QuantizedWeight does)."""
 
     def __init__(self, weight: torch.Tensor, compute_dtype: torch.dtype = torch.float32):
         super().__init__()
         self.register_buffer("qweight", weight.detach().to(torch.bfloat16).contiguous())  # the stored matrix
         self.compute_dtype = compute_dtype
-
-    out_features = property(lambda self: self.qweight.shape[0])
-    in_features = property(lambda self: self.qweight.shape[1])
-    shape = property(lambda self: self.qweight.shape)
-    dtype = property(lambda self: self.compute_dtype)
-    device = property(lambda self: self.qweight.device)
 
     def extra_repr(self) -> str:
         return f"bfloat16, fp32 sums, {self.out_features}x{self.in_features}"

@@ -20,6 +20,7 @@ from functools import lru_cache
 import torch
 
 from specdec.config import ConfigError
+from specdec.quant.schemes import StoredWeight
 
 E4M3_MAX = 448.0
 ALIGN = 16  # torch._scaled_mm on GPUs wants both matrix dimensions multiples of 16
@@ -66,7 +67,7 @@ def check_cuda_fp8(device_index: int) -> None:
                           f"{major}.{minor}: use int8/int4, or bf16 without quantization")
 
 
-class Fp8Weight(torch.nn.Module):
+class Fp8Weight(StoredWeight):
     """An e4m3 [N, K] weight with per-channel scales that computes x @ W^T itself (as QuantizedWeight does)."""
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, compute_dtype: torch.dtype = torch.float32):
@@ -81,12 +82,6 @@ class Fp8Weight(torch.nn.Module):
     @classmethod
     def from_float(cls, w: torch.Tensor, compute_dtype: torch.dtype = torch.float32) -> "Fp8Weight":
         return cls(*quantize_fp8(w), compute_dtype)
-
-    out_features = property(lambda self: self.qweight.shape[0])
-    in_features = property(lambda self: self.qweight.shape[1])
-    shape = property(lambda self: self.qweight.shape)
-    dtype = property(lambda self: self.compute_dtype)
-    device = property(lambda self: self.qweight.device)
 
     def extra_repr(self) -> str:
         return f"fp8 e4m3, per-channel scales, {self.out_features}x{self.in_features}"

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec import kernels
-from specdec.quant.schemes import Packed, dequantize
+from specdec.quant.schemes import Packed, StoredWeight, dequantize
 from specdec.quant.torch_int4 import CudaInt4
 
 QGEMV_ROWS = 32  # rows per qgemv.c call here (layer.c calls it with up to kernels.MAX_ROWS rows)
@@ -51,7 +51,7 @@ def _ptr(t: torch.Tensor | None):
     return None if t is None else t.data_ptr()
 
 
-class QuantizedWeight(torch.nn.Module):
+class QuantizedWeight(StoredWeight):
     """A packed [N, K] weight (see specdec.quant.schemes) that computes x @ W^T itself."""
 
     def __init__(self, p: Packed, compute_dtype: torch.dtype = torch.float32):
@@ -59,28 +59,14 @@ class QuantizedWeight(torch.nn.Module):
         self.register_buffer("qweight", p.qweight)
         self.register_buffer("scales", p.scales)
         self.register_buffer("zeros", p.zeros)
-        self.bits, self.group_size, self.in_features = p.bits, p.group_size, p.in_features
+        self.bits, self.group_size, self._in_features = p.bits, p.group_size, p.in_features
         self.compute_dtype = compute_dtype  # the activations' dtype (what model.dtype reports)
 
     @property
     def packed(self) -> Packed:
         return Packed(self.qweight, self.scales, self.zeros, self.bits, self.group_size, self.in_features)
 
-    @property
-    def out_features(self) -> int:
-        return self.qweight.shape[0]
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size((self.out_features, self.in_features))
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.compute_dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.qweight.device
+    in_features = property(lambda self: self._in_features)  # qweight packs it (int4: two per byte)
 
     def extra_repr(self) -> str:
         return (f"int{self.bits}, group_size={self.group_size}, {self.out_features}x{self.in_features}, "

@@ -182,3 +182,17 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     d = xb.abs().amax(-1, keepdim=True) / 127.0
     inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
     return (torch.round(xb * inv) * d).reshape(x.shape)
+
+
+class StoredWeight(torch.nn.Module):
+    """A [N, K] weight kept in another format (`qweight`: bf16, fp8, packed int8/int4) that computes
+    x @ W^T itself, in `compute_dtype`; what the model code reads of a weight tensor: its shape, dtype
+    (the activations'), device. Subclasses provide linear(x, bias) and, if qweight is not [N, K],
+    in_features."""
+
+    compute_dtype: torch.dtype
+    out_features = property(lambda self: self.qweight.shape[0])
+    in_features = property(lambda self: self.qweight.shape[1])
+    shape = property(lambda self: torch.Size((self.out_features, self.in_features)))
+    dtype = property(lambda self: self.compute_dtype)
+    device = property(lambda self: self.qweight.device)
