@@ -4,8 +4,9 @@
 (decode, verify of a draft) it calls gemv.c, which streams the weights at memory bandwidth where
 MKL's small-M path does not (measured: 2x on an AMD EPYC). All kernel files are compiled together
 with -march=native into one shared library in $SPECDEC_CACHE/kernels (keyed by sources, compiler flags
-and CPU), so a machine never runs code built for another, and they share one pool of worker threads
-(pool.c). Without a compiler, or with SPECDEC_KERNELS=0, torch is used.
+and CPU), so a machine never runs code built for another, and they split their work through one
+dispatch (pool.c: OpenMP regions on the main thread, its own worker pool on any other). Without a
+compiler, or with SPECDEC_KERNELS=0, torch is used.
 """
 from __future__ import annotations
 
@@ -107,7 +108,7 @@ def kernel_status() -> str:
     lib = _load()
     if lib is None:
         return f"torch ({_load_error})"
-    return f"gemv.c ({ {16: 'AVX-512', 8: 'AVX2'}.get(lib.specdec_gemv_lanes(), 'scalar')}, own threads; fp32 and bf16 weights)"
+    return f"gemv.c ({ {16: 'AVX-512', 8: 'AVX2'}.get(lib.specdec_gemv_lanes(), 'scalar')}, OpenMP on the main thread, own pool elsewhere; fp32 and bf16 weights)"
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
