@@ -148,3 +148,19 @@ def test_fused_attention_is_batch_invariant(dims):
         one = FusedAttention.build(rotary, positions[:, t:t + 1], None, cache, qkv[:, t:t + 1])
         rows.append(one(qkv[:, t:t + 1], 1, *dims))
     assert torch.equal(block, torch.cat(rows, dim=1))
+
+
+def test_prune_builds_keeps_the_newest_and_other_kernels(tmp_path):
+    import os
+    names = [f"libspecdec_layer-{i:016x}.so" for i in range(6)]
+    for i, name in enumerate(names):
+        (tmp_path / name).write_bytes(b"")
+        os.utime(tmp_path / name, (1000 + i, 1000 + i))
+    other = tmp_path / "libspecdec_other-0000000000000000.so"
+    other.write_bytes(b"")
+    newest = tmp_path / names[1]  # just written: the one in use, whatever the clock says of the others
+    os.utime(newest, (5000, 5000))
+    deleted = kernels.prune_builds(newest, keep=3)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted([names[1], names[5], names[4], other.name])
+    assert sorted(p.name for p in deleted) == sorted([names[0], names[2], names[3]])

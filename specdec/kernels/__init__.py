@@ -64,7 +64,30 @@ def build_library(source: Path, extra: tuple[Path, ...] = ()) -> Path:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    prune_builds(out, KEEP_BUILDS)
     return out
+
+
+# libraries of one kernel kept in the cache: every source change (or another CPU sharing the cache
+# directory) adds one; the newest few stay so that machines or checkouts taking turns do not rebuild
+KEEP_BUILDS = 4
+
+
+def prune_builds(newest: Path, keep: int) -> list[Path]:
+    """Delete all but the `keep` most recently written builds of newest's kernel (newest among those
+    kept); the paths deleted. A process that has a deleted library loaded keeps its mapping."""
+    stem = newest.name.rsplit("-", 1)[0]
+    written = {}
+    for p in newest.parent.glob(f"{stem}-*.so"):
+        try:
+            written[p] = p.stat().st_mtime
+        except OSError:  # another process pruned it first
+            continue
+    older = sorted((p for p in written if p != newest), key=written.get, reverse=True)
+    stale = older[max(keep - 1, 0):]
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return stale
 
 
 # every kernel file goes into ONE library, so that all of them share pool.c's worker threads (two
