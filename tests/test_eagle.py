@@ -134,3 +134,32 @@ def test_first_digest_keeps_the_newest_prompt_rows_at_their_positions(tiny, tmp_
     assert r.token_ids == plain.generate_one(ids, params).token_ids and r.metrics.num_drafts > 0
     assert commits[0] == (len(ids) - 6, 0, 6)  # the first digest: 6 rows, row 0 at position len(ids) - 6
     assert all(off == len(ids) - 6 for off, _, _ in commits)  # later rows follow at offset + len
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_drafting_path_equals_the_training_path(tiny, tmp_path, kind):
+    """Drafting (no autograd) runs the head's q/k/v and gate/up as stacked matmuls through the C
+    kernels; training runs the modules. Same outputs, and the stacked weights follow an update."""
+    from specdec.proposers.heads import load_head
+    target = tiny[1].model
+    head = load_head(random_head(target, kind, tmp_path / "head", draft_vocab=64), torch.float32)
+    H, lm = target.config.hidden_size, target.lm_head.weight
+    gen = torch.Generator().manual_seed(1)
+    emb, hid = torch.randn(1, 5, H, generator=gen), torch.randn(1, 5, H, generator=gen)
+    pos = torch.arange(5)[None]
+
+    def both():
+        with torch.enable_grad():
+            train = head.logits(head.forward_layer(emb, hid, pos), lm)
+        with torch.inference_mode():
+            draft = head.logits(head.forward_layer(emb, hid, pos), lm)
+        return train, draft
+
+    train, draft = both()
+    torch.testing.assert_close(draft, train, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():  # as an optimizer step would: in place
+        head.layer.self_attn.k_proj.weight.mul_(-1.5)
+        head.layer.mlp.up_proj.weight.add_(0.05)
+    train2, draft2 = both()
+    assert not torch.allclose(train2, train, atol=1e-3)
+    torch.testing.assert_close(draft2, train2, atol=1e-5, rtol=1e-5)

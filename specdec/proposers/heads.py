@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from specdec.config import ConfigError
+from specdec.kernels import linear, rms_norm, silu_mul
 from specdec.model.layers import Rotary, apply_rotary
 
 HEAD_KINDS = ("medusa", "eagle", "eagle3")
@@ -74,16 +75,21 @@ class _Attention(torch.nn.Module):
     def qkv(self, x, cos, sin):
         # x: [B, T, in] -> q [B, Hq, T, D], k, v [B, Hkv, T, D] (rotary applied)
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        if torch.is_grad_enabled():
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:  # drafting: one matmul for the three
+            sizes = (self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim)
+            q, k, v = linear(x, stacked_weight(self, ("q_proj", "k_proj", "v_proj"))).split(sizes, dim=-1)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def attend(self, q, k, v, mask):
         # k, v: [B, Hkv, S, D]; mask [T, S] bool -> [B, T, H]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         B, _, T, _ = out.shape
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        return linear(out.transpose(1, 2).reshape(B, T, -1), self.o_proj.weight)
 
 
 class _MLP(torch.nn.Module):
@@ -94,7 +100,9 @@ class _MLP(torch.nn.Module):
         self.down_proj = torch.nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if torch.is_grad_enabled():
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return linear(silu_mul(linear(x, stacked_weight(self, ("gate_proj", "up_proj")))), self.down_proj.weight)
 
 
 class _RMSNorm(torch.nn.Module):
@@ -104,6 +112,8 @@ class _RMSNorm(torch.nn.Module):
         self.eps = eps
 
     def forward(self, x):
+        if not torch.is_grad_enabled():
+            return rms_norm(x, self.weight, self.eps)
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
@@ -132,6 +142,19 @@ class EagleLayer(torch.nn.Module):
     def finish(self, residual, attn_out):
         x = residual + attn_out
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def stacked_weight(module: torch.nn.Module, names: tuple[str, ...]) -> torch.Tensor:
+    """The weights of module's linears `names` stacked by output rows, [sum of N, K]: one matmul for
+    several (q/k/v, gate/up) when drafting, each output the same sum as its own linear's in the C
+    kernels. Built once, rebuilt when a weight moves or is updated in place (training)."""
+    parts = [getattr(module, n).weight for n in names]
+    key = tuple((p.data_ptr(), p._version) for p in parts)
+    cached = module.__dict__.get("_stacked")
+    if cached is None or cached[0] != (names, key):
+        cached = ((names, key), torch.cat(parts).contiguous())
+        module.__dict__["_stacked"] = cached
+    return cached[1]
 
 
 def draft_rows(head: torch.nn.Module, target_lm_head) -> torch.Tensor:
@@ -203,12 +226,12 @@ class EagleHead(torch.nn.Module):
         """Step-0 hidden from target features. eagle3: feats [B, T, 3H] (low, mid, high);
         eagle: feats [B, T, H] (final normed state), fused with the next token's embedding."""
         if self.cfg.kind == "eagle3":
-            return self.fc(feats)
-        return self.fc(torch.cat([embeds, feats], dim=-1))
+            return linear(feats, self.fc.weight)
+        return linear(torch.cat([embeds, feats], dim=-1), self.fc.weight)
 
     def step_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden of a later step (the draft's own output) for EAGLE-1 goes through fc again."""
-        return hidden if self.cfg.kind == "eagle3" else self.fc(torch.cat([embeds, hidden], dim=-1))
+        return hidden if self.cfg.kind == "eagle3" else linear(torch.cat([embeds, hidden], dim=-1), self.fc.weight)
 
     def forward_layer(self, embeds, hidden, positions, cache: "DraftKV | None" = None, mask=None):
         """embeds, hidden: [B, T, H]; positions [B, T]; cache: the draft's KV cache (the new keys are
@@ -228,8 +251,8 @@ class EagleHead(torch.nn.Module):
     def logits(self, out: torch.Tensor, target_lm_head: torch.Tensor | None = None) -> torch.Tensor:
         """[.., H] -> [.., Vd] draft-vocabulary logits (eagle: rows of the target LM head)."""
         if self.cfg.kind == "eagle3":
-            return self.lm_head(self.norm(out))
-        return out @ draft_rows(self, target_lm_head).t()
+            return linear(self.norm(out), self.lm_head.weight)
+        return linear(out, draft_rows(self, target_lm_head))
 
 
 class DraftKV:
