@@ -137,12 +137,16 @@ def test_first_digest_keeps_the_newest_prompt_rows_at_their_positions(tiny, tmp_
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
-def test_drafting_path_equals_the_training_path(tiny, tmp_path, kind):
+@pytest.mark.parametrize("saved", [torch.float32, torch.bfloat16])
+def test_drafting_path_equals_the_training_path(tiny, tmp_path, kind, saved):
     """Drafting (no autograd) runs the head's q/k/v and gate/up as stacked matmuls through the C
-    kernels; training runs the modules. Same outputs, and the stacked weights follow an update."""
-    from specdec.proposers.heads import load_head
+    kernels (bf16-stored where the saved head is bf16); training runs the modules. Same outputs, and
+    the stacked weights follow an update."""
+    from specdec.proposers.heads import Bf16Weight, load_head, save_head, stacked_weight
     target = tiny[1].model
-    head = load_head(random_head(target, kind, tmp_path / "head", draft_vocab=64), torch.float32)
+    head_dir = random_head(target, kind, tmp_path / "head", draft_vocab=64)
+    save_head(load_head(head_dir), head_dir, saved)
+    head = load_head(head_dir, torch.float32)
     H, lm = target.config.hidden_size, target.lm_head.weight
     gen = torch.Generator().manual_seed(1)
     emb, hid = torch.randn(1, 5, H, generator=gen), torch.randn(1, 5, H, generator=gen)
@@ -157,6 +161,9 @@ def test_drafting_path_equals_the_training_path(tiny, tmp_path, kind):
 
     train, draft = both()
     torch.testing.assert_close(draft, train, atol=1e-5, rtol=1e-5)
+    with torch.inference_mode():
+        stored = stacked_weight(head.layer.mlp, ("gate_proj", "up_proj"))
+    assert isinstance(stored, Bf16Weight) == (saved is torch.bfloat16)
     with torch.no_grad():  # as an optimizer step would: in place
         head.layer.self_attn.k_proj.weight.mul_(-1.5)
         head.layer.mlp.up_proj.weight.add_(0.05)

@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from specdec.config import ConfigError
 from specdec.kernels import linear, rms_norm, silu_mul
 from specdec.model.layers import Rotary, apply_rotary
+from specdec.quant.bf16 import Bf16Weight
 
 HEAD_KINDS = ("medusa", "eagle", "eagle3")
 
@@ -89,7 +90,7 @@ class _Attention(torch.nn.Module):
         # k, v: [B, Hkv, S, D]; mask [T, S] bool -> [B, T, H]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         B, _, T, _ = out.shape
-        return linear(out.transpose(1, 2).reshape(B, T, -1), self.o_proj.weight)
+        return linear(out.transpose(1, 2).reshape(B, T, -1), stacked_weight(self, ("o_proj",)))
 
 
 class _MLP(torch.nn.Module):
@@ -102,7 +103,8 @@ class _MLP(torch.nn.Module):
     def forward(self, x):
         if torch.is_grad_enabled():
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return linear(silu_mul(linear(x, stacked_weight(self, ("gate_proj", "up_proj")))), self.down_proj.weight)
+        gate_up = linear(x, stacked_weight(self, ("gate_proj", "up_proj")))  # [..., 2I]
+        return linear(silu_mul(gate_up), stacked_weight(self, ("down_proj",)))
 
 
 class _RMSNorm(torch.nn.Module):
@@ -144,17 +146,23 @@ class EagleLayer(torch.nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def stacked_weight(module: torch.nn.Module, names: tuple[str, ...]) -> torch.Tensor:
-    """The weights of module's linears `names` stacked by output rows, [sum of N, K]: one matmul for
-    several (q/k/v, gate/up) when drafting, each output the same sum as its own linear's in the C
-    kernels. Built once, rebuilt when a weight moves or is updated in place (training)."""
+def stacked_weight(module: torch.nn.Module, names: tuple[str, ...]):
+    """The weights of module's linears `names` stacked by output rows, [sum of N, K], for drafting: one
+    matmul for several (q/k/v, gate/up), each output the same sum as its own linear's in the C kernels.
+    Stored as bfloat16 when every value is one (a head saved in bf16, as the shipped ones are): widened
+    exactly in the kernel, so the same result from half the bytes. Built once, rebuilt when a weight
+    moves or is updated in place (training)."""
     parts = [getattr(module, n).weight for n in names]
+    if torch.is_grad_enabled():  # training: the parameters themselves, for their gradients
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
     key = tuple((p.data_ptr(), p._version) for p in parts)
-    cached = module.__dict__.get("_stacked")
-    if cached is None or cached[0] != (names, key):
-        cached = ((names, key), torch.cat(parts).contiguous())
-        module.__dict__["_stacked"] = cached
-    return cached[1]
+    built = module.__dict__.setdefault("_draft_weights", {})
+    if names not in built or built[names][0] != key:
+        w = torch.cat(parts).contiguous() if len(parts) > 1 else parts[0]
+        if w.dtype is torch.float32 and w.device.type == "cpu" and torch.equal(w.to(torch.bfloat16).float(), w):
+            w = Bf16Weight(w)
+        built[names] = (key, w)
+    return built[names][1]
 
 
 def draft_rows(head: torch.nn.Module, target_lm_head) -> torch.Tensor:
@@ -226,12 +234,14 @@ class EagleHead(torch.nn.Module):
         """Step-0 hidden from target features. eagle3: feats [B, T, 3H] (low, mid, high);
         eagle: feats [B, T, H] (final normed state), fused with the next token's embedding."""
         if self.cfg.kind == "eagle3":
-            return linear(feats, self.fc.weight)
-        return linear(torch.cat([embeds, feats], dim=-1), self.fc.weight)
+            return linear(feats, stacked_weight(self, ("fc",)))
+        return linear(torch.cat([embeds, feats], dim=-1), stacked_weight(self, ("fc",)))
 
     def step_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden of a later step (the draft's own output) for EAGLE-1 goes through fc again."""
-        return hidden if self.cfg.kind == "eagle3" else linear(torch.cat([embeds, hidden], dim=-1), self.fc.weight)
+        if self.cfg.kind == "eagle3":
+            return hidden
+        return linear(torch.cat([embeds, hidden], dim=-1), stacked_weight(self, ("fc",)))
 
     def forward_layer(self, embeds, hidden, positions, cache: "DraftKV | None" = None, mask=None):
         """embeds, hidden: [B, T, H]; positions [B, T]; cache: the draft's KV cache (the new keys are
@@ -251,7 +261,7 @@ class EagleHead(torch.nn.Module):
     def logits(self, out: torch.Tensor, target_lm_head: torch.Tensor | None = None) -> torch.Tensor:
         """[.., H] -> [.., Vd] draft-vocabulary logits (eagle: rows of the target LM head)."""
         if self.cfg.kind == "eagle3":
-            return linear(self.norm(out), self.lm_head.weight)
+            return linear(self.norm(out), stacked_weight(self, ("lm_head",)))
         return linear(out, draft_rows(self, target_lm_head))
 
 
