@@ -308,7 +308,7 @@ class MedusaHead(torch.nn.Module):
     def forward(self, h: torch.Tensor, target_lm_head: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
         """h [N, H] -> logits [K, N, Vd] of the first num_heads heads (all by default)."""
         w = draft_rows(self, target_lm_head)
-        return torch.stack([blk(h) @ w.t() for blk in self.blocks[:num_heads]])
+        return torch.stack([linear(blk(h), w) for blk in self.blocks[:num_heads]])
 
 
 class _ResBlock(torch.nn.Module):
@@ -320,7 +320,7 @@ class _ResBlock(torch.nn.Module):
 
     def forward(self, x):
         for lin in self.layers:
-            x = x + F.silu(lin(x))
+            x = x + F.silu(linear(x, lin.weight, lin.bias))
         return x
 
 
