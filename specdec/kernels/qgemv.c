@@ -178,6 +178,11 @@ static inline __m256 load_halves(const uint16_t *h, int n) {
     /* a masked load: the copy through the stack below stalls on store-to-load forwarding, once per
      * weight row for the last blocks of every K = 576 row of the 135M model */
     return _mm256_cvtph_ps(_mm_maskz_loadu_epi16((__mmask8)((1u << n) - 1), h));
+#else
+    if ((n & 1) == 0) { /* AVX2: a masked load of n / 2 pairs (K = 576 leaves n = 2), no stack copy */
+        const __m128i pairs = _mm_cmpgt_epi32(_mm_set1_epi32(n / 2), _mm_setr_epi32(0, 1, 2, 3));
+        return _mm256_cvtph_ps(_mm_maskload_epi32((const int *)h, pairs));
+    }
 #endif
     uint16_t tmp[8] = {0};
     memcpy(tmp, h, sizeof(uint16_t) * n);
