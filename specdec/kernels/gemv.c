@@ -69,6 +69,16 @@ static inline vec widen_bf16(const uint16_t *p) {
 #define MAX_TILE_T 7 /* input rows per tile */
 #endif
 #endif
+#ifndef PF_AHEAD
+/* fp32 row_tiles passes prefetch the weights this many bytes ahead of the line they read, one line per
+ * line read (rows are contiguous, so it runs on into the next rows). From DRAM a pass over 2-7 input rows
+ * was ~1.4x a single-token one though the arithmetic is not the limit (in cache 1.16x): the tile's
+ * extra instructions let fewer weight lines be in flight, and prefetching each next row as a burst at
+ * its start (PF_ROWS) did not help. AMD EPYC (AVX2, 2 threads, 40 matrices 3072 x 576 from DRAM, one
+ * process): T = 1 / 2 / 4 / 8 rows 11.6 / 17.4 / 17.5 / 19.9 ms -> 11.5 / 11.9 / 12.9 / 16.4 (1024 bytes;
+ * 512: 14.0 / 13.9 / 14.9 / 19.9; 2048 about as 1024). bf16 weights gained nothing: they keep PF_ROWS. */
+#define PF_AHEAD 1024
+#endif
 #define WIDE_ROWS 2 /* weight rows per tile, at most (only the wide tiles take more than one) */
 
 /* Weights are fp32 (WBF16 = 0) or bfloat16 (WBF16 = 1, widened to fp32 exactly as they are loaded);
@@ -97,7 +107,9 @@ static inline __attribute__((always_inline)) void tile(const void *W, const int 
     for (int r = 0; r < nr; r++)
         for (int t = 0; t < nt; t++)
             for (int a = 0; a < ACC; a++) acc[r][t][a] = vzero();
-    for (; k + VW * ACC <= K; k += VW * ACC)
+    for (; k + VW * ACC <= K; k += VW * ACC) {
+        if (!pin && !WBF16) /* fp32 row_tiles: the weights PF_AHEAD bytes on, line by line (see PF_AHEAD) */
+            for (int line = 0; line < VW * ACC * 4; line += 64) _mm_prefetch((const char *)W + k * 4 + PF_AHEAD + line, _MM_HINT_T0);
         for (int a = 0; a < ACC; a++) {
             vec xv[MAX_TILE_T];
             for (int t = 0; t < nt; t++) {
@@ -110,6 +122,7 @@ static inline __attribute__((always_inline)) void tile(const void *W, const int 
                 for (int t = 0; t < nt; t++) acc[r][t][a] = vfmadd(wv, xv[t], acc[r][t][a]);
             }
         }
+    }
     for (int r = 0; r < nr; r++)
         for (int t = 0; t < nt; t++) {
             vec s = acc[r][t][0];
@@ -227,7 +240,7 @@ static void wide_block(const void *W, const int WBF16, const float *x, float *y,
 }
 
 #ifndef PF_ROWS
-#define PF_ROWS 2 /* row_tiles passes (1-12 rows, bf16 1-21) prefetch the weight row this far ahead: the 30 layers' linears at
+#define PF_ROWS 2 /* bf16 row_tiles passes (1-21 rows; fp32: PF_AHEAD) prefetch the weight row this far ahead: the 30 layers' linears at
                      2 / 4 / 8 rows, bf16 13.4 -> 9.2, 16.1 -> 10.5, 19.9 -> 14.4 ms; fp32 19.6 -> 17.1, 23.4 -> 19.2,
                      33.3 -> 27.8 ms (2-core Xeon, one process; 1 row ahead: a little less) */
 #endif
@@ -252,7 +265,7 @@ static inline __attribute__((always_inline)) void rows_range(const void *W, cons
         if (wide(T, WBF16)) wide_block(wat(W, WBF16, n0 * K), WBF16, x, y + n0, T, K, N, nr);
         else {
 #ifdef VW
-            if (n0 + PF_ROWS < n_hi) { /* a later weight row into L1 while this one meets every input */
+            if (WBF16 && n0 + PF_ROWS < n_hi) { /* a later weight row into L1 while this one meets every input */
                 const char *next = (const char *)wat(W, WBF16, (n0 + PF_ROWS) * K);
                 for (int64_t off = 0; off < K * (WBF16 ? 2 : 4); off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
             }
