@@ -21,8 +21,10 @@
  * integer dots and fp32 operations whatever T is and however rows are tiled. So a verify pass over
  * k+1 tokens gives bitwise the same logits as k+1 single-token passes.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include "common.h"
 #include "qblock.h"
 
 #ifndef QPF
