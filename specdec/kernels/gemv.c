@@ -198,10 +198,10 @@ static inline __attribute__((always_inline)) void row_tiles(const void *w, const
 #ifdef ZEN_AVX512
 #define WIDE_T 8
 #elif VW == 8
-/* AMD EPYC, AVX2, since row_tiles prefetches line by line (PF_AHEAD): 13 / 14 / 15 rows 38.9 / 41.5 /
- * 42.6 ms (wide) vs 33.6 / 35.4 / 35.7 (row_tiles), 16 rows 39.1 vs 39.3, 24 53.9 vs 56-62, 32 62 vs 58-67
- * (40 matrices 3072 x 576 from DRAM, 2 threads, builds interleaved; before it: 12 rows 0.93x, 13 1.04x) */
-#define WIDE_T 16
+/* AMD EPYC (Zen 3), AVX2, since wide_block prefetches the next block (WIDE_PF): 8 rows 19.0 (row_tiles)
+ * vs 19.9 ms (wide), 10 23.4 vs 19.5, 12 23.8 vs 19.8, 14 26.7 vs 20.8 (40 matrices 3072 x 576 from
+ * DRAM, 2 threads, builds interleaved, medians of 25; single row 15-16 ms) */
+#define WIDE_T 9
 #else
 #define WIDE_T 13
 #endif
@@ -209,12 +209,25 @@ static inline __attribute__((always_inline)) void row_tiles(const void *w, const
 #ifndef WIDE_T_BF16
 #ifdef ZEN_AVX512
 #define WIDE_T_BF16 15
+#elif VW == 8
+#define WIDE_T_BF16 10 /* the same AVX2 EPYC, 80 bf16 matrices 3072 x 576: 8 rows 32.1 vs 32.9 ms, 12 47.6 vs 42.5, 16 69.9 vs 57.1, 20 91.8 vs 68.5 */
 #else
-#define WIDE_T_BF16 22 /* row_tiles (prefetching, each weight widened once) stays ahead up to 20 rows (Xeon: 16 rows 28.5 vs 35.9 ms, 20: 36.0 vs 39.7, 24: 53.5 vs 45.3) */
+#define WIDE_T_BF16 22 /* row_tiles (prefetching, each weight widened once) stays ahead up to 20 rows (Xeon: 16 rows 28.5 vs 35.9 ms, 20: 36.0 vs 39.7, 24: 53.5 vs 45.3; before WIDE_PF) */
 #endif
 #endif
 #define WIDE_TILE_T 3 /* input rows per wide tile: 2 x 3 x ACC accumulators + 3 inputs + 1 weight = 16 registers */
 #define BLOCK_ROWS 48 /* weight rows (<= 288 KB) that stay in L2 while every input tile passes over them */
+/* While the input tiles pass over one block, wide_block prefetches the next into L2, a few lines before
+ * each tile: without it a block's first pass waited on DRAM and the others on the FMAs, one after the
+ * other. AMD EPYC (AVX2, 2 threads, 40 matrices 3072 x 576 from DRAM, builds interleaved, medians of 11):
+ * 16 / 20 / 24 / 32 rows 36.0 / 39.1 / 45.6 / 50.1 -> 23.0 / 25.4 / 29.3 / 36.1 ms (_MM_HINT_T0 about
+ * the same as T1). */
+#ifndef WIDE_PF
+#define WIDE_PF 1
+#endif
+#ifndef WIDE_PF_HINT
+#define WIDE_PF_HINT _MM_HINT_T1
+#endif
 
 /* The wide tiles: tile()'s sums (bit for bit a single-row pass's) with pinned registers, 5 loads per
  * 6 FMAs in the 2 x 3 tile instead of 8. One function per shape and weight kind, each compiled on its
@@ -231,13 +244,19 @@ static const wide_fn wide_shapes[2][WIDE_ROWS][WIDE_TILE_T] = {
     {{wide_1x1_bf16, wide_1x2_bf16, wide_1x3_bf16}, {wide_2x1_bf16, wide_2x2_bf16, wide_2x3_bf16}}};
 
 /* Weight rows [0, nr) of one block against every input row: near-equal input tiles of at most
- * WIDE_TILE_T rows (held in L1) pass over the block (held in L2 after the first), WIDE_ROWS rows at a time. */
+ * WIDE_TILE_T rows (held in L1) pass over the block (in L2), WIDE_ROWS rows at a time; next_lines 64-byte
+ * lines from `next` on (the next block) are prefetched meanwhile, spread evenly over the tiles. */
 static void wide_block(const void *W, const int WBF16, const float *x, float *y, int64_t T, int64_t K, int64_t N,
-                       int64_t nr) {
-    const int64_t ntiles = (T + WIDE_TILE_T - 1) / WIDE_TILE_T;
+                       int64_t nr, const char *next, int64_t next_lines) {
+    const int64_t ntiles = (T + WIDE_TILE_T - 1) / WIDE_TILE_T, calls = ntiles * ((nr + WIDE_ROWS - 1) / WIDE_ROWS);
+    int64_t call = 0, fetched = 0;
     for (int64_t i = 0, t0 = 0, nt; i < ntiles; i++, t0 += nt) {
         nt = (T - t0) / (ntiles - i);
         for (int64_t r = 0; r < nr; r += WIDE_ROWS) {
+#if WIDE_PF
+            for (const int64_t upto = next_lines * ++call / calls; fetched < upto; fetched++)
+                _mm_prefetch(next + fetched * 64, WIDE_PF_HINT);
+#endif
             const int64_t rows = nr - r < WIDE_ROWS ? nr - r : WIDE_ROWS;
             wide_shapes[WBF16][rows - 1][nt - 1](wat(W, WBF16, r * K), x + t0 * K, y + t0 * N + r, K, N);
         }
@@ -267,7 +286,11 @@ static inline __attribute__((always_inline)) void rows_range(const void *W, cons
     const int64_t unit = unit_rows(T, WBF16);
     for (int64_t n0 = n_lo; n0 < n_hi; n0 += unit) {
         const int64_t nr = n_hi - n0 < unit ? n_hi - n0 : unit;
-        if (wide(T, WBF16)) wide_block(wat(W, WBF16, n0 * K), WBF16, x, y + n0, T, K, N, nr);
+        if (wide(T, WBF16)) {
+            const int64_t next_rows = n_hi - n0 - nr < unit ? n_hi - n0 - nr : unit; /* the next block, read meanwhile */
+            wide_block(wat(W, WBF16, n0 * K), WBF16, x, y + n0, T, K, N, nr, (const char *)wat(W, WBF16, (n0 + nr) * K),
+                       next_rows * K * (WBF16 ? 2 : 4) / 64);
+        }
         else {
 #ifdef VW
             if (WBF16 && n0 + PF_ROWS < n_hi) { /* a later weight row into L1 while this one meets every input */
