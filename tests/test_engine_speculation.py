@@ -104,7 +104,19 @@ def test_profile_runs_the_engines_paged_path(tiny_dir, monkeypatch):
     cost = BatchCost()
     cost.profile(model, sizes=(1, 2, 4), repeats=2)
     assert sorted(cost.seconds) == [1, 2, 4] and all(t > 0 for t in cost.seconds.values())
-    assert seen == [1, 1, 2, 2, 4, 4]
+    assert seen == [1, 1, 2, 2, 4, 4, 2]  # and one ragged pass of 2 + 1 tokens: does it run packed?
+    assert cost.packs  # the tiny fp32 Llama runs through layer.c
+
+
+def test_packed_verify_prices_real_tokens_not_padding():
+    """Packed, a pass with one row drafting 5 tokens beside 3 rows drafting none costs c(9), not
+    c(4 x 6); unpacked, past layer.c's rows or the attention kernel's grid, the padded size."""
+    cost = BatchCost()
+    assert cost.rows(4, 5, 9) == 24  # not known to pack: padded
+    cost.packs = True
+    assert cost.rows(4, 5, 9) == 9
+    assert cost.rows(16, 4, 70) == 80  # 70 real tokens > MAX_ROWS: the per-op path, padded
+    assert cost.rows(32, 4, 40) == 160  # a grid of 160 > PAGED_ROWS: torch's attention, padded
 
 
 def test_a_model_drafters_time_is_not_counted_twice():

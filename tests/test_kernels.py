@@ -22,8 +22,9 @@ def test_linear_matches_torch(T, K, N):
 @pytest.mark.parametrize("T,K", [(2, 576), (5, 576), (7, 576), (9, 576), (12, 576), (13, 576), (14, 100),
                                  (20, 1536), (32, 576), (31, 104)])
 def test_linear_is_batch_invariant(T, K):
-    """Every tiling of T rows gives each row the single-row bits: near-equal tiles of at most 7 rows
-    below 13, the blocked 2 x 3 tiles (wide_block) from 13 on; K = 100, 104 leave scalar tails."""
+    """Every tiling of T rows gives each row the single-row bits: near-equal tiles of at most 7-8 rows
+    below gemv.c's WIDE_T (9 to 16 rows by CPU), the blocked 2 x 3 tiles (wide_block, prefetching the
+    next block) from there on; K = 100, 104 leave scalar tails."""
     torch.manual_seed(0)
     x, w = torch.randn(T, K), torch.randn(301, K)  # 301: a last single-token tile of one row, a 13-row block
     block = kernels.linear(x, w)

@@ -33,8 +33,8 @@ def _count_fused_layers(monkeypatch, mode: str) -> list[bool]:
         calls.append(out is not None)
         return out
 
-    def stack(layers, layer_ids, x, fused, keep=()):
-        out = fused_layer.decoder_layers(layers, layer_ids, x, fused, keep) if mode == "stack" else None
+    def stack(layers, layer_ids, x, fused, keep=(), pack=False):
+        out = fused_layer.decoder_layers(layers, layer_ids, x, fused, keep, pack) if mode == "stack" else None
         calls.extend([True] * len(layer_ids) if out is not None else [])
         return out
 
@@ -111,7 +111,9 @@ def _run_paged(model, monkeypatch, mode: str):
         ids[b, 5 - len(toks):], pos[b, 5 - len(toks):] = torch.tensor(toks), torch.tensor(p)
     del calls[:]
     kv = BatchKV(pool, tables, [len(p) for p in prompts], [len(t) for t in new], [None, None, tree_mask(parents)])
-    return model(ids, pos, kv).logits, pool, calls
+    logits = model(ids, pos, kv).logits  # [3, 5, V]
+    real = [logits[b, 5 - len(t):] for b, t in enumerate(new)]  # the padding's logits are not computed when packed
+    return torch.cat(real), logits, pool, calls
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -120,11 +122,13 @@ def test_fused_layer_on_the_paged_batch_is_bitwise_the_per_op_path(tiny_dir, mon
     model = load_model(tiny_dir("qwen2"), torch.float32)
     if scheme is not None:
         model = quantize_model(model, scheme)
-    want, want_pool, _ = _run_paged(model, monkeypatch, "per-op")
-    got, got_pool, calls = _run_paged(model, monkeypatch, mode)
+    want, _, want_pool, _ = _run_paged(model, monkeypatch, "per-op")
+    got, grid, got_pool, calls = _run_paged(model, monkeypatch, mode)
     assert len(calls) == len(model.layers) and all(calls)  # the batch of 3 x 5 rows ran fused
     assert torch.equal(got, want)
     assert torch.equal(got_pool.k, want_pool.k) and torch.equal(got_pool.v, want_pool.v)
+    if mode == "stack":  # packed: the linears ran on the 9 real tokens; the 6 padding rows' logits are zeros
+        assert not grid[0, :4].any() and not grid[1, :2].any() and grid[2].abs().sum(-1).gt(0).all()
 
 
 def test_stacked_segments_keep_the_requested_hidden_states(tiny_dir, monkeypatch):

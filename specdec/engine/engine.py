@@ -190,7 +190,8 @@ class Engine:
             fwd = self.runner.run(rows, all_logits=decode, output_layers=self._feature_layers(rows))
             if decode:
                 decode_forward = time.perf_counter() - t0
-                self.spec.cost.observe(len(rows) * max(len(r) for r in rows), decode_forward)
+                padded = len(rows) * max(len(r) for r in rows)
+                self.spec.cost.observe(sum(map(len, rows)) if fwd.packed else padded, decode_forward)
                 self.last_k = max(len(r.proposal) for r in rows)
             for b, r in enumerate(rows):
                 if self._process(r, self.runner.row_output(fwd, b, len(r))):

@@ -2,8 +2,9 @@
 
 Every running request in the decode batch drafts up to K tokens with its own proposer (from the
 registry; per-request method or none), and ONE target forward verifies all rows: rows are left-padded
-to T = 1 + (longest draft), so the pass costs about c(B * T), the time of a forward over B * T
-token rows. On a CPU c(N) is flat while the matmuls are memory-bound (small N) and grows linearly
+to T = 1 + (longest draft), and where the model runs the batch packed (layer.c: the linears on the
+real tokens alone) the pass costs about c(N), the time of a forward over N = B + (drafted tokens)
+token rows; else c(B * T), padding included. On a CPU c(N) is flat while the matmuls are memory-bound (small N) and grows linearly
 once they are compute-bound, so speculation is nearly free at small batches and expensive at large
 ones. The rule (documented in docs/benchmarks/serving.md):
 
@@ -15,7 +16,8 @@ ones. The rule (documented in docs/benchmarks/serving.md):
                cost), else EMA of "the model drafter had a draft when asked"
     P0       = prod_b (1 - y_b)                        no row drafts: the pass stays a plain one, c(B)
     rate(K)  = (B + sum_b y_b (E_b(min(K, cap_b)) - 1))            (cap_b: a chain's length at most)
-               / ((1 - P0) (c(B (K+1)) + sum_b min(K, cap_b) draft_cost_b + B o_spec) + P0 (c(B) + B o_plain))
+               / ((1 - P0) (c(R(K)) + sum_b min(K, cap_b) draft_cost_b + B o_spec) + P0 (c(B) + B o_plain))
+    R(K)     = B + sum_b y_b min(K, cap_b) packed (BatchCost.rows), else B (K+1)
     K        = argmax rate(K) over 0..k_max, kept only if > 1.02 x rate(0)
 
 c(N) is profiled at start (N = 1, 2, 4, ..., 64); each decode pass rescales the curve (BatchCost).
@@ -40,6 +42,8 @@ import time
 import torch
 
 from specdec.cache.paged_cache import BatchKV, PagedKVPool, SeqKV
+from specdec.kernels import MAX_ROWS
+from specdec.kernels.attention import PAGED_ROWS
 from specdec.config import ConfigError, SpeculativeConfig, split_method
 from specdec.spec.adaptive import ProbeBackoff, StepOverhead, robust_ema
 from specdec.spec.proposer import EMPTY, Proposal, ProposerContext, available_methods, make_proposer
@@ -62,6 +66,9 @@ class BatchCost:
     def __init__(self):
         self.seconds: dict[int, float] = {}  # N -> profiled seconds
         self.scale = 1.0
+        # whether a left-padded pass runs its linears on the real tokens alone (llama.py's `packed`):
+        # then rows drafting different lengths cost their tokens, not B x T (found by profile())
+        self.packs = False
 
     def profile(self, model, sizes=PROFILE_SIZES, prefix_len: int = 32, repeats: int = 3,
                 block_size: int = 16) -> None:
@@ -78,6 +85,15 @@ class BatchCost:
                 model(torch.zeros(n, 1, dtype=torch.long), torch.full((n, 1), prefix_len), kv)
                 times.append(time.perf_counter() - t0)
             self.seconds[n] = min(times)
+        kv = BatchKV(pool, [list(range(per_seq)), list(range(per_seq, 2 * per_seq))], [prefix_len] * 2, [2, 1])
+        ids, pos = torch.zeros(2, 2, dtype=torch.long), torch.full((2, 2), prefix_len)
+        self.packs = bool(getattr(model(ids, pos, kv), "packed", False))  # a ragged pass of 2 + 1 tokens
+
+    def rows(self, B: int, K: int, real: float) -> float:
+        """Rows a verify pass computes: B x (K + 1) padded, or `real` (the expected real tokens) where
+        passes run packed and fit layer.c's rows (MAX_ROWS) and the attention kernel's grid (PAGED_ROWS)."""
+        padded = B * (K + 1)
+        return real if self.packs and real <= MAX_ROWS and padded <= PAGED_ROWS else padded
 
     def observe(self, n: int, seconds: float) -> None:
         if not self.seconds:  # never profiled: the first pass anchors the curve
@@ -88,7 +104,7 @@ class BatchCost:
     def estimate(self, n: int) -> float:
         return self._curve(n) * self.scale
 
-    def _curve(self, n: int) -> float:
+    def _curve(self, n: float) -> float:
         if n in self.seconds:
             return self.seconds[n]
         if not self.seconds:
@@ -208,7 +224,9 @@ class Speculation:
         for K in range(1, max(c for _, _, c, _ in drafting) + 1):
             gain = B + sum(y * (expected_tokens(a, min(K, c)) - 1) for y, a, c, _ in drafting)
             draft = sum(min(K, c) * d for _, _, c, d in drafting)
-            cost = (1 - p_none) * (self.cost.estimate(B * (K + 1)) + draft + B * self.overhead.spec) + p_none * plain
+            real = B + sum(y * min(K, c) for y, _, c, _ in drafting)  # expected real tokens of the pass
+            verify = self.cost.estimate(self.cost.rows(B, K, real))
+            cost = (1 - p_none) * (verify + draft + B * self.overhead.spec) + p_none * plain
             rate = gain / cost
             if rate > best * 1.02:
                 best_k, best = K, rate

@@ -48,7 +48,7 @@ class FusedAttention:
         self.mask = None if block_mask is None else block_mask.to(torch.uint8).contiguous()  # [T, T]
         self.cache = cache
         self.past = cache.length
-        self.layer_shape = None  # layer.c's description of this pass (specdec.kernels.layer), made once
+        self.layer_shapes = {}  # layer.c's descriptions of this pass (specdec.kernels.layer), made once
 
     @classmethod
     def build(cls, rotary, positions: torch.Tensor, block_mask, cache, x: torch.Tensor) -> "FusedAttention | None":
@@ -86,7 +86,11 @@ class PagedAttention:
         self.new_slot = new_slot  # [B, T], -1 on padding
         self.gather = cache.gather.contiguous()  # [B, L]
         self.mask = cache.mask[:, 0].to(torch.uint8).contiguous()  # [B, T, L]
-        self.layer_shape = None  # layer.c's description of this pass (specdec.kernels.layer), made once
+        # the real tokens' places b * T + t in the grid, ascending; None without padding (layer.c can then
+        # run the linears on these rows alone: specdec.kernels.layer)
+        real = cache.rows * T + cache.cols  # [N]
+        self.real_index = real.to(torch.int64).contiguous() if real.numel() < B * T else None
+        self.layer_shapes = {}  # layer.c's descriptions of this pass (specdec.kernels.layer), made once
 
     @classmethod
     def build(cls, rotary, positions: torch.Tensor, cache, x: torch.Tensor) -> "PagedAttention | None":

@@ -9,6 +9,10 @@
  * x: [T, H] fp32, updated in place; T <= 64 new tokens of one sequence in a static fp32 cache, or
  * (B > 0) the serving engine's B left-padded rows of T tokens over the paged pool, B * T <= 64, whose
  * attention is specdec_paged_attention_f32 (k_cache, v_cache: the pool's [num_slots, Hkv, D] layer).
+ * Packed (num_real > 0): x holds only the batch's num_real real tokens, [num_real, H], real_index[i]
+ * being token i's place b * T + t in the padded grid; every linear runs on those rows alone and only
+ * attention sees the grid (q/k/v scattered into it, its output gathered back), so a row drafting 5
+ * tokens beside rows drafting none costs 5 rows, not 5 x B of padding.
  * Each linear is described by a `Linear` (fp32 or bf16 matrix, see gemv.c, or a packed int8/int4 one, see qgemv.c).
  */
 #include <stdint.h>
@@ -39,6 +43,8 @@ typedef struct {
     float eps, scale;
     int64_t B, L;                     /* paged rows and gathered keys per row; B = 0: static cache */
     const int64_t *new_slot, *gather; /* paged: [B, T] pool slot of each new token (-1: padding), [B, L] */
+    int64_t num_real;                 /* paged, packed: rows of x (0: x is the whole grid) */
+    const int64_t *real_index;        /* [num_real] ascending places in the [B * T] grid */
 } LayerShape;
 
 void specdec_linear_f32(const float *x, const float *W, const float *bias, float *y, int64_t T, int64_t K, int64_t N);
@@ -105,19 +111,51 @@ static int attention(const float *qkv, const LayerWeights *w, const LayerShape *
                                  s->Hkv, s->D, s->past, s->max_len, s->scale);
 }
 
+/* Packed rows: the [num_real, n] rows `real` into their places of the [grid, n] `padded`, whose padding
+ * rows are zeroed (a padding query then attends to key 0 with finite scores; its output is dropped). */
+static void scatter_rows(const float *real, float *padded, const int64_t *index, int64_t num_real, int64_t grid,
+                         int64_t n) {
+    int64_t next = 0; /* the first grid row not yet written */
+    for (int64_t i = 0; i <= num_real; i++) {
+        const int64_t at = i < num_real ? index[i] : grid;
+        if (at > next) memset(padded + next * n, 0, sizeof(float) * (at - next) * n);
+        if (i < num_real) memcpy(padded + at * n, real + i * n, sizeof(float) * n);
+        next = at + 1;
+    }
+}
+
+static void gather_rows(const float *padded, float *real, const int64_t *index, int64_t num_real, int64_t n) {
+    for (int64_t i = 0; i < num_real; i++) memcpy(real + i * n, padded + index[i] * n, sizeof(float) * n);
+}
+
+/* Attention over x's rows: through the grid when packed (q/k/v in, the output back out; `grid_buf`
+ * holds [grid, qkv_n] then [grid, Hq D]), else directly. */
+static int attention_rows(const float *qkv, const LayerWeights *w, const LayerShape *s, float *out, float *grid_buf) {
+    if (s->num_real <= 0) return attention(qkv, w, s, out);
+    const int64_t grid = s->B * s->T, qkv_n = w->qkv.N, out_n = s->Hq * s->D;
+    float *grid_qkv = grid_buf, *grid_out = grid_buf + grid * qkv_n;
+    scatter_rows(qkv, grid_qkv, s->real_index, s->num_real, grid, qkv_n);
+    const int rc = attention(grid_qkv, w, s, grid_out);
+    if (rc == 0) gather_rows(grid_out, out, s->real_index, s->num_real, out_n);
+    return rc;
+}
+
 int specdec_decoder_layer_f32(float *x, const LayerWeights *w, const LayerShape *s) {
-    const int64_t T = s->B > 0 ? s->B * s->T : s->T, H = s->H, I = w->down.K; /* T: rows of x */
+    const int64_t grid = s->B > 0 ? s->B * s->T : s->T;
+    const int64_t T = s->num_real > 0 ? s->num_real : grid, H = s->H, I = w->down.K; /* T: rows of x */
     const int64_t widest = w->qkv.N > w->gate_up.N ? w->qkv.N : w->gate_up.N;
-    /* normed x [T, H] | projection out [T, widest] | attention or silu out [T, max(Hq D, I)] | [T, H] */
+    /* normed x [T, H] | projection out [T, widest] | attention or silu out [T, max(Hq D, I)] | [T, H]
+     * | packed: the grid's q/k/v [grid, qkv N] and attention output [grid, Hq D] */
     const int64_t mid = s->Hq * s->D > I ? s->Hq * s->D : I;
-    float *buf = layer_buffer(T * (H + widest + mid + H));
+    const int64_t grid_floats = s->num_real > 0 ? grid * (w->qkv.N + s->Hq * s->D) : 0;
+    float *buf = layer_buffer(T * (H + widest + mid + H) + grid_floats);
     if (buf == NULL) return -1;
     float *normed = buf, *proj = normed + T * H, *act = proj + T * widest, *delta = act + T * mid;
 
     int rc = 0;
     specdec_rmsnorm_f32(x, w->input_norm, normed, T, H, s->eps);
     rc = apply(&w->qkv, normed, proj, T);
-    if (rc == 0) rc = attention(proj, w, s, act);
+    if (rc == 0) rc = attention_rows(proj, w, s, act, delta + T * H);
     if (rc == 0) rc = apply(&w->o_proj, act, delta, T);
     if (rc == 0) {
         add_into(x, delta, T * H);
@@ -138,7 +176,7 @@ int specdec_decoder_layer_f32(float *x, const LayerWeights *w, const LayerShape 
  * states an EAGLE head reads: kept in the same call, not by cutting the stack into several). */
 int specdec_decoder_layers_f32(float *x, LayerWeights *const *layers, int64_t n, const LayerShape *s,
                                float *const *saves) {
-    const int64_t rows = s->B > 0 ? s->B * s->T : s->T;
+    const int64_t rows = s->num_real > 0 ? s->num_real : s->B > 0 ? s->B * s->T : s->T;
     for (int64_t i = 0; i < n; i++) {
         const int rc = specdec_decoder_layer_f32(x, layers[i], s);
         if (rc != 0) return rc;
@@ -147,4 +185,4 @@ int specdec_decoder_layers_f32(float *x, LayerWeights *const *layers, int64_t n,
     return 0;
 }
 
-int specdec_layer_abi(void) { return 5; }
+int specdec_layer_abi(void) { return 6; }

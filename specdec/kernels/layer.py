@@ -38,7 +38,8 @@ class _LayerShape(ctypes.Structure):
     _fields_ = [("cos", c_void_p), ("sin", c_void_p), ("pos", c_void_p), ("mask", c_void_p),
                 ("T", c_int64), ("H", c_int64), ("Hq", c_int64), ("Hkv", c_int64), ("D", c_int64),
                 ("past", c_int64), ("max_len", c_int64), ("eps", c_float), ("scale", c_float),
-                ("B", c_int64), ("L", c_int64), ("new_slot", c_void_p), ("gather", c_void_p)]
+                ("B", c_int64), ("L", c_int64), ("new_slot", c_void_p), ("gather", c_void_p),
+                ("num_real", c_int64), ("real_index", c_void_p)]
 
 
 @functools.cache
@@ -124,21 +125,37 @@ def decoder_layer(layer, x: torch.Tensor, fused, layer_idx: int) -> torch.Tensor
     return None if ran is None else ran[0]
 
 
-def decoder_layers(layers, layer_ids, x: torch.Tensor, fused,
-                   keep: Sequence[int] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]] | None:
+def decoder_layers(layers, layer_ids, x: torch.Tensor, fused, keep: Sequence[int] = (),
+                   pack: bool = False) -> tuple[torch.Tensor, dict[int, torch.Tensor]] | None:
     """layers[i](x) for every i of layer_ids in turn, in ONE call to layer.c (bitwise the per-layer
     path, which costs a Python round trip per layer), with the hidden states after the layers in
-    `keep` ({i: [B, T, H]}); None if layer.c does not apply to one of them."""
-    return _run([(i, layers[i]) for i in layer_ids], x, fused, layers, keep)
+    `keep` ({i: [B, T, H]}); None if layer.c does not apply to one of them. pack: a paged pass with
+    padding runs its linears on the real tokens alone (packs(fused)); the padding rows of what comes
+    back are zeros."""
+    return _run([(i, layers[i]) for i in layer_ids], x, fused, layers, keep, pack and packs(fused))
 
 
-def _run(indexed: list, x: torch.Tensor, fused, owner, keep: Sequence[int]):
+def packs(fused) -> bool:
+    """Whether decoder_layers(..., pack=True) runs this pass packed: a paged pass with padding whose real
+    tokens fit layer.c's rows (the grid itself only has to fit the attention kernel, PAGED_ROWS)."""
+    real = getattr(fused, "real_index", None)
+    return type(fused) is PagedAttention and real is not None and real.numel() <= MAX_ROWS
+
+
+def _unpack(rows: torch.Tensor, real: torch.Tensor, B: int, T: int) -> torch.Tensor:
+    """[N, H] rows of the real tokens -> [B, T, H], zeros on the padding."""
+    grid = rows.new_zeros(B * T, rows.shape[-1])
+    grid[real] = rows
+    return grid.view(B, T, -1)
+
+
+def _run(indexed: list, x: torch.Tensor, fused, owner, keep: Sequence[int], packed: bool = False):
     """The (layer index, layer) pairs in turn through layer.c in one call: (x after the last, {kept
     layer: x after it}), or None. `owner` (the layer or the model's layer list) keeps the C array of
-    their descriptions between passes."""
+    their descriptions between passes. packed: x's real tokens alone go through (packs(fused))."""
     paged = type(fused) is PagedAttention
     if (not (paged or type(fused) is FusedAttention) or torch.is_grad_enabled() or _load() is None
-            or (paged and x.shape[0] * x.shape[1] > MAX_ROWS)):
+            or (paged and not packed and x.shape[0] * x.shape[1] > MAX_ROWS)):
         return None
     descs = [_layer_weights(layer) for _, layer in indexed]
     if not descs or any(d is None for d in descs):
@@ -153,30 +170,38 @@ def _run(indexed: list, x: torch.Tensor, fused, owner, keep: Sequence[int]):
         if len(stacks) >= 16:  # weights moved, or many layer subsets: start afresh
             stacks.clear()
         stacks[key] = (ctypes.POINTER(_LayerWeights) * len(descs))(*map(ctypes.pointer, descs))
-    out = x.contiguous().clone()  # [B, T, H], updated in place
-    shape = getattr(fused, "layer_shape", None)  # the same for every layer of the pass
+    B, T, H = x.shape
+    # [B, T, H] or, packed, [N, H] (the real tokens), updated in place
+    out = x.reshape(B * T, H)[fused.real_index] if packed else x.contiguous().clone()
+    shapes = fused.layer_shapes  # packed -> the shape, the same for every layer of the pass
+    shape = shapes.get(packed)
     if shape is None:
         first = indexed[0][1]
         make = _paged_shape if paged else _layer_shape
-        shape = fused.layer_shape = make(fused, out.shape[1], out.shape[2], first.n_heads, first.n_kv,
-                                         first.head_dim, first.input_norm.eps)
+        shape = shapes[packed] = make(fused, T, H, first.n_heads, first.n_kv, first.head_dim,
+                                      first.input_norm.eps)
+        if packed:
+            shape.num_real, shape.real_index = fused.real_index.numel(), fused.real_index.data_ptr()
     kept = {i: torch.empty_like(out) for i, _ in indexed if i in keep}
     saves = None
     if kept:
         saves = (c_void_p * len(indexed))(*(kept[i].data_ptr() if i in kept else None for i, _ in indexed))
     if _load().specdec_decoder_layers_f32(out.data_ptr(), stacks[key], len(descs), ctypes.byref(shape), saves) != 0:
         raise MemoryError("decoder layer kernel: out of memory for its buffers")
+    if packed:
+        out = _unpack(out, fused.real_index, B, T)
+        kept = {i: _unpack(h, fused.real_index, B, T) for i, h in kept.items()}
     return out, kept
 
 
 def _layer_shape(fused, T: int, H: int, Hq: int, Hkv: int, D: int, eps: float) -> _LayerShape:
     return _LayerShape(fused.cos.data_ptr(), fused.sin.data_ptr(), fused.positions.data_ptr(),
                        None if fused.mask is None else fused.mask.data_ptr(), T, H, Hq, Hkv, D, fused.past,
-                       fused.cache.max_len, eps, 1.0 / math.sqrt(D), 0, 0, None, None)
+                       fused.cache.max_len, eps, 1.0 / math.sqrt(D), 0, 0, None, None, 0, None)
 
 
 def _paged_shape(fused, T: int, H: int, Hq: int, Hkv: int, D: int, eps: float) -> _LayerShape:
     B, L = fused.gather.shape
     return _LayerShape(fused.cos.data_ptr(), fused.sin.data_ptr(), fused.positions.data_ptr(),
                        fused.mask.data_ptr(), T, H, Hq, Hkv, D, 0, 0, eps, 1.0 / math.sqrt(D), B, L,
-                       fused.new_slot.data_ptr(), fused.gather.data_ptr())
+                       fused.new_slot.data_ptr(), fused.gather.data_ptr(), 0, None)

@@ -5,6 +5,8 @@ T new tokens after the cached prefix in one pass: T = 1 for plain decoding, k + 
 chain, the node count for a token tree (block_mask = the tree's ancestor mask). It can run a
 subset of layers (self-speculation) and return the hidden states of chosen layers (EAGLE-3).
 q/k/v and gate/up projections are fused into one matmul each to cut per-op overhead.
+A serving batch (BatchKV) is left-padded to [B, T]; where layer.c runs it, only its real tokens go
+through the linears and the LM head (`packed`), so ragged drafts do not pay for their padding.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from specdec.cache.kv_cache import KVCache
 from specdec.config import ModelConfig
 from specdec.kernels import linear, silu_mul
 from specdec.kernels.attention import FusedAttention, fused_attention
-from specdec.kernels.layer import decoder_layer, decoder_layers
+from specdec.kernels.layer import decoder_layer, decoder_layers, packs
 from specdec.model.layers import RMSNorm, Rotary, apply_rotary
 
 
@@ -27,6 +29,7 @@ class ForwardOutput:
     logits: torch.Tensor  # [B, T_logits, V] (T_logits = num_logits or T)
     hidden: torch.Tensor  # [B, T, H] final normed hidden state
     layer_hidden: dict[int, torch.Tensor] | None = None  # layer index -> [B, T, H] (output of that layer)
+    packed: bool = False  # a padded paged batch whose linears ran on the real tokens alone (layer.c)
 
 
 class DecoderLayer(torch.nn.Module):
@@ -120,7 +123,7 @@ class LlamaModel(torch.nn.Module):
         layer_ids = list(range(len(self.layers)) if layers is None else layers)
         # every layer in one C call where layer.c applies to all of them (keeping the requested hidden
         # states in the same call), else one by one
-        stacked = None if fused is None else decoder_layers(self.layers, layer_ids, x, fused, output_layers)
+        stacked = None if fused is None else decoder_layers(self.layers, layer_ids, x, fused, output_layers, pack=True)
         if stacked is not None:
             x, kept = stacked
         else:
@@ -132,8 +135,23 @@ class LlamaModel(torch.nn.Module):
         kept = kept if output_layers else None
         cache.advance(T)
         h = self.norm(x)
+        packed = stacked is not None and packs(fused)
+        if num_logits is None and packed:  # the padding's logits are not computed
+            return ForwardOutput(self._real_logits(h, fused.real_index), h, kept, packed)
         h_logits = h if num_logits is None else h[:, -num_logits:]
-        return ForwardOutput(linear(h_logits, self.lm_head.weight), h, kept)
+        return ForwardOutput(linear(h_logits, self.lm_head.weight), h, kept, packed)
+
+    def _real_logits(self, h: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        """Logits [B, T, V] of a padded paged pass, computed for its real tokens only (real: their places
+        in the [B * T] grid); zeros on the padding."""
+        B, T, H = h.shape
+        rows = linear(h.reshape(B * T, H)[real], self.lm_head.weight)  # [N, V]
+        logits = rows.new_empty(B * T, rows.shape[-1])
+        logits[real] = rows
+        pad = torch.ones(B * T, dtype=torch.bool)
+        pad[real] = False
+        logits[pad] = 0.0
+        return logits.view(B, T, -1)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed(input_ids)
