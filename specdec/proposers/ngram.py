@@ -1,26 +1,59 @@
 """Prompt lookup (n-gram) drafting: find the latest earlier occurrence of the context's last n tokens
 (n from prompt_lookup_max down to prompt_lookup_min) in prompt + output, and propose what followed.
-Cost: one vectorised scan of the context per step (numpy), no model."""
-from __future__ import annotations
 
-import numpy as np
+Cost: O(1) a step. Each request keeps an index of its context's n-grams (NgramIndex: n-gram -> its
+latest start), extended by the tokens added since the last step, so a lookup is one dict probe per n.
+(It was a vectorised scan of the whole context per step: ~0.27 ms a row at ~300 tokens, 4 ms of a
+16-row decode step in the server.)"""
+from __future__ import annotations
 
 from specdec.spec.proposer import EMPTY, Proposal, Proposer, RequestState, register_proposer
 
 
-def find_continuation(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> tuple[list[int], int]:
-    """Tokens following the most recent earlier match of the last n tokens (longest n first), and n.
+class NgramIndex:
+    """The latest start of every n-gram (n_min <= n <= n_max) of a growing context, among those that
+    end before its last token (so a match is followed by at least one token to propose).
 
-    E.g. tokens = [a b c x a b] with n=2: suffix [a b] matches at 0, so propose [c x a ...][:k]."""
-    L = len(tokens)
-    for n in range(min(n_max, L - 1), n_min - 1, -1):
-        suffix = tokens[L - n:]
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[:L - 1], n)  # starts 0..L-1-n
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return tokens[start:start + k].tolist(), n  # start + n <= L - 1: never empty for k >= 1
-    return [], 0
+    E.g. context [a b c x a b], n = 2: the suffix [a b] was last seen at 0 (its occurrence at 4 is the
+    suffix itself), so lookup proposes [c x a ...][:k]."""
+
+    def __init__(self, n_min: int, n_max: int):
+        self.n_min, self.n_max = n_min, n_max
+        self.tokens: list[int] = []
+        self.prompt_len = 0
+        self.latest: dict[tuple[int, ...], int] = {}  # n-gram -> latest start (tuples of each length n)
+
+    def follows(self, prompt: list[int], output: list[int]) -> bool:
+        """Whether prompt + output still extends what was indexed (else: index afresh)."""
+        n = len(self.tokens)
+        if n == 0:
+            return True
+        if self.prompt_len != len(prompt) or n > len(prompt) + len(output):
+            return False
+        last = prompt[n - 1] if n <= len(prompt) else output[n - 1 - len(prompt)]
+        return last == self.tokens[-1]
+
+    def extend(self, prompt: list[int], output: list[int]) -> None:
+        """Index the tokens of prompt + output past those already indexed."""
+        old = len(self.tokens)
+        if old < len(prompt):
+            self.tokens.extend(prompt[old:])
+        self.tokens.extend(output[max(0, len(self.tokens) - len(prompt)):])
+        self.prompt_len = len(prompt)
+        toks = self.tokens
+        # windows ending (exclusive) at e <= L - 1 are indexed; a later start overwrites an earlier one
+        for e in range(max(old, 1), len(toks)):
+            for n in range(self.n_min, min(self.n_max, e) + 1):
+                self.latest[tuple(toks[e - n:e])] = e - n
+
+    def lookup(self, n_min: int, n_max: int, k: int) -> tuple[list[int], int]:
+        """Up to k tokens after the latest earlier match of the last n tokens (longest n first), and n."""
+        toks, L = self.tokens, len(self.tokens)
+        for n in range(min(n_max, self.n_max, L - 1), max(n_min, self.n_min) - 1, -1):
+            start = self.latest.get(tuple(toks[L - n:]))
+            if start is not None:
+                return toks[start + n:start + n + k], n  # start + n <= L - 1: never empty for k >= 1
+        return [], 0
 
 
 @register_proposer("ngram")
@@ -37,10 +70,11 @@ class NgramProposer(Proposer):
     def lookup(self, state: RequestState, k: int, min_match: int) -> tuple[list[int], int]:
         """Up to k tokens after a match of at least min_match context tokens, and the match length."""
         cfg = self.ctx.config
-        tokens = state.draft.get("array")
-        ids = state.token_ids
-        if tokens is None or len(tokens) != len(ids):
-            tokens = np.asarray(ids, dtype=np.int64)
-            state.draft["array"] = tokens
         n_min = max(cfg.prompt_lookup_min, min_match)
-        return find_continuation(tokens, n_min, max(cfg.prompt_lookup_max, n_min), k)
+        n_max = max(cfg.prompt_lookup_max, n_min)
+        index = state.draft.get("ngram_index")
+        if (index is None or index.n_min > n_min or index.n_max < n_max
+                or not index.follows(state.prompt_ids, state.output_ids)):
+            index = state.draft["ngram_index"] = NgramIndex(n_min, n_max)
+        index.extend(state.prompt_ids, state.output_ids)
+        return index.lookup(n_min, n_max, k)
