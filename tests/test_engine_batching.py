@@ -67,13 +67,18 @@ def test_greedy_batched_speculation_equals_single_request(plain, ngram, spec_k):
     if spec_k:
         for r in reqs:
             r.speculative = {"method": "ngram", "num_speculative_tokens": spec_k}
-    res = run(Engine(ngram, EngineConfig(max_num_seqs=4, max_num_batched_tokens=16, block_size=8)), reqs)
+    engine = Engine(ngram, EngineConfig(max_num_seqs=4, max_num_batched_tokens=16, block_size=8))
+    packed = []  # decode passes whose rows drafted different lengths ran packed (layer.c, real tokens only)
+    real_run = engine.runner.run
+    engine.runner.run = lambda rows, *a, **kw: packed.append(real_run(rows, *a, **kw)) or packed[-1]
+    res = run(engine, reqs)
     drafted = 0
     for r in reqs:
         got = res[(r.request_id, 0)]
         assert got["ids"] == reference(plain, r.prompt_ids, r.params)[0].token_ids, r.request_id
         drafted += got["out"].metrics.num_draft_tokens
     assert drafted > 0
+    assert any(out.packed for out in packed)
 
 
 def test_preemption_by_recompute_keeps_outputs(plain, ngram):

@@ -3,7 +3,9 @@
 A row feeds a sequence's uncomputed tokens token_ids[num_computed:num_computed + num_new] plus its
 drafted tokens; rows are left-padded to the longest (see specdec.cache.paged_cache), positions are
 explicit per row, and the forward's outputs are sliced back per row so that row index 0 of a
-`row_output` is the row's first real token (what proposers expect of a single-request pass).
+`row_output` is the row's first real token (what proposers expect of a single-request pass). Where
+layer.c runs the batch, the padding costs nothing but attention's share: the linears and the LM head
+see the real tokens alone (ForwardOutput.packed; specdec/model/llama.py).
 """
 from __future__ import annotations
 

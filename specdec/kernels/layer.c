@@ -7,7 +7,8 @@
  *     x += down(silu(gate) * up),  gate|up = gate_up(rms_norm(x))
  *
  * x: [T, H] fp32, updated in place; T <= 64 new tokens of one sequence in a static fp32 cache, or
- * (B > 0) the serving engine's B left-padded rows of T tokens over the paged pool, B * T <= 64, whose
+ * (B > 0) the serving engine's B left-padded rows of T tokens over the paged pool, B * T <= 64 (packed:
+ * num_real <= 64 real tokens, the grid up to the attention kernel's PAGED_ROWS), whose
  * attention is specdec_paged_attention_f32 (k_cache, v_cache: the pool's [num_slots, Hkv, D] layer).
  * Packed (num_real > 0): x holds only the batch's num_real real tokens, [num_real, H], real_index[i]
  * being token i's place b * T + t in the padded grid; every linear runs on those rows alone and only

@@ -3,7 +3,8 @@ call (layer.c) for decode-shaped passes; None where it does not apply.
 
 Applies where the fused attention does (fp32, no q/k norm; one sequence in a static cache with <= MAX_ROWS
 (64) new tokens, or the serving engine's paged batch with <= MAX_ROWS rows in all: B x T, padding
-included, which is where the per-op path's linears run the same kernels) and every projection is an
+included, which is where the per-op path's linears run the same kernels; packed, <= MAX_ROWS real tokens
+in a grid the attention kernel takes) and every projection is an
 fp32 matrix, a bf16 one (specdec.quant.bf16) or a packed int8/int4 weight on the CPU. The
 result is bitwise the one of the per-op path (same kernels, same order), so callers fall back to
 that path freely. The layer's pointers are described once and re-described only when a weight moves.
