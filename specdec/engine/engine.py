@@ -31,7 +31,7 @@ from specdec.sampling_params import SamplingParams
 from specdec.spec.adaptive import PRIOR_ACCEPTANCE, AdaptiveK
 from specdec.spec.metrics import SpecMetrics
 from specdec.spec.proposer import TargetOutput
-from specdec.spec.rejection import Verdict
+from specdec.spec.rejection import Verdict, verify_greedy
 
 
 @dataclass(frozen=True)
@@ -193,8 +193,10 @@ class Engine:
                 padded = len(rows) * max(len(r) for r in rows)
                 self.spec.cost.observe(sum(map(len, rows)) if fwd.packed else padded, decode_forward)
                 self.last_k = max(len(r.proposal) for r in rows)
+            # every greedy row's argmax in one call (per row it was ~0.1 ms each, 1.7 ms of a 16-row step)
+            argmax = fwd.logits.argmax(-1).tolist() if any(r.seq.params.greedy for r in rows) else None  # [B, T']
             for b, r in enumerate(rows):
-                if self._process(r, self.runner.row_output(fwd, b, len(r))):
+                if self._process(r, self.runner.row_output(fwd, b, len(r)), None if argmax is None else argmax[b]):
                     touched.append(r.seq)
         outs = [self._collect(s) for s in touched]
         if batch.decode and not batch.prefill:  # a pure decode step: what drafting costs besides the pass
@@ -215,8 +217,9 @@ class Engine:
                 layers.update(r.seq.spec.proposer.feature_layers)
         return tuple(sorted(layers))
 
-    def _process(self, row: Row, out: ForwardOutput) -> bool:
-        """Apply one row's forward output; True when the sequence emitted tokens."""
+    def _process(self, row: Row, out: ForwardOutput, argmax: list[int] | None = None) -> bool:
+        """Apply one row's forward output; True when the sequence emitted tokens. argmax: the argmax of
+        the forward's logits along this row ([T'], its last columns this row's; None: not computed)."""
         seq, n, proposal = row.seq, row.num_new, row.proposal
         if not row.samples:
             seq.num_computed += n
@@ -228,7 +231,9 @@ class Engine:
         logits = out.logits[0, -(k + 1):]  # [k+1, V]: row i predicts the token after input i
         if seq.grammar is not None:
             logits = logits.masked_fill(~seq.grammar.row_masks(proposal.tokens), float("-inf"))
-        if k:
+        if argmax is not None and seq.params.greedy and seq.grammar is None:
+            verdict = verify_greedy(proposal.tokens, argmax[-(k + 1):])
+        elif k:
             verdict = verify_rows(proposal, logits, seq.params, seq.state.generator)
         else:
             verdict = Verdict(0, [self._pick(logits[-1], seq)])
