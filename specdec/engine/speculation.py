@@ -4,8 +4,8 @@ Every running request in the decode batch drafts up to K tokens with its own pro
 registry; per-request method or none), and ONE target forward verifies all rows: rows are left-padded
 to T = 1 + (longest draft), and where the model runs the batch packed (layer.c: the linears on the
 real tokens alone) the pass costs about c(N), the time of a forward over N = B + (drafted tokens)
-token rows; else c(B * T), padding included. On a CPU c(N) is flat while the matmuls are memory-bound (small N) and grows linearly
-once they are compute-bound, so speculation is nearly free at small batches and expensive at large
+token rows; else c(B * T), padding included. On a CPU c(N) is flat while the matmuls are
+memory-bound (small N) and grows linearly once they are compute-bound, so speculation is nearly free at small batches and expensive at large
 ones. The rule (documented in docs/benchmarks/serving.md):
 
     E_b(k)   = (1 - a_b^(k+1)) / (1 - a_b)           tokens row b emits per pass when it drafts
@@ -42,9 +42,9 @@ import time
 import torch
 
 from specdec.cache.paged_cache import BatchKV, PagedKVPool, SeqKV
+from specdec.config import ConfigError, SpeculativeConfig, split_method
 from specdec.kernels import MAX_ROWS
 from specdec.kernels.attention import PAGED_ROWS
-from specdec.config import ConfigError, SpeculativeConfig, split_method
 from specdec.spec.adaptive import ProbeBackoff, StepOverhead, robust_ema
 from specdec.spec.proposer import EMPTY, Proposal, ProposerContext, available_methods, make_proposer
 from specdec.spec.rejection import Verdict, verify_greedy, verify_sampling

@@ -143,10 +143,14 @@ def packs(fused) -> bool:
     return type(fused) is PagedAttention and real is not None and real.numel() <= MAX_ROWS
 
 
-def _unpack(rows: torch.Tensor, real: torch.Tensor, B: int, T: int) -> torch.Tensor:
-    """[N, H] rows of the real tokens -> [B, T, H], zeros on the padding."""
-    grid = rows.new_zeros(B * T, rows.shape[-1])
+def unpack(rows: torch.Tensor, real: torch.Tensor, B: int, T: int) -> torch.Tensor:
+    """[N, C] rows of a packed pass's real tokens (real: their places in the [B * T] grid) -> [B, T, C],
+    zeros on the padding (written alone: a pass's logits are [B * T, V])."""
+    grid = rows.new_empty(B * T, rows.shape[-1])
     grid[real] = rows
+    pad = torch.ones(B * T, dtype=torch.bool)
+    pad[real] = False
+    grid[pad] = 0.0
     return grid.view(B, T, -1)
 
 
@@ -190,8 +194,8 @@ def _run(indexed: list, x: torch.Tensor, fused, owner, keep: Sequence[int], pack
     if _load().specdec_decoder_layers_f32(out.data_ptr(), stacks[key], len(descs), ctypes.byref(shape), saves) != 0:
         raise MemoryError("decoder layer kernel: out of memory for its buffers")
     if packed:
-        out = _unpack(out, fused.real_index, B, T)
-        kept = {i: _unpack(h, fused.real_index, B, T) for i, h in kept.items()}
+        out = unpack(out, fused.real_index, B, T)
+        kept = {i: unpack(h, fused.real_index, B, T) for i, h in kept.items()}
     return out, kept
 
 

@@ -20,7 +20,7 @@ from specdec.cache.kv_cache import KVCache
 from specdec.config import ModelConfig
 from specdec.kernels import linear, silu_mul
 from specdec.kernels.attention import FusedAttention, fused_attention
-from specdec.kernels.layer import decoder_layer, decoder_layers, packs
+from specdec.kernels.layer import decoder_layer, decoder_layers, packs, unpack
 from specdec.model.layers import RMSNorm, Rotary, apply_rotary
 
 
@@ -136,22 +136,12 @@ class LlamaModel(torch.nn.Module):
         cache.advance(T)
         h = self.norm(x)
         packed = stacked is not None and packs(fused)
-        if num_logits is None and packed:  # the padding's logits are not computed
-            return ForwardOutput(self._real_logits(h, fused.real_index), h, kept, packed)
+        if num_logits is None and packed:  # the padding's logits are not computed (zeros)
+            B, _, H = h.shape
+            rows = linear(h.reshape(B * T, H)[fused.real_index], self.lm_head.weight)  # [N, V]
+            return ForwardOutput(unpack(rows, fused.real_index, B, T), h, kept, packed)
         h_logits = h if num_logits is None else h[:, -num_logits:]
         return ForwardOutput(linear(h_logits, self.lm_head.weight), h, kept, packed)
-
-    def _real_logits(self, h: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-        """Logits [B, T, V] of a padded paged pass, computed for its real tokens only (real: their places
-        in the [B * T] grid); zeros on the padding."""
-        B, T, H = h.shape
-        rows = linear(h.reshape(B * T, H)[real], self.lm_head.weight)  # [N, V]
-        logits = rows.new_empty(B * T, rows.shape[-1])
-        logits[real] = rows
-        pad = torch.ones(B * T, dtype=torch.bool)
-        pad[real] = False
-        logits[pad] = 0.0
-        return logits.view(B, T, -1)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed(input_ids)
