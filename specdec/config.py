@@ -151,7 +151,7 @@ def _gemma3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-SPEC_METHODS = ("draft_model", "ngram", "suffix", "layerskip", "lookahead", "medusa", "eagle", "eagle3", "qdraft")
+SPEC_METHODS = ("draft_model", "ngram", "suffix", "layerskip", "lookahead", "medusa", "eagle", "eagle3", "qdraft", "recycle")
 LEARNED_TREE_METHODS = ("medusa", "eagle", "eagle3")  # learned heads; `model` = the head dir (default: shipped)
 LOOKUP_METHODS = ("ngram", "suffix")  # free drafters a model drafter can be paired with (`lookup`)
 

@@ -1,4 +1,4 @@
-"""The drafters of issue 4 (draft_model, layerskip, suffix, lookahead; ngram for comparison): greedy
+"""The drafters of issue 4 (draft_model, layerskip, suffix, lookahead, recycle; ngram for comparison): greedy
 output equals plain greedy decoding token for token (tiny random models and the real default model,
 fixed k and adaptive k), draft == target accepts everything, EOS and max_tokens inside an accepted
 block, seeded sampling is reproducible; plus unit tests of each drafter's own structure."""
@@ -19,7 +19,7 @@ from conftest import CHAT_PROMPTS
 
 REPEAT = "one two three four five six. one two three four five six. one two three"
 VARIED = "The quick brown fox"
-METHODS = ["draft_model", "ngram", "suffix", "layerskip", "lookahead"]
+METHODS = ["draft_model", "ngram", "suffix", "layerskip", "lookahead", "recycle"]
 
 
 def greedy(max_tokens=64, **kw):
@@ -384,7 +384,7 @@ def real_refs(smollm_llm):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["draft_model", "suffix", "layerskip", "lookahead"])
+@pytest.mark.parametrize("method", ["draft_model", "suffix", "layerskip", "lookahead", "recycle"])
 def test_greedy_equals_plain_real_model(real_refs, method):
     spec = LLM("smollm2-135m", dtype="float32", progress=False,
                speculative_config=spec_config(method, "smollm2-135m", num_speculative_tokens=4))
