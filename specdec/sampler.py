@@ -7,7 +7,22 @@ from __future__ import annotations
 
 import torch
 
+from specdec.kernels import top_indices
 from specdec.sampling_params import SamplingParams
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits [..., V] -> [...]: torch.argmax(-1) (the first index of the maximum), through topk.c for
+    fp32 CPU rows (0.35 -> ~0.03 ms for 5 rows of a 49k vocabulary)."""
+    top = top_indices(logits, 1)
+    return logits.argmax(-1) if top is None else top[..., 0]
+
+
+def top_tokens(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """logits [..., V] -> [..., k]: the k most likely tokens per row, most likely first (torch.topk's
+    indices; ties in another order)."""
+    top = top_indices(logits, k)
+    return torch.topk(logits, k, dim=-1).indices if top is None else top
 
 
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

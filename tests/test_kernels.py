@@ -165,3 +165,40 @@ def test_prune_builds_keeps_the_newest_and_other_kernels(tmp_path):
     left = sorted(p.name for p in tmp_path.iterdir())
     assert left == sorted([names[1], names[5], names[4], other.name])
     assert sorted(p.name for p in deleted) == sorted([names[0], names[2], names[3]])
+
+
+@pytest.mark.parametrize("V", [7, 31, 32, 100, 49152])
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_top_indices_match_torch(V, k):
+    """topk.c: each row's k largest, largest first; k = 1 is torch.argmax; blocks of 32 and tails."""
+    from specdec.sampler import argmax, top_tokens
+    if V < k:
+        pytest.skip("fewer values than k")
+    torch.manual_seed(V + k)
+    x = torch.randn(5, V)
+    got = kernels.top_indices(x, k)
+    assert got is not None and got.dtype is torch.int64
+    assert torch.equal(got, torch.topk(x, k, dim=-1).indices)
+    assert torch.equal(argmax(x), x.argmax(-1)) and torch.equal(top_tokens(x, k), got)
+    three = torch.randn(2, 3, V)
+    assert torch.equal(argmax(three), three.argmax(-1))
+
+
+def test_top_indices_ties_and_edge_rows_follow_torch():
+    from specdec.sampler import argmax
+    x = torch.zeros(3, 100)
+    x[0, 40] = x[0, 70] = 2.0  # a tie: the lower index, as torch.argmax
+    x[1, 99] = 1.0  # the maximum in the tail after the blocks of 32
+    x[2] = torch.arange(100.0).flip(0)  # the maximum first
+    assert kernels.top_indices(x, 1)[:, 0].tolist() == [40, 99, 0] == x.argmax(-1).tolist()
+    assert kernels.top_indices(x, 2)[0].tolist() == [40, 70]
+    # rows the kernel does not answer go to torch: a NaN, too few values above -inf, another dtype
+    nan = torch.randn(2, 64)
+    nan[1, 33] = float("nan")
+    masked = torch.full((1, 64), float("-inf"))
+    masked[0, 5] = 0.0
+    assert kernels.top_indices(nan, 1) is None and torch.equal(argmax(nan), nan.argmax(-1))
+    assert kernels.top_indices(masked, 2) is None and kernels.top_indices(masked, 1).tolist() == [[5]]
+    assert kernels.top_indices(x.bfloat16(), 1) is None and torch.equal(argmax(x.bfloat16()), x.bfloat16().argmax(-1))
+    strided = torch.randn(4, 200)[:, ::2]  # not contiguous
+    assert torch.equal(argmax(strided), strided.argmax(-1))

@@ -26,7 +26,7 @@ from specdec.engine.scheduler import Scheduler, SchedulerConfig
 from specdec.engine.sequence import Sequence, SpecChoice
 from specdec.engine.speculation import Speculation, verify_rows
 from specdec.model.llama import ForwardOutput
-from specdec.sampler import make_generator, sample, warp
+from specdec.sampler import argmax, make_generator, sample, warp
 from specdec.sampling_params import SamplingParams
 from specdec.spec.adaptive import PRIOR_ACCEPTANCE, AdaptiveK
 from specdec.spec.metrics import SpecMetrics
@@ -194,9 +194,9 @@ class Engine:
                 self.spec.cost.observe(sum(map(len, rows)) if fwd.packed else padded, decode_forward)
                 self.last_k = max(len(r.proposal) for r in rows)
             # every greedy row's argmax in one call (per row it was ~0.1 ms each, 1.7 ms of a 16-row step)
-            argmax = fwd.logits.argmax(-1).tolist() if any(r.seq.params.greedy for r in rows) else None  # [B, T']
+            best = argmax(fwd.logits).tolist() if any(r.seq.params.greedy for r in rows) else None  # [B, T']
             for b, r in enumerate(rows):
-                if self._process(r, self.runner.row_output(fwd, b, len(r)), None if argmax is None else argmax[b]):
+                if self._process(r, self.runner.row_output(fwd, b, len(r)), None if best is None else best[b]):
                     touched.append(r.seq)
         outs = [self._collect(s) for s in touched]
         if batch.decode and not batch.prefill:  # a pure decode step: what drafting costs besides the pass
@@ -217,8 +217,8 @@ class Engine:
                 layers.update(r.seq.spec.proposer.feature_layers)
         return tuple(sorted(layers))
 
-    def _process(self, row: Row, out: ForwardOutput, argmax: list[int] | None = None) -> bool:
-        """Apply one row's forward output; True when the sequence emitted tokens. argmax: the argmax of
+    def _process(self, row: Row, out: ForwardOutput, best: list[int] | None = None) -> bool:
+        """Apply one row's forward output; True when the sequence emitted tokens. best: the argmax of
         the forward's logits along this row ([T'], its last columns this row's; None: not computed)."""
         seq, n, proposal = row.seq, row.num_new, row.proposal
         if not row.samples:
@@ -231,8 +231,8 @@ class Engine:
         logits = out.logits[0, -(k + 1):]  # [k+1, V]: row i predicts the token after input i
         if seq.grammar is not None:
             logits = logits.masked_fill(~seq.grammar.row_masks(proposal.tokens), float("-inf"))
-        if argmax is not None and seq.params.greedy and seq.grammar is None:
-            verdict = verify_greedy(proposal.tokens, argmax[-(k + 1):])
+        if best is not None and seq.params.greedy and seq.grammar is None:
+            verdict = verify_greedy(proposal.tokens, best[-(k + 1):])
         elif k:
             verdict = verify_rows(proposal, logits, seq.params, seq.state.generator)
         else:
@@ -260,7 +260,7 @@ class Engine:
 
     def _pick(self, logits: torch.Tensor, seq: Sequence) -> int:
         if seq.params.greedy:
-            return int(logits.argmax(-1))
+            return int(argmax(logits))
         return sample(warp(logits[None], seq.params)[0], seq.state.generator)
 
     def _proposer_hooks(self, seq: Sequence, out: ForwardOutput, proposal, verdict: Verdict, first: bool,

@@ -48,7 +48,7 @@ from specdec.kernels.attention import PAGED_ROWS
 from specdec.spec.adaptive import ProbeBackoff, StepOverhead, robust_ema
 from specdec.spec.proposer import EMPTY, Proposal, ProposerContext, available_methods, make_proposer
 from specdec.spec.rejection import Verdict, verify_greedy, verify_sampling
-from specdec.sampler import warp
+from specdec.sampler import argmax, warp
 
 EMA = 0.3
 PROBE_INTERVAL = 32  # plain batches before the first probe
@@ -140,7 +140,7 @@ def first_path(proposal: Proposal) -> Proposal:
 def verify_rows(proposal: Proposal, logits: torch.Tensor, params, generator) -> Verdict:
     """logits [k+1, V] of a pass over [last, x_1..x_k]: the accepted drafts plus one token."""
     if params.greedy:
-        return verify_greedy(proposal.tokens, logits.argmax(-1).tolist())
+        return verify_greedy(proposal.tokens, argmax(logits).tolist())
     return verify_sampling(proposal.tokens, warp(logits, params), proposal.probs, generator)
 
 

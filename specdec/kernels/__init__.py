@@ -92,7 +92,7 @@ def prune_builds(newest: Path, keep: int) -> list[Path]:
 
 # every kernel file goes into ONE library, so that all of them share pool.c's worker threads (two
 # pools would spin against each other between a layer stack's call and the LM head's)
-_SOURCES = tuple(_SRC.with_name(f) for f in ("layer.c", "gemv.c", "qgemv.c", "attention.c", "pool.c"))
+_SOURCES = tuple(_SRC.with_name(f) for f in ("layer.c", "gemv.c", "qgemv.c", "attention.c", "topk.c", "pool.c"))
 
 
 def _build() -> Path:
@@ -100,7 +100,7 @@ def _build() -> Path:
 
 
 def load_kernels() -> tuple[ctypes.CDLL | None, str | None]:
-    """The compiled kernels (gemv.c, qgemv.c, attention.c, layer.c, pool.c in one library): (library,
+    """The compiled kernels (gemv.c, qgemv.c, attention.c, layer.c, topk.c, pool.c in one library): (library,
     None), or (None, why not). Loading it again returns the same library."""
     if os.environ.get("SPECDEC_KERNELS", "1") == "0" or platform.machine() not in ("x86_64", "AMD64"):
         return None, "disabled"
@@ -123,6 +123,8 @@ def _load():
             lib.specdec_rmsnorm_f32.restype = None
             lib.specdec_silu_mul_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
             lib.specdec_silu_mul_f32.restype = None
+            lib.specdec_topk_f32.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p]
+            lib.specdec_topk_f32.restype = ctypes.c_int
             _lib = lib
     return _lib
 
@@ -193,3 +195,19 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     y = torch.empty(*gate_up.shape[:-1], inter, dtype=gate_up.dtype)
     _lib.specdec_silu_mul_f32(gate_up.data_ptr(), y.data_ptr(), gate_up.numel() // gate_up.shape[-1], inter)
     return y
+
+
+def top_indices(x: torch.Tensor, k: int) -> torch.Tensor | None:
+    """[..., V] fp32 CPU -> [..., k] int64, the indices of each row's k largest values (k <= 8), largest
+    first, ties lower index first (topk.c); None where the kernel does not answer (another dtype or
+    device, no library, a row with a NaN or fewer than k values above -inf)."""
+    if x.dtype is not torch.float32 or x.device.type != "cpu" or not 1 <= k <= 8 or x.shape[-1] < k:
+        return None
+    lib = _load()
+    if lib is None:
+        return None
+    x = x.contiguous()
+    out = torch.empty(*x.shape[:-1], k, dtype=torch.int64)
+    if not lib.specdec_topk_f32(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], k, out.data_ptr()):
+        return None
+    return out

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from specdec.sampler import sample, warp
+from specdec.sampler import argmax, sample, warp
 from specdec.spec.proposer import Proposal, RequestState
 
 
@@ -45,7 +45,7 @@ def draft_chains(logits: torch.Tensor, step: Callable[[list[int], list[int]], to
                 continue
             params = states[b].params
             if params.greedy:
-                tok = int(logits[i].argmax())
+                tok = int(argmax(logits[i]))
             else:
                 q = warp(logits[i][None], params)[0]  # [V]
                 tok = sample(q, states[b].generator)

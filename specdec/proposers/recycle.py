@@ -25,6 +25,7 @@ import heapq
 
 import torch
 
+from specdec.sampler import top_tokens
 from specdec.spec.proposer import EMPTY, Proposal, Proposer, RequestState, TargetOutput, register_proposer
 
 WIDTH = 4  # candidates kept per token (the paper keeps 8 for its 80-node trees)
@@ -94,5 +95,5 @@ class TokenRecyclingProposer(Proposer):
 
     def _record(self, inputs: list[int], logits: torch.Tensor) -> None:
         """M[inputs[i]] = the top-W tokens of logits[i] (a token seen twice keeps its later row)."""
-        top = torch.topk(logits.float(), WIDTH, dim=-1).indices  # [T, W]
+        top = top_tokens(logits.float(), WIDTH)  # [T, W]
         self.candidates[torch.tensor(inputs)] = top

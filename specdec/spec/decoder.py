@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from specdec.model.tokenizer import IncrementalDetokenizer, Tokenizer
-from specdec.sampler import logprobs_of, make_generator, sample, warp
+from specdec.sampler import argmax, logprobs_of, make_generator, sample, warp
 from specdec.sampling_params import SamplingParams
 from specdec.spec.adaptive import AdaptiveK, CostModel
 from specdec.spec.metrics import SpecMetrics
@@ -134,7 +134,7 @@ class SpeculativeDecoder:
 
     def _pick(self, logits: torch.Tensor, params: SamplingParams, gen) -> int:
         if params.greedy:
-            return int(logits.argmax(-1))
+            return int(argmax(logits))
         return sample(warp(logits[None], params)[0], gen)
 
     def _cap(self, state: RequestState, cache_len: int) -> int:
@@ -165,7 +165,7 @@ class SpeculativeDecoder:
 
     def _verify(self, proposal: Proposal, logits: torch.Tensor, params: SamplingParams, gen) -> Verdict:
         if params.greedy:
-            return verify_greedy(proposal.tokens, logits.argmax(-1).tolist())
+            return verify_greedy(proposal.tokens, argmax(logits).tolist())
         p = warp(logits, params)  # [k+1, V]
         q = None if proposal.probs is None else proposal.probs
         return verify_sampling(proposal.tokens, p, q, gen)

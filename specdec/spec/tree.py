@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.sampler import sample, warp
+from specdec.sampler import argmax, sample, warp
 from specdec.sampling_params import SamplingParams
 from specdec.spec.proposer import Proposal
 from specdec.spec.rejection import Verdict
@@ -70,11 +70,11 @@ def verify_tree(proposal: Proposal, logits: torch.Tensor, params: SamplingParams
     tokens = proposal.tokens
     rows, cur = [0], 0
     if params.greedy:
-        argmax = logits.argmax(-1).tolist()  # [T]
+        best = argmax(logits).tolist()  # [T]
         while True:
-            nxt = next((r for r in kids[cur] if tokens[r - 1] == argmax[cur]), None)
+            nxt = next((r for r in kids[cur] if tokens[r - 1] == best[cur]), None)
             if nxt is None:
-                return Verdict(len(rows) - 1, [tokens[r - 1] for r in rows[1:]] + [argmax[cur]]), rows
+                return Verdict(len(rows) - 1, [tokens[r - 1] for r in rows[1:]] + [best[cur]]), rows
             rows.append(nxt)
             cur = nxt
     while True:
