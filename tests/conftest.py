@@ -86,3 +86,17 @@ CHAT_PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number.",
     "Summarize: The mat was red. The cat sat on the red mat. The dog sat next to the cat on the red mat.",
 ]
+
+
+def drain_engine(engine) -> tuple[dict[str, list[int]], int]:
+    """Step an engine until its requests finish: each request's token ids and the tokens drafted in
+    all; asserts that no KV block is left in use."""
+    got: dict[str, list[int]] = {}
+    drafted = 0
+    while engine.has_unfinished():
+        for o in engine.step():
+            got.setdefault(o.request_id, []).extend(o.token_ids)
+            if o.finished:
+                drafted += o.metrics.num_draft_tokens
+    assert engine.blocks.num_used == 0
+    return got, drafted

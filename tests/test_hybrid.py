@@ -12,7 +12,7 @@ from specdec.llm import LLM
 from specdec.proposers.hybrid import HybridProposer
 from specdec.spec.proposer import EMPTY, Proposer, ProposerContext, RequestState, make_proposer
 
-from conftest import CHAT_PROMPTS
+from conftest import CHAT_PROMPTS, drain_engine
 
 PROMPTS = ["The quick brown fox", "one two three four five six. one two three four five six. one two"]
 
@@ -100,14 +100,7 @@ def test_engine_batch_with_a_hybrid_equals_single_request(tiny):
     for r in reqs:
         r.speculative = {"method": "qdraft+ngram", "num_speculative_tokens": 3}
         engine.add_request(r)
-    got: dict[str, list[int]] = {}
-    drafted = 0
-    while engine.has_unfinished():
-        for o in engine.step():
-            got.setdefault(o.request_id, []).extend(o.token_ids)
-            if o.finished:
-                drafted += o.metrics.num_draft_tokens
-    assert engine.blocks.num_used == 0
+    got, drafted = drain_engine(engine)
     for r in reqs:
         assert got[r.request_id] == plain.generate_one(r.prompt_ids, r.params).token_ids, r.request_id
     assert drafted > 0 and spec.proposer.lookup_steps > 0

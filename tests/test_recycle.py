@@ -9,6 +9,8 @@ from specdec.config import SpeculativeConfig
 from specdec.proposers.recycle import WIDTH, TokenRecyclingProposer, tree_order
 from specdec.spec.proposer import Proposal, ProposerContext, RequestState, TargetOutput
 
+from conftest import drain_engine
+
 
 class _Config:
     vocab_size = 10
@@ -16,11 +18,12 @@ class _Config:
 
 class _Target:
     config = _Config()
+    lm_head = torch.nn.Linear(3, 10, bias=False)  # hidden size 3
 
 
 class _Forward:
-    def __init__(self, logits):
-        self.logits = logits
+    def __init__(self, logits, hidden=None):
+        self.logits, self.hidden = logits, hidden
 
 
 def proposer(k=6):
@@ -75,12 +78,18 @@ def test_every_verify_row_refills_the_matrix():
     assert p.candidates[6].tolist() == [1, 0, 2, 3]  # the rejected node's row is recycled too
 
 
-def test_prefill_records_the_last_prompt_token():
+def test_prefill_records_the_prompts_last_tokens():
+    """The last prompt token from the prefill's logits, the ones before from the LM head over their
+    hidden states (the prefill computes the last row's logits only)."""
     p = proposer()
     logits = torch.zeros(1, 1, 10)
     logits[0, 0, 7] = 1.0
-    p.begin(state([1, 2, 4]), TargetOutput(_Forward(logits), [0, 1, 2]))
-    assert int(p.candidates[2, 0]) == 7  # prompt [1, 2], its last token 2 (output [4] came from it)
+    hidden = torch.randn(1, 3, 3)
+    p.begin(state([1, 2, 3, 4]), TargetOutput(_Forward(logits, hidden), [0, 1, 2]))
+    assert int(p.candidates[3, 0]) == 7  # prompt [1, 2, 3], its last token 3 (output [4] came from it)
+    want = torch.topk(hidden[0, :2] @ _Target.lm_head.weight.T, 4).indices
+    assert p.candidates[torch.tensor([1, 2])].tolist() == want.tolist()
+    assert (p.candidates[4:] == -1).all()
 
 
 @pytest.mark.slow
@@ -116,14 +125,7 @@ def test_engine_batch_equals_single_request(tiny_dir, method):
     for r in reqs:
         r.speculative = {"method": method, "num_speculative_tokens": 3}
         engine.add_request(r)
-    got: dict[str, list[int]] = {}
-    drafted = 0
-    while engine.has_unfinished():
-        for o in engine.step():
-            got.setdefault(o.request_id, []).extend(o.token_ids)
-            if o.finished:
-                drafted += o.metrics.num_draft_tokens
-    assert engine.blocks.num_used == 0
+    got, drafted = drain_engine(engine)
     for r in reqs:
         assert got[r.request_id] == plain.generate_one(r.prompt_ids, r.params).token_ids, r.request_id
     assert drafted > 0

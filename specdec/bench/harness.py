@@ -161,7 +161,7 @@ def set_threads(threads: int | None) -> int:
 
 # ---------------------------------------------------------------- the whole benchmark
 DEFAULT_METHOD_CONFIGS: dict[str, dict] = {"draft_model": {}, "ngram": {}, "suffix": {}, "layerskip": {},
-                                           "lookahead": {}}
+                                           "lookahead": {}, "recycle": {}}
 DEFAULT_PAIRS = ("qdraft+ngram",)  # model drafter + lookup pairs run by default beside the methods
 
 

@@ -2,7 +2,8 @@
 that reuses the candidates every target pass already computed and decoding throws away.
 
 Adjacency matrix M [V, W]: M[t] = the target's top-W next tokens the last time token t was an input
-row of a target pass (prefill's last row, every verify row: accepted or not, in any request). A
+row of a target pass (every verify row, accepted or not, in any request; and the prompt's last
+PREFILL_ROWS tokens, whose logits the LM head computes from the prefill's hidden states). A
 draft is a static tree read out of M from the last token: node path (r1, r2, ...) is the r1-th
 candidate after the last token, then the r2-th candidate after that one, and so on. Nodes whose
 candidates are not known yet (M[t] = -1) are left out with their subtrees.
@@ -25,10 +26,12 @@ import heapq
 
 import torch
 
+from specdec.kernels import linear
 from specdec.sampler import top_tokens
 from specdec.spec.proposer import EMPTY, Proposal, Proposer, RequestState, TargetOutput, register_proposer
 
 WIDTH = 4  # candidates kept per token (the paper keeps 8 for its 80-node trees)
+PREFILL_ROWS = 64  # a request's last prompt tokens recorded from its prefill
 MAX_DEPTH = 6
 # the share of steps whose next token was M's rank-r candidate (measured, see above); only the order of
 # the paths depends on these
@@ -62,8 +65,16 @@ class TokenRecyclingProposer(Proposer):
         self.order = tree_order(max(ctx.config.k_max, 1))
 
     def begin(self, state: RequestState, prefill: TargetOutput | None = None) -> None:
-        if prefill is not None:  # the prefill's logits are its last row's: the last prompt token's
-            self._record(state.prompt_ids[-1:], prefill.forward.logits[0, -1:])
+        """Record the prompt's last PREFILL_ROWS tokens: the prefill computed logits for its last row
+        only; the LM head over the other rows' hidden states costs about one decode step."""
+        if prefill is None:
+            return
+        out = prefill.forward
+        n = min(PREFILL_ROWS, len(state.prompt_ids), out.hidden.shape[1])
+        if n > 1:
+            logits = linear(out.hidden[0, -n:-1], self.ctx.target.lm_head.weight)  # [n - 1, V]
+            self._record(state.prompt_ids[-n:-1], logits)
+        self._record(state.prompt_ids[-1:], out.logits[0, -1:])
 
     def propose(self, state: RequestState, k: int) -> Proposal:
         M = self.candidates
@@ -96,4 +107,4 @@ class TokenRecyclingProposer(Proposer):
     def _record(self, inputs: list[int], logits: torch.Tensor) -> None:
         """M[inputs[i]] = the top-W tokens of logits[i] (a token seen twice keeps its later row)."""
         top = top_tokens(logits.float(), WIDTH)  # [T, W]
-        self.candidates[torch.tensor(inputs)] = top
+        self.candidates[torch.tensor(inputs)] = top.cpu()  # M stays on the CPU (the drafting reads it there)
