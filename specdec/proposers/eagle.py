@@ -24,7 +24,7 @@ import torch
 
 from specdec.config import ConfigError
 from specdec.proposers.heads import DraftKV, load_head
-from specdec.sampler import sample, warp
+from specdec.sampler import argmax, sample, warp
 from specdec.spec.proposer import EMPTY, Proposal, Proposer, RequestState, TargetOutput, register_proposer
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -156,7 +156,7 @@ class _EagleBase(Proposer):
         for d in range(1, k + 1):
             logits = self.head.logits(g, self.lm_head).float()[0]  # [Vd]
             if params.greedy:
-                tok = int(self.draft_ids[int(logits.argmax())])
+                tok = int(self.draft_ids[int(argmax(logits))])
             else:  # q over the full vocabulary, warped exactly as the target's p
                 full = torch.full((self.ctx.target.config.vocab_size,), float("-inf"))
                 full[self.draft_ids] = logits

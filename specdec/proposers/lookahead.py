@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from specdec.config import ConfigError
+from specdec.sampler import argmax
 from specdec.spec.proposer import EMPTY, Proposal, Proposer, RequestState, TargetOutput, register_proposer
 
 
@@ -99,12 +100,12 @@ class LookaheadProposer(Proposer):
         keep = self.N - 2  # trajectory tokens kept before a slot's own token
         updates = []  # slot i's Jacobi update (from row i), with its trajectory, for i = 1..k
         if chain and target is not None:
-            argmax = target.forward.logits[0, :len(chain) + 1].argmax(-1).tolist()  # [k + 1]
+            best = argmax(target.forward.logits[0, :len(chain) + 1]).tolist()  # [k + 1]
             for i, (tok, hist) in enumerate(chain, start=1):
                 traj = (*hist, tok)
                 if len(traj) == self.N - 1:
-                    d["pool"].add((*traj, argmax[i]))  # a diagonal n-gram
-                updates.append((argmax[i], traj[-keep:] if keep else ()))
+                    d["pool"].add((*traj, best[i]))  # a diagonal n-gram
+                updates.append((best[i], traj[-keep:] if keep else ()))
         # shift: emitted a + 1 tokens, so new slot s is old slot s + a + 1
         shift = num_accepted + 1
         ids = state.token_ids

@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from specdec.sampler import argmax
 from specdec.spec.proposer import EMPTY, Proposal, RequestState
 
 TAIL_TOKENS = 4  # target tokens re-encoded with the drafted text
@@ -86,7 +87,7 @@ class UniversalDrafter:
         logits = self._feed(cache, fed, d_ctx[keep:])
         drafted = []
         for i in range(k):
-            drafted.append(int(logits.argmax()))
+            drafted.append(int(argmax(logits)))
             if i < k - 1:
                 logits = self._feed(cache, fed, drafted[-1:])
         tokens = self.to_target(state.token_ids, d_ctx, drafted)[:k]
