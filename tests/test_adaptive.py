@@ -1,5 +1,7 @@
 """The per-request adaptive k: it speculates when the measured step costs pay, and turns itself off
 when a drafter's real cost (draft time, per-step overhead) eats the gain, even at full acceptance."""
+import random
+
 from specdec.spec.adaptive import PLAIN_REFRESH, AdaptiveK, CostModel
 
 
@@ -224,3 +226,50 @@ def test_a_hopeless_drafters_probes_thin_out_across_requests():
     assert sum(probes[:2]) >= 1  # the first measurement, then the first hopeless wait of 128 steps
     assert ad.probes.interval == HOPELESS_INTERVAL_FACTOR * MAX_PROBE_INTERVAL
     assert 4 <= sum(probes) <= 8, probes  # 128-step waits would have probed ~20 times in these 2560 steps
+
+
+SHARES = [0.40, 0.16, 0.08, 0.065, 0.064, 0.032, 0.032, 0.026]  # recycling's first 8 nodes
+
+
+def _steep_cost() -> CostModel:
+    cost = CostModel(9)
+    cost.seconds = [None] + [0.040 * (1 + 0.12 * (T - 1)) for T in range(1, 10)]  # each row +12%
+    return cost
+
+
+def test_a_tree_is_priced_by_its_node_shares_scaled_by_what_it_yields():
+    ad = AdaptiveK(8, _cost(), tree_shares=SHARES)
+    assert abs(ad.expected_tokens(3) - (1 + 0.40 + 0.16 + 0.08)) < 1e-9
+    chain = AdaptiveK(8, _cost(), prior=0.4)
+    assert chain.expected_tokens(3) < ad.expected_tokens(3)  # 0.4^2, 0.4^3 for nodes 2, 3: a chain's shape
+    for _ in range(80):  # every 4-node tree yields twice its prediction (1.41 tokens)
+        ad.update(4, 2 * sum(SHARES[:4]))
+    assert abs(ad.tree.scale - 2.0) < 0.05
+    assert abs(ad.expected_tokens(2) - (1 + min(1, 2 * 0.40) + 2 * 0.16)) < 0.05
+    for _ in range(80):
+        ad.update(8, 8)  # far above: each node's scaled share is capped at 1
+    assert ad.expected_tokens(8) <= 9.0 + 1e-9
+    assert ad.expected_tokens(3, acceptance=0.5) == 1 + 0.5 + 0.25 + 0.125  # a given acceptance: the chain bound
+
+
+def test_a_tree_that_yields_nothing_stops_drafting_and_one_that_yields_grows():
+    """Trees whose nodes are never accepted lose and stop (each row adds 12% to a pass); trees whose
+    accepted path is as likely as their shares say keep drafting, and on a flat cost curve (2% a row)
+    draft most of their nodes."""
+    rng = random.Random(0)
+    losing = AdaptiveK(8, _steep_cost(), tree_shares=SHARES)
+    paying = AdaptiveK(8, _cost(), tree_shares=SHARES)
+    late_losing, late_paying = [], []
+    for step in range(120):
+        k = losing.choose(0.0).k
+        losing.update(k, 0)
+        losing.observe_step(k, 0.0, 0.0005)
+        j = paying.choose(0.0).k
+        paying.update(j, int(rng.random() < sum(SHARES[:j])))  # one token, as often as the shares say
+        paying.observe_step(j, 0.0, 0.0005)
+        if step >= 60:
+            late_losing.append(k)
+            late_paying.append(j)
+    assert sum(k > 0 for k in late_losing) <= 3  # the probes
+    assert sum(j > 0 for j in late_paying) >= 0.9 * len(late_paying)
+    assert sorted(late_paying)[len(late_paying) // 2] >= 5

@@ -129,3 +129,11 @@ def test_engine_batch_equals_single_request(tiny_dir, method):
     for r in reqs:
         assert got[r.request_id] == plain.generate_one(r.prompt_ids, r.params).token_ids, r.request_id
     assert drafted > 0
+
+
+def test_the_tree_shares_follow_the_drafting_order():
+    from specdec.proposers.recycle import RANK_SHARE, path_share, tree_order
+    order = tree_order(12)
+    shares = [path_share(p) for p in order]
+    assert shares == sorted(shares, reverse=True)  # best first: a step drafting k nodes drafts the best k
+    assert shares[0] == RANK_SHARE[0] and abs(shares[1] - RANK_SHARE[0] ** 2) < 1e-12

@@ -59,6 +59,9 @@ class HybridProposer(Proposer):
     def acceptance_prior(self) -> float:
         return self.model.acceptance_prior
 
+    def tree_shares(self) -> list[float] | None:
+        return self.model.tree_shares()
+
     def begin(self, state: RequestState, prefill: TargetOutput | None = None) -> None:
         self.model.begin(_view(state, "model"), prefill)
         self.lookup.begin(_view(state, "lookup"), prefill)

@@ -11,6 +11,7 @@ E.g. acc = [[.6, .1], [.4, .1]], 3 nodes: (0,) .6, (0, 0) .24, (1,) .1 -> parent
 from __future__ import annotations
 
 import heapq
+import math
 from pathlib import Path
 
 import torch
@@ -57,9 +58,13 @@ class MedusaProposer(Proposer):
         acc = [list(r) for r in self.head.cfg.medusa_accuracy] or [[0.5 ** (i + 1) * 0.5 ** r for r in range(10)]
                                                                    for i in range(K)]
         self.paths = static_tree(acc, cfg.num_draft_tokens - 1)
+        self.shares = [math.prod(acc[d][r] for d, r in enumerate(p)) for p in self.paths]  # tree_shares
         self.parents = tree_parents(self.paths)
         self.max_rank = 1 + max(max(p) for p in self.paths)
         self.draft_ids = self.head.draft_ids
+
+    def tree_shares(self) -> list[float]:
+        return self.shares
 
     def begin(self, state: RequestState, prefill: TargetOutput | None = None) -> None:
         state.draft["h"] = prefill.forward.hidden[0, -1]

@@ -189,7 +189,8 @@ class SpeculativeDecoder:
             # per-token cost: a miss costs one verify column) starts fresh, as its acceptance swings
             # the most between requests (a translation copies its source, an answer on a document may not)
             previous = self.last_adaptive if self.proposer.draft_cost_per_token > 0 else None
-            adaptive = AdaptiveK(self.k_max, self.cost, previous=previous, prior=self.proposer.acceptance_prior)
+            adaptive = AdaptiveK(self.k_max, self.cost, previous=previous, prior=self.proposer.acceptance_prior,
+                                 tree_shares=self.proposer.tree_shares())
             self.last_adaptive = adaptive
 
         t0 = time.perf_counter()

@@ -125,6 +125,12 @@ class Proposer(ABC):
         """Up to k tokens from the model drafter alone (a pairing's without its lookup)."""
         return self.propose(state, k)
 
+    def tree_shares(self) -> list[float] | None:
+        """A static-tree drafter's prior chance that each node it drafts lies on the accepted path, in
+        drafting order (a step drafting k nodes drafts the first k); adaptive k prices a tree of k nodes
+        by them (spec/adaptive.py). None: this proposer drafts chains."""
+        return None
+
     def observe_draft_cost(self, per_token: float) -> None:
         """Fold one measured cost per drafted token (seconds) into draft_cost_per_token (an EMA whose new
         observations are capped, as adaptive k's own estimates are: one stalled step moves it <= 1.6x)."""
