@@ -186,17 +186,22 @@ static inline __attribute__((always_inline)) void row_tiles(const void *w, const
 }
 
 /* From WIDE_T input rows on (bf16 weights: WIDE_T_BF16) wide_block beats row_tiles; where depends on the
- * core. An AMD Zen core with AVX-512 (Zen 4: GCC 12 calls it znver3) double-pumps 512-bit operations,
- * and there the 30 layers' linears (2 threads, one process, the two builds interleaved, 11 repeats)
- * took fp32 7 rows 31.0 (row_tiles) vs 32.2 ms (wide), 8 36.4 vs 34.7, 10 40.9 vs 34.2; bf16 14 rows
- * 28.6 vs 29.1, 16 38.9 vs 32.0, 20 48.8 vs 36.3. Elsewhere: the earlier measurements below. Both
+ * core. An AMD Zen core with AVX-512 (Zen 4: GCC 12 calls it znver3) double-pumps 512-bit operations.
+ * There, before wide_block prefetched its next block (WIDE_PF), the 30 layers' linears (2 threads, one
+ * process, the two builds interleaved, 11 repeats) took fp32 7 rows 31.0 (row_tiles) vs 32.2 ms (wide),
+ * 8 36.4 vs 34.7, 10 40.9 vs 34.2; bf16 14 rows 28.6 vs 29.1, 16 38.9 vs 32.0, 20 48.8 vs 36.3. With
+ * WIDE_PF (session 21, a 2-vCPU Zen 4 EPYC, 40 matrices 3072 x 576 from DRAM, builds interleaved,
+ * medians of 15-25) the wide path wins from 3 rows in fp32 (3 / 4 / 5 / 6 / 7 rows: row_tiles 12.7 /
+ * 11.5 / 14.6 / 13.5 / 14.4 ms, wide 11.1 / 9.9 / 9.6 / 9.9 / 9.9; 2 rows even) and from 2 in bf16
+ * (2 / 3 / 4 / 6 / 8 rows: 5.9 / 5.2 / 6.9 / 7.7 / 10.1 ms vs 4.8 / 4.5 / 4.9 / 6.4 / 8.5): row_tiles'
+ * 5-7-row tiles ran at ~2/3 of its 4-row speed there. Elsewhere: the earlier measurements below. Both
  * paths sum in the same order, so the choice never changes a result. */
 #if VW == 16 && (defined(__znver3__) || defined(__znver4__) || defined(__znver5__))
 #define ZEN_AVX512 1
 #endif
 #ifndef WIDE_T
 #ifdef ZEN_AVX512
-#define WIDE_T 8
+#define WIDE_T 3
 #elif VW == 8
 /* AMD EPYC (Zen 3), AVX2, since wide_block prefetches the next block (WIDE_PF): 8 rows 19.0 (row_tiles)
  * vs 19.9 ms (wide), 10 23.4 vs 19.5, 12 23.8 vs 19.8, 14 26.7 vs 20.8 (40 matrices 3072 x 576 from
@@ -208,7 +213,7 @@ static inline __attribute__((always_inline)) void row_tiles(const void *w, const
 #endif
 #ifndef WIDE_T_BF16
 #ifdef ZEN_AVX512
-#define WIDE_T_BF16 15
+#define WIDE_T_BF16 2
 #elif VW == 8
 #define WIDE_T_BF16 10 /* the same AVX2 EPYC, 80 bf16 matrices 3072 x 576: 8 rows 32.1 vs 32.9 ms, 12 47.6 vs 42.5, 16 69.9 vs 57.1, 20 91.8 vs 68.5 */
 #else
