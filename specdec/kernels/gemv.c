@@ -208,7 +208,7 @@ static inline __attribute__((always_inline)) void row_tiles(const void *w, const
  * DRAM, 2 threads, builds interleaved, medians of 25; single row 15-16 ms) */
 #define WIDE_T 9
 #else
-#define WIDE_T 13
+#define WIDE_T 13 /* Intel Xeon, measured before WIDE_PF (as Zen 4's 8 was, which WIDE_PF moved to 3): re-measure */
 #endif
 #endif
 #ifndef WIDE_T_BF16
