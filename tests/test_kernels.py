@@ -19,11 +19,11 @@ def test_linear_matches_torch(T, K, N):
     torch.testing.assert_close(kernels.linear(x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("T,K", [(2, 576), (5, 576), (7, 576), (9, 576), (12, 576), (13, 576), (14, 100),
-                                 (20, 1536), (32, 576), (31, 104)])
+@pytest.mark.parametrize("T,K", [(2, 576), (3, 576), (4, 576), (5, 576), (7, 576), (9, 576), (12, 576), (13, 576),
+                                 (14, 100), (20, 1536), (32, 576), (31, 104)])
 def test_linear_is_batch_invariant(T, K):
     """Every tiling of T rows gives each row the single-row bits: near-equal tiles of at most 7-8 rows
-    below gemv.c's WIDE_T (9 to 16 rows by CPU), the blocked 2 x 3 tiles (wide_block, prefetching the
+    below gemv.c's WIDE_T (3 to 13 rows by CPU), the blocked 2 x 3 tiles (wide_block, prefetching the
     next block) from there on; K = 100, 104 leave scalar tails."""
     torch.manual_seed(0)
     x, w = torch.randn(T, K), torch.randn(301, K)  # 301: a last single-token tile of one row, a 13-row block
@@ -42,7 +42,7 @@ def test_bf16_linear_is_the_fp32_one_over_widened_weights(T, K, N):
     assert torch.equal(kernels.linear_bf16(x, w, b), kernels.linear(x, w.float(), b))
 
 
-@pytest.mark.parametrize("T,K", [(2, 576), (7, 576), (12, 576), (13, 576), (21, 576), (22, 576), (31, 104)])
+@pytest.mark.parametrize("T,K", [(2, 576), (3, 576), (7, 576), (12, 576), (13, 576), (21, 576), (22, 576), (31, 104)])
 def test_bf16_linear_is_batch_invariant(T, K):
     torch.manual_seed(0)
     x, w = torch.randn(T, K), torch.randn(301, K).bfloat16()
