@@ -6,7 +6,7 @@ import torch
 
 from specdec import SamplingParams
 from specdec.config import SpeculativeConfig
-from specdec.proposers.recycle import WIDTH, TokenRecyclingProposer, tree_order
+from specdec.proposers.recycle import RANK_SHARE, WIDTH, TokenRecyclingProposer, path_share, tree_order
 from specdec.spec.proposer import Proposal, ProposerContext, RequestState, TargetOutput
 
 from conftest import drain_engine
@@ -132,7 +132,6 @@ def test_engine_batch_equals_single_request(tiny_dir, method):
 
 
 def test_the_tree_shares_follow_the_drafting_order():
-    from specdec.proposers.recycle import RANK_SHARE, path_share, tree_order
     order = tree_order(12)
     shares = [path_share(p) for p in order]
     assert shares == sorted(shares, reverse=True)  # best first: a step drafting k nodes drafts the best k

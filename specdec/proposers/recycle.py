@@ -23,6 +23,7 @@ as deterministic proposals (q one-hot), so greedy and sampled outputs stay exact
 from __future__ import annotations
 
 import heapq
+import math
 
 import torch
 
@@ -40,10 +41,7 @@ RANK_SHARE = (0.40, 0.08, 0.065, 0.02)
 
 def path_share(path: tuple[int, ...], rank_share: tuple[float, ...] = RANK_SHARE) -> float:
     """The prior chance that the accepted path goes through this node: the product of its ranks' shares."""
-    share = 1.0
-    for r in path:
-        share *= rank_share[r]
-    return share
+    return math.prod(rank_share[r] for r in path)
 
 
 def tree_order(num_nodes: int, width: int = WIDTH, max_depth: int = MAX_DEPTH,
@@ -71,9 +69,10 @@ class TokenRecyclingProposer(Proposer):
         vocab = ctx.target.config.vocab_size
         self.candidates = torch.full((vocab, WIDTH), -1, dtype=torch.int64)  # M [V, W]; -1: not seen yet
         self.order = tree_order(max(ctx.config.k_max, 1))
+        self.shares = [path_share(path) for path in self.order]  # tree_shares
 
     def tree_shares(self) -> list[float]:
-        return [path_share(path) for path in self.order]
+        return self.shares
 
     def begin(self, state: RequestState, prefill: TargetOutput | None = None) -> None:
         """Record the prompt's last PREFILL_ROWS tokens: the prefill computed logits for its last row
