@@ -1,13 +1,16 @@
 """`dtype=bfloat16` on a CPU: bf16 weights, fp32 activations and sums (specdec/quant/bf16.py).
 
-Its only rounding is the weights': the model equals the fp32 model over bf16-rounded weights, and every
-speculative method reproduces its own plain greedy decoding token for token.
+Outside a prompt's pass its only rounding is the weights': the model equals the fp32 model over
+bf16-rounded weights. A prompt's pass may round its layer matmuls to bf16 (where the CPU has native bf16
+dot products); plain and speculative decoding, single requests and the serving engine share it, and
+every speculative method reproduces its own plain greedy decoding token for token.
 """
 import pytest
 import torch
 
+from specdec.engine.engine import Engine, EngineConfig, EngineRequest
 from specdec.llm import LLM
-from specdec.model.loader import load_model
+from specdec.model.loader import cpu_has_bf16, load_model
 from specdec.quant.bf16 import Bf16Weight
 from specdec.quant.qmodel import LAYER_LINEARS, describe
 from specdec.sampling_params import SamplingParams
@@ -61,6 +64,61 @@ def test_cpu_bf16_weights_take_half_the_bytes(tiny_dir):
     assert weight_bytes(bf16) < 0.52 * weight_bytes(fp32)
 
 
+def test_prompt_pass_rounds_its_matmuls_to_bf16(tiny_dir):
+    """forward(prefill=True) on a bf16 model rounds its layer matmuls to bf16: close to the fp32 pass and
+    not equal to it. The loader asks for it where the CPU has bf16 dot products; fp32 never does."""
+    assert load_model(tiny_dir("llama"), torch.float32).prefill_matmul_dtype is None
+    model = load_model(tiny_dir("llama"), torch.bfloat16)
+    assert (model.prefill_matmul_dtype is torch.bfloat16) == cpu_has_bf16()
+    ids = torch.randint(0, 1000, (1, 24), generator=torch.Generator().manual_seed(1))
+
+    def prompt_logits(prefill):
+        return model(ids, torch.arange(24)[None], model.new_cache(32), num_logits=1, prefill=prefill).logits
+
+    exact = prompt_logits(False)
+    model.prefill_matmul_dtype = None
+    assert torch.equal(prompt_logits(True), exact)  # nothing asked, nothing changes
+    model.prefill_matmul_dtype = torch.bfloat16
+    rounded = prompt_logits(True)
+    gap = (rounded - exact).abs().max().item()
+    assert 1e-5 < gap < 0.05 * exact.std().item(), gap
+
+
+def test_engine_prompt_chunks_and_recomputed_outputs_run_apart(tiny_dir):
+    """The serving engine with bf16 prompt passes, chunked prefill and preemption by recompute: a chunk is
+    all prompt (bf16 matmuls) or all recomputed output (fp32, as decoded), never both; greedy outputs
+    equal single-request decoding."""
+    llm = LLM(str(tiny_dir("llama")), dtype="bfloat16", max_model_len=160, progress=False, num_threads=1)
+    llm.model.prefill_matmul_dtype = torch.bfloat16
+    engine = Engine(llm, EngineConfig(max_num_seqs=6, max_num_batched_tokens=16, block_size=8, num_kv_blocks=21))
+    seen = []  # per prefill forward: its rows' (kind, first token, end, prompt length)
+    real_run = engine.runner.run
+
+    def run(rows, all_logits, **kw):
+        if not all_logits:
+            seen.append([(r.in_prompt, r.seq.num_computed, r.seq.num_computed + r.num_new, len(r.seq.prompt_ids))
+                         for r in rows])
+        return real_run(rows, all_logits, **kw)
+    engine.runner.run = run
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = ["The cat sat on the mat. The cat sat on the", "Hello world, hello world, hello", "1 2 3 4 5 6 7 8",
+               "a", "Once upon a time there was a little robot who loved to count: one, two, three,", "x y z x y"]
+    reqs = [EngineRequest(str(i), llm.tokenizer.encode(t), params) for i, t in enumerate(prompts)]
+    for r in reqs:
+        engine.add_request(r)
+    got: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            got.setdefault(o.request_id, []).extend(o.token_ids)
+    assert engine.scheduler.num_preemptions > 0 and engine.blocks.num_used == 0
+    rows = [row for forward in seen for row in forward]
+    assert all(len({kind for kind, *_ in forward}) == 1 for forward in seen)  # one kind per forward
+    assert not any(start < prompt < end for _, start, end, prompt in rows)  # no chunk crosses the prompt's end
+    assert {True, False} == {kind for kind, *_ in rows}  # both kinds ran
+    for r in reqs:
+        assert got[r.request_id] == llm.generate({"prompt_token_ids": r.prompt_ids}, params)[0].outputs[0].token_ids
+
+
 @pytest.mark.parametrize("method", [{"method": "ngram", "num_speculative_tokens": 4},
                                     {"method": "qdraft", "num_speculative_tokens": 3},
                                     {"method": "suffix"}], ids=["ngram", "qdraft", "suffix"])
@@ -68,6 +126,8 @@ def test_bf16_speculation_equals_bf16_plain_greedy(tiny_dir, method):
     d = str(tiny_dir("llama"))
     plain = LLM(d, dtype="bfloat16", progress=False)
     spec = LLM(d, dtype="bfloat16", progress=False, speculative_config=method)
+    for llm in (plain, spec):  # the prompt's matmuls in bf16, as on a CPU with native bf16 (emulated elsewhere)
+        llm.model.prefill_matmul_dtype = torch.bfloat16
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     for prompt in PROMPTS:
         a, b = plain.generate(prompt, params)[0], spec.generate(prompt, params)[0]
@@ -82,6 +142,7 @@ def test_bf16_real_model_speculation_equals_plain(smollm_llm):
     plain = LLM("smollm2-135m", dtype="bfloat16", progress=False)
     info = plain.info()
     assert (info["dtype"], info["weights"], info["activations"]) == ("bfloat16", "bf16", "float32")
+    assert info["prefill_matmuls"] == ("bfloat16" if cpu_has_bf16() else "float32")
     spec = LLM("smollm2-135m", dtype="bfloat16", progress=False,
                speculative_config={"method": "qdraft", "lookup": "ngram", "num_speculative_tokens": 4})
     tok = plain.tokenizer

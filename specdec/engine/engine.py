@@ -181,7 +181,10 @@ class Engine:
         self.spec.propose_seconds = 0.0
         batch = self.scheduler.schedule()
         touched: list[Sequence] = []
-        forwards = [(rows, False) for rows in pack_rows(batch.prefill)]
+        # prompt chunks and recomputed outputs apart: a prompt's pass may run its matmuls in bf16
+        prompts = [r for r in batch.prefill if r.in_prompt]
+        recomputed = [r for r in batch.prefill if not r.in_prompt]
+        forwards = [(rows, False) for rows in pack_rows(prompts) + pack_rows(recomputed)]
         if batch.decode:
             forwards.append((batch.decode, True))
         decode_forward = 0.0

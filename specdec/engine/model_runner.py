@@ -25,6 +25,11 @@ class Row:
     proposal: Proposal = field(default_factory=lambda: EMPTY)
 
     @property
+    def in_prompt(self) -> bool:
+        """Every token fed is the prompt's: a prefill chunk, not a recomputation of generated tokens."""
+        return not self.proposal and self.seq.num_computed + self.num_new <= len(self.seq.prompt_ids)
+
+    @property
     def samples(self) -> bool:
         """The row reaches the end of the sequence: its last logits give the next token(s)."""
         return self.seq.num_computed + self.num_new == self.seq.num_tokens
@@ -60,7 +65,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, rows: list[Row], all_logits: bool, output_layers: tuple[int, ...] = ()) -> ForwardOutput:
-        """Logits for every column (decode/verify) or only the last one (prefill)."""
+        """Logits for every column (decode/verify) or only the last one (prefill). A forward over prompt
+        tokens alone is a prompt's pass (LlamaModel.forward(prefill=True)); recomputed outputs are not."""
         B, T = len(rows), max(len(r) for r in rows)
         input_ids = torch.zeros(B, T, dtype=torch.long)  # [B, T] left-padded
         positions = torch.zeros(B, T, dtype=torch.long)
@@ -71,7 +77,8 @@ class ModelRunner:
         kv = BatchKV(self.pool, [r.seq.block_table for r in rows], [r.seq.num_computed for r in rows],
                      [len(r) for r in rows])
         return self.model(input_ids, positions, kv, num_logits=None if all_logits else 1,
-                          output_layers=output_layers)
+                          output_layers=output_layers,
+                          prefill=not all_logits and all(r.in_prompt for r in rows))
 
     @staticmethod
     def row_output(fwd: ForwardOutput, b: int, n: int) -> ForwardOutput:

@@ -109,12 +109,19 @@ class Scheduler:
         proposals = self.spec.propose(ready, k, row_caps, found)
         return [Row(s, 1, p) for s, p in zip(ready, proposals)]
 
+    @staticmethod
+    def _chunk_limit(seq) -> int:
+        """A chunk ends where the prompt does: prompt tokens and recomputed outputs are never in one
+        chunk (a prompt's pass may run its matmuls in bf16, as LLM.generate's prefill does)."""
+        left = len(seq.prompt_ids) - seq.num_computed
+        return left if left > 0 else seq.num_uncomputed
+
     def _schedule_prefill(self) -> list[Row]:
         budget = self.config.max_num_batched_tokens
         rows: list[Row] = []
         used = 0
         for seq in self.running:  # chunked prefills (and recomputations) already running
-            n = min(seq.num_uncomputed, budget - used)
+            n = min(seq.num_uncomputed, budget - used, self._chunk_limit(seq))
             if seq.num_uncomputed > 1 and n > 0 and self.blocks.ensure(seq, seq.num_computed + n):
                 rows.append(Row(seq, n))
                 used += n
@@ -124,7 +131,7 @@ class Scheduler:
                 cached = self.blocks.match_prefix(seq)
                 if not seq.output_ids:
                     seq.num_cached_prompt = cached
-            n = min(seq.num_uncomputed, budget - used)
+            n = min(seq.num_uncomputed, budget - used, self._chunk_limit(seq))
             need = self.blocks.blocks_for(seq.num_computed + n) - len(seq.block_table)
             reserve = len(self.running)  # one spare block per running sequence for its decode growth
             if need + reserve > self.blocks.num_free or not self.blocks.ensure(seq, seq.num_computed + n):

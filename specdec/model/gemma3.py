@@ -118,8 +118,9 @@ class Gemma3Model(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache,
                 block_mask: torch.Tensor | None = None, num_logits: int | None = None,
                 layers: Sequence[int] | None = None, output_layers: Sequence[int] = (),
-                input_embeds: torch.Tensor | None = None) -> ForwardOutput:
-        """As LlamaModel.forward; input_embeds (if given) are already scaled (embed_tokens)."""
+                input_embeds: torch.Tensor | None = None, prefill: bool = False) -> ForwardOutput:
+        """As LlamaModel.forward; input_embeds (if given) are already scaled (embed_tokens). A prompt's
+        pass (prefill) runs as any other here: its matmuls keep x's dtype."""
         x = self.embed_tokens(input_ids) if input_embeds is None else input_embeds  # [B, T, H]
         T = x.shape[1]
         layer_ids = range(len(self.layers)) if layers is None else layers

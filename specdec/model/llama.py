@@ -47,19 +47,21 @@ class DecoderLayer(torch.nn.Module):
         self.down = torch.nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.split = (q, kv, kv)
 
-    def forward(self, x, cos, sin, cache: KVCache, layer_idx: int, mask, fused: FusedAttention | None = None):
-        # x: [B, T, H]
-        if fused is not None:  # the whole layer in one C call where it applies (bitwise the same)
+    def forward(self, x, cos, sin, cache: KVCache, layer_idx: int, mask, fused: FusedAttention | None = None,
+                matmul_dtype: torch.dtype | None = None):
+        # x: [B, T, H]; matmul_dtype: the dtype of the four matmuls' inputs and outputs (None: x's)
+        if fused is not None and matmul_dtype is None:  # the whole layer in one C call where it applies
             out = decoder_layer(self, x, fused, layer_idx)
             if out is not None:
                 return out
-        qkv = linear(self.input_norm(x), self.qkv.weight, self.qkv.bias)  # [B, T, (Hq + 2 Hkv) D]
+        qkv = _matmul(self.input_norm(x), self.qkv.weight, self.qkv.bias, matmul_dtype)  # [B, T, (Hq + 2 Hkv) D]
         if fused is not None:  # one C call: rotary, cache write, attention
             attn = fused(qkv, layer_idx, self.n_heads, self.n_kv, self.head_dim)  # [B, T, Hq D]
         else:
             attn = self.attention(qkv, cos, sin, cache, layer_idx, mask)
-        x = x + linear(attn, self.o_proj.weight)
-        return x + linear(silu_mul(linear(self.post_norm(x), self.gate_up.weight)), self.down.weight)
+        x = x + _matmul(attn, self.o_proj.weight, None, matmul_dtype)
+        return x + _matmul(silu_mul(_matmul(self.post_norm(x), self.gate_up.weight, None, matmul_dtype)),
+                           self.down.weight, None, matmul_dtype)
 
     def attention(self, qkv, cos, sin, cache: KVCache, layer_idx: int, mask) -> torch.Tensor:
         # cache.write stores this block's k/v and returns the visible keys/values
@@ -78,6 +80,13 @@ class DecoderLayer(torch.nn.Module):
         return attn.transpose(1, 2).reshape(B, T, -1)
 
 
+def _matmul(x: torch.Tensor, weight, bias, dtype: torch.dtype | None) -> torch.Tensor:
+    """linear(x, weight, bias), its input rounded to `dtype` and its output widened back (None: as is)."""
+    if dtype is None:
+        return linear(x, weight, bias)
+    return linear(x.to(dtype), weight, bias).to(x.dtype)
+
+
 class LlamaModel(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, max_len: int | None = None):
         super().__init__()
@@ -90,6 +99,9 @@ class LlamaModel(torch.nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, self.max_len)
+        # the matmuls' dtype in a prompt's pass (forward(prefill=True)); None: as every other pass.
+        # The loader sets bfloat16 for bf16 weights on a CPU with native bf16 dot products (quant/bf16.py)
+        self.prefill_matmul_dtype: torch.dtype | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -107,11 +119,13 @@ class LlamaModel(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 block_mask: torch.Tensor | None = None, num_logits: int | None = None,
                 layers: Sequence[int] | None = None, output_layers: Sequence[int] = (),
-                input_embeds: torch.Tensor | None = None) -> ForwardOutput:
+                input_embeds: torch.Tensor | None = None, prefill: bool = False) -> ForwardOutput:
         """input_ids, positions: [B, T]; num_logits: compute logits for the last n positions only;
-        layers: run only these layer indices (self-speculation; they share this cache)."""
+        layers: run only these layer indices (self-speculation; they share this cache);
+        prefill: a prompt's tokens (compute-bound), whose layer matmuls run in prefill_matmul_dtype."""
         x = self.embed(input_ids) if input_embeds is None else input_embeds  # [B, T, H]
         T = x.shape[1]
+        matmul_dtype = self.prefill_matmul_dtype if prefill else None
         fused = None if self.config.qk_norm else fused_attention(self.rotary, positions, block_mask, cache, x)
         if fused is None:
             cos, sin = self.rotary(positions, x.dtype)
@@ -123,13 +137,15 @@ class LlamaModel(torch.nn.Module):
         layer_ids = list(range(len(self.layers)) if layers is None else layers)
         # every layer in one C call where layer.c applies to all of them (keeping the requested hidden
         # states in the same call), else one by one
-        stacked = None if fused is None else decoder_layers(self.layers, layer_ids, x, fused, output_layers, pack=True)
+        stacked = None
+        if fused is not None and matmul_dtype is None:
+            stacked = decoder_layers(self.layers, layer_ids, x, fused, output_layers, pack=True)
         if stacked is not None:
             x, kept = stacked
         else:
             kept = {}
             for i in layer_ids:
-                x = self.layers[i](x, cos, sin, cache, i, mask, fused)
+                x = self.layers[i](x, cos, sin, cache, i, mask, fused, matmul_dtype)
                 if i in output_layers:
                     kept[i] = x
         kept = kept if output_layers else None

@@ -197,7 +197,7 @@ class SpeculativeDecoder:
         n = len(prompt_ids)
         dev = self.target.device
         res = self.target(torch.tensor([prompt_ids], device=dev), torch.arange(n, device=dev)[None], cache, num_logits=1,
-                          output_layers=self._feature_layers())
+                          output_layers=self._feature_layers(), prefill=True)
         logits = res.logits[0]  # [1, V]
         out.emit(state, [self._pick(logits[-1], params, gen)], logits)
         prefill_time = time.perf_counter() - t0
