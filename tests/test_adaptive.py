@@ -100,17 +100,17 @@ def test_a_request_starts_from_the_previous_requests_estimates():
     assert sum(k > 0 for k in ks[140:]) >= 55
 
 
-def test_costs_measured_on_a_much_longer_context_are_not_carried():
-    """A drafter too dear after 900 context tokens (its KV cache read every step) is off at the end of that
-    request, with a long wait. The next request on a context over twice as short keeps the acceptance but
-    not those costs: it drafts within its first steps; one on a context of the same size still waits."""
-    long_ctx = AdaptiveK(8, _cost(), context_len=900)
+def test_costs_measured_after_a_much_longer_prompt_are_not_carried():
+    """A drafter too dear after a 900-token prompt (its KV cache read every step) is off at the end of that
+    request, with a long wait. The next request with a prompt over twice as short keeps the acceptance but
+    not those costs: it drafts within its first steps; one with a prompt of the same size still waits."""
+    long_ctx = AdaptiveK(8, _cost(), prompt_len=900)
     _run(long_ctx, 300, 0.9, draft_s=0.045, overhead_s=0.002)
     assert long_ctx.probes.interval >= 128 and long_ctx.draft_seconds > 0.04
-    short = AdaptiveK(8, _cost(), previous=long_ctx, context_len=100)
+    short = AdaptiveK(8, _cost(), previous=long_ctx, prompt_len=100)
     assert short.draft_seconds is None and abs(short.acceptance - long_ctx.acceptance) < 1e-9
     assert sum(k > 0 for k in _run(short, 20, 0.9, draft_s=0.004, overhead_s=0.002)) >= 15
-    same = AdaptiveK(8, _cost(), previous=long_ctx, context_len=800)  # the negative control
+    same = AdaptiveK(8, _cost(), previous=long_ctx, prompt_len=800)  # the negative control
     assert same.draft_seconds == long_ctx.draft_seconds
     assert sum(k > 0 for k in _run(same, 20, 0.9, draft_s=0.004, overhead_s=0.002)) == 0
 

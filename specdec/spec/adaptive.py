@@ -25,10 +25,10 @@ each request from the fixed prior (0.6) made a useless draft model draft on ever
 step, paying its catch-up over the whole prompt each time (0.87-0.98x on 64-token answers). The
 decoder does this for model drafters only: a lookup drafter's probe costs one verify column, and
 carrying its wait made n-gram and suffix drafting skip a whole translation request after an answer on
-a document that copied nothing. After a context over twice as long (CONTEXT_SHRINK) only the acceptance
+a document that copied nothing. After a prompt over twice as long (CONTEXT_SHRINK) only the acceptance
 is carried: a drafter's step grows with its context, and costs measured after a long document kept a
-bf16 target's int4 draft off for the next requests' short prompts (qdraft+ngram, interleaved, bf16:
-1.17x -> 1.26x; code 1.07x -> 1.28x).
+bf16 target's int4 draft off for the next requests' short prompts (qdraft+ngram, rag / code / qa / math
+prompts alternating, interleaved A/B: bf16 1.04x -> 1.12x, fp32 1.33x -> 1.38x).
 
 A lookup's chains (n-gram, suffix) are estimated apart from a model drafter's, per request and by
 the length of the context match that found them (1, 2, ..., >= MAX_MATCH_KEY tokens): the lookup
@@ -79,7 +79,7 @@ LOOKUP_MARGIN = 1.15
 # too dear, switched it off and, as the estimates carry over, kept it off for the next requests too
 # (qdraft+ngram 0.88x on qa there; 1.50x rerun). A real change still gets through in a few steps.
 MAX_JUMP = 3.0
-CONTEXT_SHRINK = 2.0  # a request over this many times shorter than the previous does not take its costs
+CONTEXT_SHRINK = 2.0  # a prompt over this many times shorter than the previous does not take its costs
 
 
 def robust_ema(old: float | None, new: float) -> float:
@@ -227,11 +227,10 @@ class AdaptiveK:
     both could draft (proposers/hybrid.py)."""
 
     def __init__(self, k_max: int, cost: CostModel, probe_interval: int = 16, previous: "AdaptiveK | None" = None,
-                 prior: float = PRIOR_ACCEPTANCE, tree_shares: list[float] | None = None, context_len: int = 0):
+                 prior: float = PRIOR_ACCEPTANCE, tree_shares: list[float] | None = None, prompt_len: int = 0):
         """prior: the model drafter's acceptance assumed before any step is seen (its acceptance_prior);
         tree_shares: a static-tree drafter's node shares, in drafting order (Proposer.tree_shares);
-        context_len: the request's context (its prompt; the decoder sets the final length at the end),
-        0 if unknown."""
+        prompt_len: the request's prompt length, 0 if unknown."""
         self.k_max = k_max
         self.tree_shares = tree_shares
         self.tree = TreeYield()
@@ -244,14 +243,14 @@ class AdaptiveK:
         self.draft_seconds: float | None = None  # per drafted token, EMA over this request's steps
         self.overhead = StepOverhead()  # outside the draft and verify forwards
         self.steps = 0
-        self.context_len = context_len
+        self.prompt_len = prompt_len
         if previous is not None:  # the previous request's estimates are this one's priors
             self.model.accepted, self.model.tested = previous.model.accepted, previous.model.tested
         # a drafter's step grows with the context it attends to (an int4 copy's: 5.7 ms after 60 tokens, 8.0 ms
-        # after 860; the bf16 target's 10.3 -> 12.3 ms): costs measured over a context more than
+        # after 860; the bf16 target's 10.3 -> 12.3 ms): costs measured after a prompt more than
         # CONTEXT_SHRINK times this one are not this request's, nor is the wait they made long (after rag
         # answers such costs kept a bf16 target's int4 draft off through the next categories' short prompts)
-        if previous is not None and not (context_len and previous.context_len > CONTEXT_SHRINK * context_len):
+        if previous is not None and not (prompt_len and previous.prompt_len > CONTEXT_SHRINK * prompt_len):
             self.draft_seconds = previous.draft_seconds
             self.overhead.spec, self.overhead.plain = previous.overhead.spec, previous.overhead.plain
             # the wait goes on counting where the previous request left it: restarted per request, a wait

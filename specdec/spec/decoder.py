@@ -190,7 +190,7 @@ class SpeculativeDecoder:
             # the most between requests (a translation copies its source, an answer on a document may not)
             previous = self.last_adaptive if self.proposer.draft_cost_per_token > 0 else None
             adaptive = AdaptiveK(self.k_max, self.cost, previous=previous, prior=self.proposer.acceptance_prior,
-                                 tree_shares=self.proposer.tree_shares(), context_len=len(prompt_ids))
+                                 tree_shares=self.proposer.tree_shares(), prompt_len=len(prompt_ids))
             self.last_adaptive = adaptive
 
         t0 = time.perf_counter()
@@ -209,8 +209,6 @@ class SpeculativeDecoder:
         finally:
             if self.proposer is not None:
                 self.proposer.end(state)
-            if adaptive is not None:  # the context its last costs were measured over (the next request's prior)
-                adaptive.context_len = len(state.token_ids)
         decode_time = time.perf_counter() - t0 - prefill_time
         return GenerationResult(list(prompt_ids), state.output_ids, out.text, out.finish_reason, metrics,
                                 prefill_time, decode_time, out.logprobs if params.logprobs is not None else None,
