@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from specdec.cache.kv_cache import KVCache
 from specdec.config import ConfigError, ModelConfig
 from specdec.kernels import linear
-from specdec.model.layers import RMSNorm, Rotary, apply_rotary
+from specdec.model.layers import RMSNorm, Rotary, apply_rotary, rounded_linear
 from specdec.model.llama import ForwardOutput
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -50,19 +50,23 @@ class Gemma3Layer(torch.nn.Module):
         self.split = (q, kv, kv)
         self.scale = float(cfg.query_pre_attn_scalar or self.head_dim) ** -0.5
 
-    def forward(self, x, cos, sin, cache, layer_idx: int, mask):
-        # x: [B, T, H]; cache.write stores this block's k/v and returns the visible keys/values
+    def forward(self, x, cos, sin, cache, layer_idx: int, mask, matmul_dtype: torch.dtype | None = None):
+        # x: [B, T, H]; cache.write stores this block's k/v and returns the visible keys/values;
+        # matmul_dtype: the four matmuls' input and output dtype (a bf16 prompt pass; None: x's)
         B, T, _ = x.shape
-        q, k, v = linear(self.input_norm(x), self.qkv.weight).split(self.split, dim=-1)
+        dt = matmul_dtype
+        q, k, v = rounded_linear(self.input_norm(x), self.qkv.weight, None, dt).split(self.split, dim=-1)
         q = self.q_norm(q.view(B, T, self.n_heads, self.head_dim)).transpose(1, 2)  # [B, Hq, T, D]
         k = self.k_norm(k.view(B, T, self.n_kv, self.head_dim)).transpose(1, 2)  # [B, Hkv, T, D]
         v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         k_all, v_all = cache.write(layer_idx, k, v)  # [B, Hkv, past+T, D]
         attn = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=self.scale, enable_gqa=True)
-        x = x + self.post_attn_norm(linear(attn.transpose(1, 2).reshape(B, T, -1), self.o_proj.weight))
-        gate, up = linear(self.pre_ffn_norm(x), self.gate_up.weight).chunk(2, dim=-1)  # [B, T, I] each
-        return x + self.post_ffn_norm(linear(F.gelu(gate, approximate="tanh") * up, self.down.weight))
+        attn = attn.transpose(1, 2).reshape(B, T, -1)  # [B, T, Hq D]
+        x = x + self.post_attn_norm(rounded_linear(attn, self.o_proj.weight, None, dt))
+        gate, up = rounded_linear(self.pre_ffn_norm(x), self.gate_up.weight, None, dt).chunk(2, dim=-1)  # [B, T, I]
+        ffn = F.gelu(gate, approximate="tanh") * up  # [B, T, I]
+        return x + self.post_ffn_norm(rounded_linear(ffn, self.down.weight, None, dt))
 
 
 class Gemma3Model(torch.nn.Module):
@@ -81,6 +85,7 @@ class Gemma3Model(torch.nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         init_rotary(self, self.max_len)
+        self.prefill_matmul_dtype: torch.dtype | None = None  # as LlamaModel's (set by the loader)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -119,8 +124,8 @@ class Gemma3Model(torch.nn.Module):
                 block_mask: torch.Tensor | None = None, num_logits: int | None = None,
                 layers: Sequence[int] | None = None, output_layers: Sequence[int] = (),
                 input_embeds: torch.Tensor | None = None, prefill: bool = False) -> ForwardOutput:
-        """As LlamaModel.forward; input_embeds (if given) are already scaled (embed_tokens). A prompt's
-        pass (prefill) runs as any other here: its matmuls keep x's dtype."""
+        """As LlamaModel.forward; input_embeds (if given) are already scaled (embed_tokens)."""
+        matmul_dtype = self.prefill_matmul_dtype if prefill else None
         x = self.embed_tokens(input_ids) if input_embeds is None else input_embeds  # [B, T, H]
         T = x.shape[1]
         layer_ids = range(len(self.layers)) if layers is None else layers
@@ -131,7 +136,7 @@ class Gemma3Model(torch.nn.Module):
         kept = {} if output_layers else None
         for i in layer_ids:
             kind = self.layer_types[i]
-            x = self.layers[i](x, *rope[kind], cache, i, masks[kind])
+            x = self.layers[i](x, *rope[kind], cache, i, masks[kind], matmul_dtype)
             if kept is not None and i in output_layers:
                 kept[i] = x
         cache.advance(T)

@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from specdec.kernels import rms_norm
+from specdec.kernels import linear, rms_norm
 
 
 class RMSNorm(torch.nn.Module):
@@ -74,3 +74,12 @@ def build_attention_mask(past_len: int, block_mask: torch.Tensor | None, num_new
         block_mask = torch.ones(num_new, num_new, dtype=torch.bool, device=device).tril()
     prefix = torch.ones(num_new, past_len, dtype=torch.bool, device=device)
     return torch.cat((prefix, block_mask.to(device=device, dtype=torch.bool)), dim=1)
+
+
+def rounded_linear(x: torch.Tensor, weight, bias, dtype: torch.dtype | None) -> torch.Tensor:
+    """linear(x, weight, bias) with its input and output rounded to `dtype` (None: as is): a bf16 model's
+    prompt pass (LlamaModel.prefill_matmul_dtype) on oneDNN's bf16 matmul, whose rows come out bitwise the
+    same at any row count, so a prompt's keys and values do not depend on how it was chunked."""
+    if dtype is None:
+        return linear(x, weight, bias)
+    return linear(x.to(dtype), weight, bias).to(x.dtype)

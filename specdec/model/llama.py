@@ -21,7 +21,7 @@ from specdec.config import ModelConfig
 from specdec.kernels import linear, silu_mul
 from specdec.kernels.attention import FusedAttention, fused_attention
 from specdec.kernels.layer import decoder_layer, decoder_layers, packs, unpack
-from specdec.model.layers import RMSNorm, Rotary, apply_rotary
+from specdec.model.layers import RMSNorm, Rotary, apply_rotary, rounded_linear
 
 
 @dataclass
@@ -54,14 +54,15 @@ class DecoderLayer(torch.nn.Module):
             out = decoder_layer(self, x, fused, layer_idx)
             if out is not None:
                 return out
-        qkv = _matmul(self.input_norm(x), self.qkv.weight, self.qkv.bias, matmul_dtype)  # [B, T, (Hq + 2 Hkv) D]
+        dt = matmul_dtype
+        qkv = rounded_linear(self.input_norm(x), self.qkv.weight, self.qkv.bias, dt)  # [B, T, (Hq + 2 Hkv) D]
         if fused is not None:  # one C call: rotary, cache write, attention
             attn = fused(qkv, layer_idx, self.n_heads, self.n_kv, self.head_dim)  # [B, T, Hq D]
         else:
             attn = self.attention(qkv, cos, sin, cache, layer_idx, mask)
-        x = x + _matmul(attn, self.o_proj.weight, None, matmul_dtype)
-        return x + _matmul(silu_mul(_matmul(self.post_norm(x), self.gate_up.weight, None, matmul_dtype)),
-                           self.down.weight, None, matmul_dtype)
+        x = x + rounded_linear(attn, self.o_proj.weight, None, dt)
+        gate_up = rounded_linear(self.post_norm(x), self.gate_up.weight, None, dt)  # [B, T, 2 I]
+        return x + rounded_linear(silu_mul(gate_up), self.down.weight, None, dt)
 
     def attention(self, qkv, cos, sin, cache: KVCache, layer_idx: int, mask) -> torch.Tensor:
         # cache.write stores this block's k/v and returns the visible keys/values
@@ -78,13 +79,6 @@ class DecoderLayer(torch.nn.Module):
         attn = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, is_causal=mask is None and T > 1,
                                               enable_gqa=True)
         return attn.transpose(1, 2).reshape(B, T, -1)
-
-
-def _matmul(x: torch.Tensor, weight, bias, dtype: torch.dtype | None) -> torch.Tensor:
-    """linear(x, weight, bias), its input rounded to `dtype` and its output widened back (None: as is)."""
-    if dtype is None:
-        return linear(x, weight, bias)
-    return linear(x.to(dtype), weight, bias).to(x.dtype)
 
 
 class LlamaModel(torch.nn.Module):
