@@ -115,6 +115,25 @@ def test_costs_measured_after_a_much_longer_prompt_are_not_carried():
     assert sum(k > 0 for k in _run(same, 20, 0.9, draft_s=0.004, overhead_s=0.002)) == 0
 
 
+def test_a_pairings_model_drafter_is_probed_while_its_lookup_drafts():
+    """qdraft+ngram after its model estimate fell: n-gram finds a chain on every step and drafts it. The
+    model drafter's probe wait counts those steps (they do not measure it), so it is probed again and,
+    paying now, comes back; before, every lookup step restarted the wait and it never did."""
+    ad = AdaptiveK(8, _cost(), probe_interval=16)
+    ad.acceptance = 0.05  # what a run of misses left
+    model_steps = 0
+    for _ in range(300):
+        choice = ad.choose(draft_cost_rel=0.1, lookup_match=3, lookup_len=4, model=True)
+        if choice.k and not choice.lookup:
+            model_steps += 1
+            ad.update(choice.k, choice.k)  # the model drafter is right again
+            ad.observe_step(choice.k, choice.k * 0.004, 0.001)
+        elif choice.k:
+            ad.update(choice.k, 1, match_len=3)  # the lookup's chains: one token of each accepted
+            ad.observe_step(choice.k, 0.0, 0.001, model=False)
+    assert model_steps >= 30  # 54 here; 0 when every lookup step restarted the wait
+
+
 def test_the_proposers_prior_sets_the_first_steps_k():
     """A drafter that is a copy of the target (qdraft: prior 0.9) starts at a long draft; the generic
     prior (0.6) starts short, with the same measured costs (draft 0.4 of a target step)."""

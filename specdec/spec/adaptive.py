@@ -362,10 +362,14 @@ class AdaptiveK:
             if k > 0 and s * LOOKUP_MARGIN > best[1]:
                 best = Choice(k, True), s
         choice = best[0]
+        # the probes re-measure the model drafter where there is one: only its own steps reset their wait.
+        # (Counting a lookup's chains too, a pairing whose model estimate had fallen (qdraft+ngram on a bf16
+        # target, after a document) never probed again while n-gram found chains, and stayed off.)
+        model_off = model and (choice.k == 0 or choice.lookup)
         # a model drafter too dear to pay even at full acceptance (an int4 copy drafting for a bf16 target
         # on a CPU whose single-token pass streams fast: 7.4 vs 9.3 ms) is probed at the longest interval
-        hopeless = model and choice.k == 0 and all(
+        hopeless = model_off and all(
             self.expected_speedup(k, draft_cost_rel, acceptance=0.99) < 1.0 for k in range(1, self.k_max + 1))
-        if self.probes.should_probe(choice.k > 0, hopeless):
+        if self.probes.should_probe(choice.k > 0 and not model_off, hopeless):
             return Choice(1, not model)  # probe: re-measure acceptance and cost
         return choice
