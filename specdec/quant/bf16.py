@@ -3,8 +3,9 @@
 Decoding streams every weight once per token, so half the bytes is up to twice the speed. A
 Bf16Weight stores [N, K] as bfloat16 and computes x @ W^T with fp32 activations and fp32 sums: each
 weight is widened exactly (bf16 -> fp32 is a 16-bit shift), so the only rounding is the weight's own
-(llama.cpp runs a BF16 file the same way, keeping the residual stream and norms in fp32). Norms, the
-KV cache and every activation stay fp32, which is what model.dtype reports.
+(llama.cpp keeps a BF16 file's residual stream and norms in fp32 too, but rounds every matmul's input to
+bf16: its CPU vec_dot_type for BF16 is BF16). Norms, the KV cache and every activation stay fp32, which
+is what model.dtype reports.
 
 A prompt's pass is the exception where the CPU has native bf16 dot products (AVX512-BF16, AMX): prefill
 is compute-bound, and there oneDNN's bf16 matmul does twice the fp32 FLOP/s. The loader sets the model's
