@@ -114,7 +114,7 @@ class LLM:
                 "hidden_size": cfg.hidden_size, "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
                 "vocab_size": cfg.vocab_size, "dtype": str(self.load_dtype).replace("torch.", ""),
                 "weights": describe(self.model), "activations": str(self.dtype).replace("torch.", ""),
-                "prefill_matmuls": str(getattr(self.model, "prefill_matmul_dtype", None) or self.dtype).replace("torch.", ""),
+                "prefill_matmuls": str(self.model.prefill_matmul_dtype or self.dtype).replace("torch.", ""),
                 "device": str(self.model.device),
                 "max_model_len": self.model.max_len, "threads": torch.get_num_threads(), "kernels": kernel_status(),
                 "speculative_config": None if self.speculative_config is None else self.speculative_config.method}

@@ -191,7 +191,7 @@ def load_model(directory: Path, dtype: torch.dtype = torch.float32, max_len: int
         from specdec.quant.bf16 import Bf16Scheme
         from specdec.quant.qmodel import quantize_model
         quantize_model(model, Bf16Scheme(), head=Bf16Scheme())
-        if hasattr(model, "prefill_matmul_dtype") and cpu_has_bf16():  # a prompt's matmuls in bf16 (quant/bf16.py)
+        if cpu_has_bf16():  # a prompt's matmuls in bf16 (quant/bf16.py)
             model.prefill_matmul_dtype = torch.bfloat16
     if model.device.type == "cpu":
         move_to_huge_pages(model)

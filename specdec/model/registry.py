@@ -1,7 +1,7 @@
 """Architectures by `ModelConfig.model_type`: the decoder class and its HF <-> specdec weight maps.
 
     arch = architecture(cfg)                 # ARCHITECTURES[cfg.model_type]
-    model = arch.model_cls(cfg, max_len)     # same forward interface for every class
+    model = arch.model_cls(cfg, max_len)     # same forward interface (and prefill_matmul_dtype) for every class
     sd = arch.from_hf(hf_tensors, cfg)       # HF names -> our state dict (fused q/k/v and gate/up)
     hf = arch.to_hf(model, layers)           # ours -> HF names; `layers` keeps a renumbered subset
     arch.init_rotary(model, max_len)         # RoPE tables (a model built on the meta device has none)
