@@ -115,9 +115,15 @@ class LLM:
                 "vocab_size": cfg.vocab_size, "dtype": str(self.load_dtype).replace("torch.", ""),
                 "weights": describe(self.model), "activations": str(self.dtype).replace("torch.", ""),
                 "prefill_matmuls": str(self.model.prefill_matmul_dtype or self.dtype).replace("torch.", ""),
+                "matmul_inputs": "bfloat16" if _rounds_inputs(self.model) else str(self.dtype).replace("torch.", ""),
                 "device": str(self.model.device),
                 "max_model_len": self.model.max_len, "threads": torch.get_num_threads(), "kernels": kernel_status(),
                 "speculative_config": None if self.speculative_config is None else self.speculative_config.method}
+
+
+def _rounds_inputs(model) -> bool:
+    """Whether the model's bf16 weights round their matmul inputs to bf16 (specdec/quant/bf16.py)."""
+    return any(getattr(m, "round_inputs", False) for m in model.modules())
 
 
 def _combined_metrics(runs: list) -> dict:

@@ -1,9 +1,9 @@
 """`dtype=bfloat16` on a CPU: bf16 weights, fp32 activations and sums (specdec/quant/bf16.py).
 
-Outside a prompt's pass its only rounding is the weights': the model equals the fp32 model over
-bf16-rounded weights. A prompt's pass may round its layer matmuls to bf16 (where the CPU has native bf16
-dot products); plain and speculative decoding, single requests and the serving engine share it, and
-every speculative method reproduces its own plain greedy decoding token for token.
+Without bf16 dot products its only rounding is the weights': the model equals the fp32 model over
+bf16-rounded weights. Where the CPU has them every matmul's input is rounded to bf16 too (a prompt's
+layer matmuls also their outputs); plain and speculative decoding, single requests and the serving engine
+share it, and every speculative method reproduces its own plain greedy decoding token for token.
 """
 import pytest
 import torch
@@ -11,7 +11,7 @@ import torch
 from specdec.engine.engine import Engine, EngineConfig, EngineRequest
 from specdec.llm import LLM
 from specdec.model.loader import cpu_has_bf16, load_model
-from specdec.quant.bf16 import Bf16Weight
+from specdec.quant.bf16 import Bf16Weight, set_bf16_inputs
 from specdec.quant.qmodel import LAYER_LINEARS, describe
 from specdec.sampling_params import SamplingParams
 
@@ -44,7 +44,9 @@ def _passes(model):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_cpu_bf16_model_is_the_fp32_model_over_rounded_weights(tiny_dir, arch):
+    """With fp32 matmul inputs (a CPU without bf16 dot products)."""
     bf16 = load_model(tiny_dir(arch), torch.bfloat16)
+    set_bf16_inputs(bf16, False)
     assert all(isinstance(getattr(layer, n).weight, Bf16Weight) for layer in bf16.layers for n in LAYER_LINEARS)
     assert isinstance(bf16.lm_head.weight, Bf16Weight) and describe(bf16) == "bf16"
     assert bf16.dtype is torch.float32  # activations and KV cache
@@ -56,6 +58,39 @@ def test_cpu_bf16_model_is_the_fp32_model_over_rounded_weights(tiny_dir, arch):
     # and it is not the unrounded fp32 model (the comparison above can tell them apart)
     fp32 = _passes(load_model(tiny_dir(arch), torch.float32))
     assert max((a - b).abs().max().item() for a, b in zip(got, fp32)) > 1e-3
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_bf16_inputs_are_rounded_alike_at_any_row_count(tiny_dir, arch):
+    """With bf16 matmul inputs (the loader's choice where the CPU has bf16 dot products): blocks of 1, 5 and
+    8 tokens (the C kernels: bf16 dot products, or rounded inputs widened on other CPUs) give bitwise the
+    same logits, and those of one 70-token pass (more rows than the kernels take: torch over the rounded
+    inputs) up to summation order and the rounding flips it causes: several times closer than the same
+    long pass without the rounding (the negative control)."""
+    model = load_model(tiny_dir(arch), torch.bfloat16)
+    assert set_bf16_inputs(model, True) == 4 * len(model.layers) + 1  # every layer linear and the LM head
+    ids = torch.randint(0, 1000, (1, 70), generator=torch.Generator().manual_seed(2))
+
+    def logits(blocks, rounded_long_pass=True):
+        cache = model.new_cache(80)
+        out = []
+        for start in range(0, 70, blocks):
+            set_bf16_inputs(model, blocks < 70 or rounded_long_pass)
+            out.append(model(ids[:, start:start + blocks], torch.arange(start, min(start + blocks, 70))[None],
+                             cache).logits)
+        return torch.cat(out, dim=1)
+
+    blocks = logits(8)
+    assert torch.equal(logits(1), blocks) and torch.equal(logits(5), blocks)
+    rounded_gap = (blocks - logits(70)).abs().mean().item()
+    unrounded_gap = (blocks - logits(70, rounded_long_pass=False)).abs().mean().item()
+    assert rounded_gap < 0.4 * unrounded_gap, (rounded_gap, unrounded_gap)
+
+
+def test_loader_rounds_inputs_where_the_cpu_has_bf16_dot_products(tiny_dir):
+    model = load_model(tiny_dir("llama"), torch.bfloat16)
+    weights = [m for m in model.modules() if isinstance(m, Bf16Weight)]
+    assert weights and all(w.round_inputs == cpu_has_bf16() for w in weights)
 
 
 def test_cpu_bf16_weights_take_half_the_bytes(tiny_dir):
@@ -90,6 +125,7 @@ def test_engine_prompt_chunks_and_recomputed_outputs_run_apart(tiny_dir):
     equal single-request decoding."""
     llm = LLM(str(tiny_dir("llama")), dtype="bfloat16", max_model_len=160, progress=False, num_threads=1)
     llm.model.prefill_matmul_dtype = torch.bfloat16
+    set_bf16_inputs(llm.model, True)  # as on a CPU with bf16 dot products (emulated elsewhere)
     engine = Engine(llm, EngineConfig(max_num_seqs=6, max_num_batched_tokens=16, block_size=8, num_kv_blocks=21))
     seen = []  # per prefill forward: its rows' (kind, first token, end, prompt length)
     real_run = engine.runner.run
@@ -126,8 +162,9 @@ def test_bf16_speculation_equals_bf16_plain_greedy(tiny_dir, method):
     d = str(tiny_dir("llama"))
     plain = LLM(d, dtype="bfloat16", progress=False)
     spec = LLM(d, dtype="bfloat16", progress=False, speculative_config=method)
-    for llm in (plain, spec):  # the prompt's matmuls in bf16, as on a CPU with native bf16 (emulated elsewhere)
+    for llm in (plain, spec):  # bf16 matmul inputs, as on a CPU with native bf16 (emulated elsewhere)
         llm.model.prefill_matmul_dtype = torch.bfloat16
+        set_bf16_inputs(llm.model, True)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     for prompt in PROMPTS:
         a, b = plain.generate(prompt, params)[0], spec.generate(prompt, params)[0]
@@ -142,7 +179,7 @@ def test_bf16_real_model_speculation_equals_plain(smollm_llm):
     plain = LLM("smollm2-135m", dtype="bfloat16", progress=False)
     info = plain.info()
     assert (info["dtype"], info["weights"], info["activations"]) == ("bfloat16", "bf16", "float32")
-    assert info["prefill_matmuls"] == ("bfloat16" if cpu_has_bf16() else "float32")
+    assert info["prefill_matmuls"] == info["matmul_inputs"] == ("bfloat16" if cpu_has_bf16() else "float32")
     spec = LLM("smollm2-135m", dtype="bfloat16", progress=False,
                speculative_config={"method": "qdraft", "lookup": "ngram", "num_speculative_tokens": 4})
     tok = plain.tokenizer

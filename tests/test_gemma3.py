@@ -19,6 +19,7 @@ from specdec.config import ConfigError, ModelConfig
 from specdec.engine.engine import Engine, EngineConfig, EngineRequest
 from specdec.llm import LLM
 from specdec.model.loader import load_model
+from specdec.quant.bf16 import set_bf16_inputs
 from specdec.sampling_params import SamplingParams
 
 GEMMA = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
@@ -147,19 +148,22 @@ def test_tiny_paged_engine_with_speculation_matches_transformers(gemma_dir):
 
 
 def test_tiny_bf16_prompt_pass_and_speculation(gemma_dir):
-    """Gemma 3 in bf16 with its prompt's matmuls in bf16 (as the loader sets it on a CPU with bf16 dot
-    products; forced here): the prompt pass moves the logits a little, and speculation still reproduces
-    plain greedy decoding."""
+    """Gemma 3 in bf16 with its prompt's matmuls in bf16 and every matmul's input rounded (as the loader
+    sets it on a CPU with bf16 dot products; forced here): the prompt pass moves the logits a little, and
+    speculation still reproduces plain greedy decoding."""
     d = str(gemma_dir())
     plain = LLM(d, dtype="bfloat16", max_model_len=128, progress=False, num_threads=1)
     spec = LLM(d, dtype="bfloat16", max_model_len=128, progress=False, num_threads=1,
                speculative_config={"method": "suffix", "num_speculative_tokens": 3})
     for llm in (plain, spec):
         llm.model.prefill_matmul_dtype = torch.bfloat16
+        set_bf16_inputs(llm.model, False)
     m, ids = plain.model, torch.tensor([IDS])
     exact, rounded = (m(ids, torch.arange(len(IDS))[None], m.new_cache(64), num_logits=1, prefill=p).logits
                       for p in (False, True))
     assert 0 < (rounded - exact).abs().max().item() < 0.05 * exact.std().item()
+    for llm in (plain, spec):  # every matmul's input in bf16, as the loader sets it on such a CPU
+        set_bf16_inputs(llm.model, True)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     for prompt in (IDS, IDS[3:] * 2):
         a = plain.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids

@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec import kernels
+from specdec.model.loader import cpu_has_bf16
 
 
 @pytest.fixture(autouse=True)
@@ -49,6 +50,22 @@ def test_bf16_linear_is_batch_invariant(T, K):
     block = kernels.linear_bf16(x, w)
     rows = torch.cat([kernels.linear_bf16(x[i:i + 1], w) for i in range(T)])
     assert torch.equal(block, rows)
+
+
+@pytest.mark.parametrize("T,K,N", [(1, 576, 960), (3, 576, 1537), (4, 100, 7), (8, 1536, 576), (17, 100, 33),
+                                   (64, 1536, 577)])
+def test_bf16_linear_with_rounded_inputs(T, K, N):
+    """round_inputs: bf16(x) @ float(W)^T, fp32 sums (bf16dot.c: vdpbf16ps where the CPU has it, else the
+    widening kernel over the rounded inputs), batch invariant; it is not the unrounded product."""
+    torch.manual_seed(0)
+    x, w, b = torch.randn(T, K), torch.randn(N, K).bfloat16(), torch.randn(N)
+    got = kernels.linear_bf16(x, w, b, round_inputs=True)
+    want = F.linear(x.bfloat16().double(), w.double(), b.double())
+    assert (got.double() - want).abs().max().item() < 1e-5 * K ** 0.5 * want.abs().max().item()
+    assert (kernels.linear_bf16(x, w, b).double() - want).abs().max().item() > 1e-3
+    rows = torch.cat([kernels.linear_bf16(x[i:i + 1], w, b, round_inputs=True) for i in range(T)])
+    assert torch.equal(got, rows)
+    assert kernels.bf16_dot_native() == cpu_has_bf16()  # -march=native builds the vdpbf16ps path where it runs
 
 
 def test_bf16_linear_declines_what_it_cannot_run():

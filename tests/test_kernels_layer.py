@@ -7,7 +7,7 @@ import specdec.model.llama as llama
 from specdec.kernels import MAX_ROWS
 from specdec.kernels import layer as fused_layer
 from specdec.model.loader import load_model
-from specdec.quant.bf16 import Bf16Scheme
+from specdec.quant.bf16 import Bf16Scheme, set_bf16_inputs
 from specdec.quant.qmodel import quantize_model
 from specdec.quant.schemes import QuantScheme
 from specdec.spec.tree import tree_mask, tree_positions
@@ -59,14 +59,25 @@ def _run(model, ids, monkeypatch, mode: str):
     return outs, cache, calls
 
 
+BF16_DOT = "bf16 weights, bf16 inputs"  # Bf16Scheme with set_bf16_inputs (bf16dot.c)
+
+
+def _quantized(model, scheme):
+    if scheme is None:
+        return model
+    if scheme == BF16_DOT:
+        model = quantize_model(model, Bf16Scheme())
+        assert set_bf16_inputs(model, True) > 0
+        return model
+    return quantize_model(model, scheme)
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
-@pytest.mark.parametrize("scheme", [None, QuantScheme(8, 32, True), QuantScheme(4, 32, False), Bf16Scheme()],
-                         ids=["fp32", "int8", "int4", "bf16"])
+@pytest.mark.parametrize("scheme", [None, QuantScheme(8, 32, True), QuantScheme(4, 32, False), Bf16Scheme(), BF16_DOT],
+                         ids=["fp32", "int8", "int4", "bf16", "bf16-dot"])
 def test_fused_layer_is_bitwise_the_per_op_path(tiny_dir, monkeypatch, arch, scheme, mode):
-    model = load_model(tiny_dir(arch), torch.float32)
-    if scheme is not None:
-        model = quantize_model(model, scheme)
+    model = _quantized(load_model(tiny_dir(arch), torch.float32), scheme)
     ids = torch.randint(0, 1000, (1, MAX_ROWS + 14), generator=torch.Generator().manual_seed(0))
     want, want_cache, _ = _run(model, ids, monkeypatch, "per-op")
     got, got_cache, calls = _run(model, ids, monkeypatch, mode)
@@ -117,11 +128,10 @@ def _run_paged(model, monkeypatch, mode: str):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("scheme", [None, QuantScheme(4, 32, False), Bf16Scheme()], ids=["fp32", "int4", "bf16"])
+@pytest.mark.parametrize("scheme", [None, QuantScheme(4, 32, False), Bf16Scheme(), BF16_DOT],
+                         ids=["fp32", "int4", "bf16", "bf16-dot"])
 def test_fused_layer_on_the_paged_batch_is_bitwise_the_per_op_path(tiny_dir, monkeypatch, scheme, mode):
-    model = load_model(tiny_dir("qwen2"), torch.float32)
-    if scheme is not None:
-        model = quantize_model(model, scheme)
+    model = _quantized(load_model(tiny_dir("qwen2"), torch.float32), scheme)
     want, _, want_pool, _ = _run_paged(model, monkeypatch, "per-op")
     got, grid, got_pool, calls = _run_paged(model, monkeypatch, mode)
     assert len(calls) == len(model.layers) and all(calls)  # the batch of 3 x 5 rows ran fused

@@ -92,7 +92,8 @@ def prune_builds(newest: Path, keep: int) -> list[Path]:
 
 # every kernel file goes into ONE library, so that all of them share pool.c's worker threads (two
 # pools would spin against each other between a layer stack's call and the LM head's)
-_SOURCES = tuple(_SRC.with_name(f) for f in ("layer.c", "gemv.c", "qgemv.c", "attention.c", "topk.c", "pool.c"))
+_SOURCES = tuple(_SRC.with_name(f) for f in ("layer.c", "gemv.c", "bf16dot.c", "qgemv.c", "attention.c", "topk.c",
+                                              "pool.c"))
 
 
 def _build() -> Path:
@@ -100,7 +101,7 @@ def _build() -> Path:
 
 
 def load_kernels() -> tuple[ctypes.CDLL | None, str | None]:
-    """The compiled kernels (gemv.c, qgemv.c, attention.c, layer.c, topk.c, pool.c in one library): (library,
+    """The compiled kernels (gemv.c, bf16dot.c, qgemv.c, attention.c, layer.c, topk.c, pool.c in one library): (library,
     None), or (None, why not). Loading it again returns the same library."""
     if os.environ.get("SPECDEC_KERNELS", "1") == "0" or platform.machine() not in ("x86_64", "AMD64"):
         return None, "disabled"
@@ -119,6 +120,8 @@ def _load():
             lib.specdec_linear_f32.restype = None
             lib.specdec_linear_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
             lib.specdec_linear_bf16.restype = None
+            lib.specdec_linear_bf16_dot.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+            lib.specdec_linear_bf16_dot.restype = ctypes.c_int
             lib.specdec_rmsnorm_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
             lib.specdec_rmsnorm_f32.restype = None
             lib.specdec_silu_mul_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
@@ -133,7 +136,9 @@ def kernel_status() -> str:
     lib = _load()
     if lib is None:
         return f"torch ({_load_error})"
-    return f"gemv.c ({ {16: 'AVX-512', 8: 'AVX2'}.get(lib.specdec_gemv_lanes(), 'scalar')}, OpenMP on the main thread, own pool elsewhere; fp32 and bf16 weights)"
+    lanes = {16: 'AVX-512', 8: 'AVX2'}.get(lib.specdec_gemv_lanes(), 'scalar')
+    dot = "bf16 dot products" if lib.specdec_bf16_dot_native() else "bf16 inputs widened"
+    return f"gemv.c ({lanes}, {dot}, OpenMP on the main thread, own pool elsewhere; fp32 and bf16 weights)"
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -154,10 +159,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y
 
 
-def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """x [..., K] fp32 @ weight [N, K] bfloat16 ^T (+ bias) with fp32 sums through gemv.c: the weight is
-    widened exactly, so this is F.linear(x, weight.float(), bias) up to summation order. None where the
-    kernel does not apply (not CPU fp32, more than MAX_ROWS rows, autograd, no compiled library)."""
+def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                round_inputs: bool = False) -> torch.Tensor | None:
+    """x [..., K] fp32 @ weight [N, K] bfloat16 ^T (+ bias) with fp32 sums through the C kernels: the
+    weight is widened exactly, so this is F.linear(x, weight.float(), bias) up to summation order; with
+    round_inputs, F.linear(x.bfloat16().float(), weight.float(), bias) (bf16dot.c: bf16 dot products where
+    the CPU has them). None where the kernel does not apply (not CPU fp32, more than MAX_ROWS rows,
+    autograd, no compiled library)."""
     rows = x.numel() // x.shape[-1]
     if (x.dtype is not torch.float32 or x.device.type != "cpu" or weight.dtype is not torch.bfloat16
             or rows > MAX_ROWS or (bias is not None and bias.dtype is not torch.float32)
@@ -166,9 +174,19 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     x = x.contiguous()
     N, K = weight.shape
     y = torch.empty(*x.shape[:-1], N, dtype=torch.float32)
-    _lib.specdec_linear_bf16(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.contiguous().data_ptr(),
-                             y.data_ptr(), rows, K, N)
+    args = (x.data_ptr(), weight.data_ptr(), None if bias is None else bias.contiguous().data_ptr(), y.data_ptr(),
+            rows, K, N)
+    if not round_inputs:
+        _lib.specdec_linear_bf16(*args)
+    elif _lib.specdec_linear_bf16_dot(*args) != 0:
+        raise MemoryError("bf16dot.c could not allocate its rounded inputs")
     return y
+
+
+def bf16_dot_native() -> bool:
+    """Whether bf16-input matmuls (linear_bf16(round_inputs=True)) run on the CPU's bf16 dot products."""
+    lib = _load()
+    return lib is not None and bool(lib.specdec_bf16_dot_native())
 
 
 def _small_f32(x: torch.Tensor) -> bool:

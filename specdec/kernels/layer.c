@@ -14,16 +14,17 @@
  * being token i's place b * T + t in the padded grid; every linear runs on those rows alone and only
  * attention sees the grid (q/k/v scattered into it, its output gathered back), so a row drafting 5
  * tokens beside rows drafting none costs 5 rows, not 5 x B of padding.
- * Each linear is described by a `Linear` (fp32 or bf16 matrix, see gemv.c, or a packed int8/int4 one, see qgemv.c).
+ * Each linear is described by a `Linear` (fp32 or bf16 matrix, see gemv.c and bf16dot.c, or a packed int8/int4
+ * one, see qgemv.c).
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-enum { LIN_F32 = 0, LIN_I8 = 1, LIN_I4 = 2, LIN_BF16 = 3 };
+enum { LIN_F32 = 0, LIN_I8 = 1, LIN_I4 = 2, LIN_BF16 = 3, LIN_BF16_DOT = 4 };
 
 typedef struct {
-    int64_t kind;                  /* LIN_F32, LIN_I8, LIN_I4 or LIN_BF16 */
+    int64_t kind;                  /* LIN_F32, LIN_I8, LIN_I4, LIN_BF16 or LIN_BF16_DOT (inputs rounded to bf16) */
     const void *weight;            /* fp32 or bf16 [N, K], or the packed integers */
     const uint16_t *scales, *zeros; /* fp16 [N, K / G] (packed kinds; zeros may be NULL for int8) */
     const float *bias;             /* [N] or NULL */
@@ -50,6 +51,7 @@ typedef struct {
 
 void specdec_linear_f32(const float *x, const float *W, const float *bias, float *y, int64_t T, int64_t K, int64_t N);
 void specdec_linear_bf16(const float *x, const uint16_t *W, const float *bias, float *y, int64_t T, int64_t K, int64_t N);
+int specdec_linear_bf16_dot(const float *x, const uint16_t *W, const float *bias, float *y, int64_t T, int64_t K, int64_t N);
 int specdec_qlinear_i8(const float *x, const uint8_t *q, const uint16_t *scales, const uint16_t *zeros,
                         const float *bias, float *y, int64_t T, int64_t K, int64_t N, int64_t G);
 int specdec_qlinear_i4(const float *x, const uint8_t *q, const uint16_t *scales, const uint16_t *zeros,
@@ -74,6 +76,7 @@ static int apply(const Linear *l, const float *x, float *y, int64_t T) {
         specdec_linear_bf16(x, (const uint16_t *)l->weight, l->bias, y, T, l->K, l->N);
         return 0;
     }
+    if (l->kind == LIN_BF16_DOT) return specdec_linear_bf16_dot(x, (const uint16_t *)l->weight, l->bias, y, T, l->K, l->N);
     if (l->kind == LIN_I8) return specdec_qlinear_i8(x, l->weight, l->scales, l->zeros, l->bias, y, T, l->K, l->N, l->G);
     return specdec_qlinear_i4(x, l->weight, l->scales, l->zeros, l->bias, y, T, l->K, l->N, l->G);
 }

@@ -188,11 +188,8 @@ def load_model(directory: Path, dtype: torch.dtype = torch.float32, max_len: int
         raise ConfigError(f"{directory}: weights missing for {missing[:3]}")
     model = model.to(device).eval()
     if cpu_bf16:
-        from specdec.quant.bf16 import Bf16Scheme
-        from specdec.quant.qmodel import quantize_model
-        quantize_model(model, Bf16Scheme(), head=Bf16Scheme())
-        if cpu_has_bf16():  # a prompt's matmuls in bf16 (quant/bf16.py)
-            model.prefill_matmul_dtype = torch.bfloat16
+        from specdec.quant.bf16 import to_cpu_bf16
+        to_cpu_bf16(model)
     if model.device.type == "cpu":
         move_to_huge_pages(model)
     return model

@@ -1,25 +1,30 @@
-"""bfloat16 weights with fp32 arithmetic: how `--dtype bfloat16` runs on a CPU.
+"""bfloat16 weights with fp32 sums: how `--dtype bfloat16` runs on a CPU.
 
 Decoding streams every weight once per token, so half the bytes is up to twice the speed. A
-Bf16Weight stores [N, K] as bfloat16 and computes x @ W^T with fp32 activations and fp32 sums: each
-weight is widened exactly (bf16 -> fp32 is a 16-bit shift), so the only rounding is the weight's own
-(llama.cpp keeps a BF16 file's residual stream and norms in fp32 too, but rounds every matmul's input to
-bf16: its CPU vec_dot_type for BF16 is BF16). Norms, the KV cache and every activation stay fp32, which
-is what model.dtype reports.
+Bf16Weight stores [N, K] as bfloat16 and computes x @ W^T with fp32 sums. Norms, attention, the residual
+stream and the KV cache stay fp32, which is what model.dtype reports. What a matmul's input is depends
+on the CPU, chosen once by the loader (to_cpu_bf16):
 
-A prompt's pass is the exception where the CPU has native bf16 dot products (AVX512-BF16, AMX): prefill
-is compute-bound, and there oneDNN's bf16 matmul does twice the fp32 FLOP/s. The loader sets the model's
-prefill_matmul_dtype, and forward(prefill=True) rounds each layer matmul's input and output to bf16
-(attention, norms, residual, cache and the LM head stay fp32): an 867-token prompt on a 2-vCPU Zen 4
-takes 0.87 s instead of 1.37 s. Every other pass (decode, verify, drafts) keeps fp32 activations, so
-plain and speculative decoding share the same prefill and stay token-for-token equal.
+- with bf16 dot products (AVX512-BF16, AMX): every matmul's input is rounded to bf16 (round_inputs), as
+  llama.cpp's BF16 matmul does (its CPU vec_dot_type for BF16 is BF16) and as torch's bf16 matmul does.
+  Every product is then exact and only the sums round. bf16dot.c runs decode, verify and draft passes on
+  vdpbf16ps, twice the multiply-adds of an fp32 FMA: on a 2-vCPU Zen 4 a verify pass over 8 tokens costs
+  ~1.1x a single-token step instead of ~1.8x. A prompt's layer matmuls also round their outputs to bf16
+  (prefill_matmul_dtype, oneDNN's bf16 matmul at twice the fp32 FLOP/s: an 867-token prompt 0.87 s
+  instead of 1.37 s); attention, norms, residual, cache and the LM head stay fp32 there.
+- without: the input stays fp32 and each weight is widened exactly (a 16-bit shift), so the only rounding
+  is the weights': the model is the fp32 model over bf16-rounded weights (rounding the inputs too would
+  cost accuracy and gain nothing on fp32 FMAs).
+
+Either way plain and speculative decoding run the same kernels in the same order at every row count, so
+they stay token-for-token equal.
 
     x bf16 (a prompt on a bf16 CPU)  -> F.linear(x, W) in bf16 (fp32 sums inside oneDNN)
-    rows <= MAX_ROWS, CPU, fp32 x    -> gemv.c's bf16 path (the fp32 kernel's tiles and order: batch invariant)
-    otherwise (GPU, > MAX_ROWS rows) -> F.linear(x, W widened to x's dtype)
+    rows <= MAX_ROWS, CPU, fp32 x    -> bf16dot.c (round_inputs) or gemv.c's widening path: batch invariant
+    otherwise (GPU, > MAX_ROWS rows) -> F.linear(x (rounded if round_inputs), W widened to x's dtype)
 
-`quantize_model(model, Bf16Scheme(), head=Bf16Scheme())` converts a loaded fp32 model in place
-(specdec/model/loader.py does so for `dtype=bfloat16` on a CPU); a tied embedding reads the same table.
+`to_cpu_bf16(model)` converts a loaded fp32 model in place as the loader does for `dtype=bfloat16` on a
+CPU (quantize_model with Bf16Scheme for the layers and the head; a tied embedding reads the same table).
 """
 from __future__ import annotations
 
@@ -51,15 +56,19 @@ class Bf16Weight(StoredWeight):
         super().__init__()
         self.register_buffer("qweight", weight.detach().to(torch.bfloat16).contiguous())  # the stored matrix
         self.compute_dtype = compute_dtype
+        self.round_inputs = False  # x rounded to bf16 before the product (set_bf16_inputs)
 
     def extra_repr(self) -> str:
-        return f"bfloat16, fp32 sums, {self.out_features}x{self.in_features}"
+        inputs = "bf16" if self.round_inputs else "fp32"
+        return f"bfloat16, {inputs} inputs, fp32 sums, {self.out_features}x{self.in_features}"
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., K] -> [..., N]."""
-        y = linear_bf16(x, self.qweight, bias)
+        y = linear_bf16(x, self.qweight, bias, self.round_inputs)
         if y is not None:
             return y
+        if self.round_inputs:
+            x = x.to(torch.bfloat16).to(x.dtype)
         return F.linear(x, self.qweight.to(x.dtype), None if bias is None else bias.to(x.dtype))
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -71,3 +80,24 @@ class Bf16Weight(StoredWeight):
 
     def nbytes(self) -> int:
         return self.qweight.numel() * self.qweight.element_size()
+
+
+def to_cpu_bf16(model: torch.nn.Module) -> torch.nn.Module:
+    """A loaded fp32 model as `--dtype bfloat16` runs it on this CPU, in place: bf16 weights (the LM head
+    and a tied embedding too), and where the CPU has bf16 dot products bf16 matmul inputs and bf16 prompt
+    matmuls."""
+    from specdec.model.loader import cpu_has_bf16
+    from specdec.quant.qmodel import quantize_model
+    quantize_model(model, Bf16Scheme(), head=Bf16Scheme())
+    if cpu_has_bf16():
+        set_bf16_inputs(model, True)
+        model.prefill_matmul_dtype = torch.bfloat16
+    return model
+
+
+def set_bf16_inputs(model: torch.nn.Module, on: bool) -> int:
+    """Round every Bf16Weight's matmul input to bf16 (on) or not; how many weights it set."""
+    weights = [m for m in model.modules() if isinstance(m, Bf16Weight)]
+    for w in weights:
+        w.round_inputs = on
+    return len(weights)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from specdec.kernels import MAX_ROWS
 from specdec.model.loader import load_model, resolve_model
 from specdec.model.tokenizer import Tokenizer
-from specdec.quant.bf16 import Bf16Scheme
+from specdec.quant.bf16 import Bf16Scheme, to_cpu_bf16
 from specdec.quant.fp8 import Fp8Scheme
 from specdec.quant.qmodel import describe, quantize_model, scheme_named, weight_bytes
 from specdec.quant.schemes import QuantScheme
@@ -95,8 +95,8 @@ def build(variant: Variant, directory: Path, calib: list[list[int]] | None, max_
     if variant.method == "awq":
         from specdec.quant.awq import apply_awq
         apply_awq(model, calib, variant.scheme)
-    if isinstance(variant.scheme, Bf16Scheme):  # as --dtype bfloat16 loads it: the lm_head in bf16 too
-        return quantize_model(model, variant.scheme, head=variant.scheme)
+    if isinstance(variant.scheme, Bf16Scheme):  # as --dtype bfloat16 loads it on this CPU
+        return to_cpu_bf16(model)
     return quantize_model(model, variant.scheme)
 
 
