@@ -10,6 +10,7 @@
  * The same kernel serves bf16 weights (specdec_linear_bf16: W stored as bfloat16, half the bytes to
  * stream): each weight is widened exactly to fp32 in registers (a 16-bit shift) and the sums are the
  * fp32 ones, so the result is x @ W.float()^T with the same order and batch invariance as fp32 weights.
+ * Where the CPU has bf16 dot products, bf16 models round their inputs and run bf16dot.c instead.
  */
 #include <stdint.h>
 #include <string.h>
