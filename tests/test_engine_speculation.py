@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from specdec.engine.speculation import BatchCost, Speculation, expected_tokens, first_path
+from specdec.engine.speculation import (MAX_PROBE_INTERVAL, PROBE_INTERVAL, BatchCost, Speculation, expected_tokens,
+                                       first_path)
 from specdec.spec.proposer import Proposal
 from specdec.spec.adaptive import ProbeBackoff, StepOverhead
 
@@ -19,7 +20,8 @@ def cpu_like_cost() -> BatchCost:
 def cpu_like_speculation() -> Speculation:
     """The choice of K alone: no model, no proposers."""
     spec = Speculation.__new__(Speculation)
-    spec.cost, spec.probes, spec.overhead = cpu_like_cost(), ProbeBackoff(32), StepOverhead()
+    spec.cost, spec.overhead = cpu_like_cost(), StepOverhead()
+    spec.probes = ProbeBackoff(PROBE_INTERVAL, MAX_PROBE_INTERVAL)  # the engine's
     spec.pool, spec.propose_seconds = None, 0.0
     return spec
 
@@ -51,9 +53,24 @@ def test_k_backs_off_as_the_batch_grows():
     # ... but in a large batch its rare drafts would pad every row: off
     assert spec.choose_k(*rows(16, acceptance=0.5, draft_yield=0.1)) == 0
     # a long run of plain batches is broken by probes of the whole batch, further apart while they lose
-    ks = [spec.choose_k(*rows(32, acceptance=0.1)) for _ in range(250)]
+    # (12 rows: drafts that were all accepted would pay, so the acceptance a probe measures matters)
+    spec = cpu_like_speculation()
+    ks = [spec.choose_k(*rows(12, acceptance=0.1)) for _ in range(250)]
     probes = [i for i, k in enumerate(ks) if k == 1]
     assert len(probes) == 3 and [b - a for a, b in zip(probes, probes[1:])] == [64, 128]
+
+
+def test_no_probe_where_even_accepted_drafts_would_not_pay():
+    """32 rows on the compute-bound part of the curve (a pass over 2 x 32 rows costs twice one over 32), or
+    a drafter whose own cost outweighs a plain step: no acceptance could make drafting pay, so no probe
+    in the first 500 batches (the longest wait, 512); a cheap drafter at the same batch size is still probed."""
+    for batch, draft_cost in ((32, 0.0), (12, 0.5)):
+        spec = cpu_like_speculation()
+        seqs, caps = rows(batch, acceptance=0.1)
+        seqs[0].spec.proposer.draft_cost_per_token = draft_cost  # every row shares the proposer
+        assert all(spec.choose_k(seqs, caps) == 0 for _ in range(500))
+    spec = cpu_like_speculation()
+    assert 1 in [spec.choose_k(*rows(12, acceptance=0.1)) for _ in range(250)]
 
 
 def test_expected_tokens_and_tree_path():
