@@ -17,6 +17,9 @@
  *     y[t, n] = sum_g ( s_g * sum_{b in g} d_b * <q_b, xq_b>  +  z_g * S_g )
  * (uint8 weights are stored as q - 128 in the dot product, and z_g becomes z_g + 128 s_g.)
  *
+ * On AVX512-VNNI CPUs int4 with group size 32 (the quantized self-draft) runs four blocks per 512-bit
+ * step instead (qquad.h), with the activations in that file's quad order.
+ *
  * Batch invariance: activations are quantized row by row, and every y[t, n] is the same sequence of
  * integer dots and fp32 operations whatever T is and however rows are tiled. So a verify pass over
  * k+1 tokens gives bitwise the same logits as k+1 single-token passes.
@@ -34,6 +37,8 @@
 #ifndef PARALLEL_MIN
 #define PARALLEL_MIN (1 << 18) /* weights x rows below which one thread does the whole matmul */
 #endif
+#include "qquad.h"
+#define USES_QUAD(KIND, G) (QUAD_I4 && (KIND) == I4 && (G) == QBLOCK) /* int4-g32 on AVX512-VNNI: qquad.h */
 
 #ifdef __AVX2__
 /* nr (<= 4) weight rows x nt (<= 2) activation rows; NR, NT literal at every call site so the
@@ -186,17 +191,29 @@ typedef struct {
     int8_t *xq; /* [T, K] */
     float *xd;  /* [T, K / 32] block scales */
     float *xs;  /* [T, ng] group sums */
+    int borrowed; /* 1: the thread's quad buffer (not freed) */
 } QActs;
 
 static int quantize_acts(const int KIND, const float *x, int64_t T, int64_t K, int64_t G, QActs *a) {
     const int64_t ng = (K + G - 1) / G, nb = K / QBLOCK;
+#if QUAD_I4
+    if (USES_QUAD(KIND, G)) { /* quad order: [T, quads * 128] bytes, d16 and S16 [T, quads * 16] floats */
+        const int64_t nq = quad_count(K);
+        float *buf = quad_buffer(T * nq * 64); /* 128 bytes of xq, 16 + 16 floats of d16, S16 per quad */
+        if (buf == NULL) return -1;
+        a->xq = (int8_t *)buf, a->xd = buf + T * nq * 32, a->xs = a->xd + T * nq * 16, a->borrowed = 1;
+        for (int64_t t = 0; t < T; t++)
+            quantize_row_quad(x + t * K, K, a->xq + t * nq * 128, a->xd + t * nq * 16, a->xs + t * nq * 16);
+        return 0;
+    }
+#endif
     a->xq = malloc((size_t)(T * K));
     a->xd = malloc(sizeof(float) * T * (nb + ng));
     if (!a->xq || !a->xd) {
         free(a->xq), free(a->xd);
         return -1;
     }
-    a->xs = a->xd + T * nb;
+    a->xs = a->xd + T * nb, a->borrowed = 0;
     for (int64_t t = 0; t < T; t++) quantize_row(KIND, x + t * K, K, G, a->xq + t * K, a->xd + t * nb, a->xs + t * ng);
     return 0;
 }
@@ -219,6 +236,31 @@ static int quantize_acts(const int KIND, const float *x, int64_t T, int64_t K, i
 #define QTILE qtile
 #endif
 #define ROWS(KIND, T) ((T) > 1 ? 2 : (KIND) == I4 ? ROWS_I4 : ROWS_I8)
+#if QUAD_I4
+/* One function per qtile_quad shape (NR weight rows x NT activation rows), each compiled on its own. */
+#define QUAD_SHAPE(r, t) \
+    static __attribute__((noinline)) void quad_##r##x##t(const uint8_t *q, const uint16_t *sc, const uint16_t *zp, \
+                                                         const int8_t *xq, const float *d, const float *S, float *y, \
+                                                         int64_t K, int64_t N) { qtile_quad(r, t, q, sc, zp, xq, d, S, y, K, N); }
+QUAD_SHAPE(1, 1) QUAD_SHAPE(1, 2) QUAD_SHAPE(1, 3) QUAD_SHAPE(1, 4) QUAD_SHAPE(2, 1) QUAD_SHAPE(2, 2) QUAD_SHAPE(2, 3)
+QUAD_SHAPE(2, 4) QUAD_SHAPE(3, 1) QUAD_SHAPE(4, 1)
+typedef void (*quad_fn)(const uint8_t *, const uint16_t *, const uint16_t *, const int8_t *, const float *,
+                        const float *, float *, int64_t, int64_t);
+static const quad_fn quad_shapes[4][QUAD_T] = {{quad_1x1, quad_1x2, quad_1x3, quad_1x4},
+                                               {quad_2x1, quad_2x2, quad_2x3, quad_2x4},
+                                               {quad_3x1, NULL, NULL, NULL}, {quad_4x1, NULL, NULL, NULL}};
+
+/* nr weight rows (ROWS(I4, T): 4 for T = 1, else 2) against every activation row, QUAD_T at a time */
+static void quad_rows(int nr, const QActs *a, const uint8_t *q, const uint16_t *sc, const uint16_t *zp, float *y,
+                      int64_t T, int64_t K, int64_t N) {
+    const int64_t nq = quad_count(K);
+    for (int64_t t0 = 0; t0 < T; t0 += QUAD_T) {
+        const int nt = T - t0 < QUAD_T ? (int)(T - t0) : QUAD_T;
+        quad_shapes[nr - 1][nt - 1](q, sc, zp, a->xq + t0 * nq * 128, a->xd + t0 * nq * 16, a->xs + t0 * nq * 16,
+                                    y + t0 * N, K, N);
+    }
+}
+#endif
 static inline __attribute__((always_inline)) void row_tile(const int KIND, int64_t n0, const QActs *a,
                                                            const uint8_t *q, const uint16_t *sc, const uint16_t *zp,
                                                            const float *bias, float *y, int64_t T, int64_t K,
@@ -227,6 +269,15 @@ static inline __attribute__((always_inline)) void row_tile(const int KIND, int64
     const int nr = N - n0 < ROWS(KIND, T) ? (int)(N - n0) : ROWS(KIND, T);
     const uint8_t *qn = q + n0 * qrow;
     const uint16_t *sn = sc + n0 * ng, *zn = zp ? zp + n0 * ng : NULL;
+#if QUAD_I4
+    if (USES_QUAD(KIND, G)) {
+        quad_rows(nr, a, qn, sn, zn, y + n0, T, K, N);
+        if (bias)
+            for (int64_t t = 0; t < T; t++)
+                for (int r = 0; r < nr; r++) y[t * N + n0 + r] += bias[n0 + r];
+        return;
+    }
+#endif
     for (int64_t t0 = 0; t0 < T; t0 += 2) {
         const int nt = T - t0 < 2 ? (int)(T - t0) : 2;
         const int8_t *xq = a->xq + t0 * K;
@@ -269,7 +320,7 @@ typedef struct {
         if (quantize_acts(KIND, x, T, K, G, &a) != 0) return -1;                                           \
         QJob job = {&a, q, sc, zp, bias, y, T, K, N, G};                                                   \
         specdec_parallel(name##_share, &job, N * K * (T < 4 ? T : 4) >= PARALLEL_MIN ? specdec_num_threads() : 1); \
-        free(a.xq), free(a.xd);                                                                            \
+        if (!a.borrowed) free(a.xq), free(a.xd);                                                                          \
         return 0;                                                                                          \
     }
 DEFINE_QLINEAR(qlinear_i8_sym, I8_SYM)
@@ -327,3 +378,6 @@ void specdec_dequant(int bits, const uint8_t *q, const uint16_t *scales, const u
 }
 
 int specdec_qkernel_abi(void) { return 2; }
+
+/* 1 where int4-g32 runs on AVX512-VNNI quads (qquad.h), 0 where on AVX2 pairs (qtile32) */
+int specdec_qlinear_quad(void) { return QUAD_I4; }

@@ -44,7 +44,10 @@ def qkernel():
 
 
 def qkernel_status() -> str:
-    return "qgemv.c (AVX2)" if qkernel() is not None else f"torch dequantize + matmul ({_load_error})"
+    lib = qkernel()
+    if lib is None:
+        return f"torch dequantize + matmul ({_load_error})"
+    return "qgemv.c (AVX2; int4-g32 on AVX512-VNNI)" if lib.specdec_qlinear_quad() else "qgemv.c (AVX2)"
 
 
 def _ptr(t: torch.Tensor | None):
