@@ -64,9 +64,9 @@ def test_cpu_bf16_model_is_the_fp32_model_over_rounded_weights(tiny_dir, arch):
 def test_bf16_inputs_are_rounded_alike_at_any_row_count(tiny_dir, arch):
     """With bf16 matmul inputs (the loader's choice where the CPU has bf16 dot products): blocks of 1, 5 and
     8 tokens (the C kernels: bf16 dot products, or rounded inputs widened on other CPUs) give bitwise the
-    same logits, and those of one 70-token pass (more rows than the kernels take: torch over the rounded
-    inputs) up to summation order and the rounding flips it causes: several times closer than the same
-    long pass without the rounding (the negative control)."""
+    same logits, and those of one 70-token pass (more rows than layer.c takes: the per-op path, torch's
+    attention) up to summation order and the rounding flips it causes: several times closer than the
+    same long pass without the rounding (the negative control)."""
     model = load_model(tiny_dir(arch), torch.bfloat16)
     assert set_bf16_inputs(model, True) == 4 * len(model.layers) + 1  # every layer linear and the LM head
     ids = torch.randint(0, 1000, (1, 70), generator=torch.Generator().manual_seed(2))

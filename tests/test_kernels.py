@@ -68,9 +68,19 @@ def test_bf16_linear_with_rounded_inputs(T, K, N):
     assert kernels.bf16_dot_native() == cpu_has_bf16()  # -march=native builds the vdpbf16ps path where it runs
 
 
+@pytest.mark.parametrize("round_inputs", [False, True])
+def test_bf16_linear_takes_wide_passes_in_kernel_sized_parts(round_inputs):
+    """More than MAX_ROWS rows: MAX_ROWS per kernel call, so each row is bitwise what it is alone."""
+    torch.manual_seed(3)
+    x, w, b = torch.randn(2 * kernels.MAX_ROWS + 5, 96), torch.randn(37, 96).bfloat16(), torch.randn(37)
+    wide = kernels.linear_bf16(x, w, b, round_inputs)
+    assert wide.shape == (2 * kernels.MAX_ROWS + 5, 37)
+    for i in (0, kernels.MAX_ROWS - 1, kernels.MAX_ROWS, 2 * kernels.MAX_ROWS + 4):
+        assert torch.equal(wide[i], kernels.linear_bf16(x[i:i + 1], w, b, round_inputs)[0])
+
+
 def test_bf16_linear_declines_what_it_cannot_run():
     w = torch.randn(8, 32).bfloat16()
-    assert kernels.linear_bf16(torch.randn(kernels.MAX_ROWS + 1, 32), w) is None  # prefill-sized: torch
     assert kernels.linear_bf16(torch.randn(2, 32).double(), w) is None
     assert kernels.linear_bf16(torch.randn(2, 32), w.float()) is None
 

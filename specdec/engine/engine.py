@@ -24,7 +24,7 @@ from specdec.engine.grammar import GrammarState
 from specdec.engine.model_runner import ModelRunner, Row, pack_rows
 from specdec.engine.scheduler import Scheduler, SchedulerConfig
 from specdec.engine.sequence import Sequence, SpecChoice
-from specdec.engine.speculation import Speculation, verify_rows
+from specdec.engine.speculation import Speculation, profile_sizes, verify_rows
 from specdec.model.llama import ForwardOutput
 from specdec.sampler import argmax, make_generator, sample, warp
 from specdec.sampling_params import SamplingParams
@@ -123,7 +123,7 @@ class Engine:
         self.last_k = 0  # the longest draft of the last decode batch
         self._ids = itertools.count()
         if config.profile_cost:  # also without a default proposer: requests may ask for one
-            self.spec.cost.profile(self.model)
+            self.spec.cost.profile(self.model, profile_sizes(config.max_num_seqs))
 
     def _num_blocks(self, config: EngineConfig) -> int:
         if config.num_kv_blocks is not None:

@@ -57,6 +57,15 @@ EMA = 0.3
 PROBE_INTERVAL = 32  # plain batches before the first probe
 MAX_PROBE_INTERVAL = 512
 PROFILE_SIZES = (1, 2, 4, 8, 16, 32, 64)
+# passes wider than MAX_ROWS real tokens leave layer.c for the per-op path, which costs more per row than the
+# curve's slope up to 64 says (fp32, 135M model: c(80) 233 ms against 172 extrapolated from c(64) = 137);
+# a batch of 8+ rows can draft its way there, so its engine measures them too
+WIDE_SIZES = (96, 128)
+
+
+def profile_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """The pass sizes to profile for an engine of max_num_seqs rows."""
+    return PROFILE_SIZES + (WIDE_SIZES if max_num_seqs >= 8 else ())
 
 
 class BatchCost:

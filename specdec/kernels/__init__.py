@@ -164,22 +164,25 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """x [..., K] fp32 @ weight [N, K] bfloat16 ^T (+ bias) with fp32 sums through the C kernels: the
     weight is widened exactly, so this is F.linear(x, weight.float(), bias) up to summation order; with
     round_inputs, F.linear(x.bfloat16().float(), weight.float(), bias) (bf16dot.c: bf16 dot products where
-    the CPU has them). None where the kernel does not apply (not CPU fp32, more than MAX_ROWS rows,
-    autograd, no compiled library)."""
+    the CPU has them). Any number of rows, MAX_ROWS per kernel call. None where the kernel does not apply
+    (not CPU fp32, autograd, no compiled library)."""
     rows = x.numel() // x.shape[-1]
     if (x.dtype is not torch.float32 or x.device.type != "cpu" or weight.dtype is not torch.bfloat16
-            or rows > MAX_ROWS or (bias is not None and bias.dtype is not torch.float32)
+            or (bias is not None and bias.dtype is not torch.float32)
             or (torch.is_grad_enabled() and x.requires_grad) or _load() is None):
         return None
     x = x.contiguous()
     N, K = weight.shape
     y = torch.empty(*x.shape[:-1], N, dtype=torch.float32)
-    args = (x.data_ptr(), weight.data_ptr(), None if bias is None else bias.contiguous().data_ptr(), y.data_ptr(),
-            rows, K, N)
-    if not round_inputs:
-        _lib.specdec_linear_bf16(*args)
-    elif _lib.specdec_linear_bf16_dot(*args) != 0:
-        raise MemoryError("bf16dot.c could not allocate its rounded inputs")
+    run = _lib.specdec_linear_bf16_dot if round_inputs else _lib.specdec_linear_bf16
+    b = None if bias is None else bias.contiguous().data_ptr()
+    # more than MAX_ROWS rows (a wide serving batch, a recomputed chunk): MAX_ROWS at a time, so every row
+    # gets the kernel's sums (batch invariance at any width); torch would widen the whole matrix per call
+    # (the 135M model at 80 rows: 319 ms in bf16 against ~100 through the kernel)
+    for start in range(0, rows, MAX_ROWS):
+        n = min(MAX_ROWS, rows - start)
+        if run(x.data_ptr() + 4 * start * K, weight.data_ptr(), b, y.data_ptr() + 4 * start * N, n, K, N):
+            raise MemoryError("bf16dot.c could not allocate its rounded inputs")  # the widening kernel returns None
     return y
 
 
