@@ -159,16 +159,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y
 
 
+# Without round_inputs (a CPU without bf16 dot products) a long prompt's pass goes to torch: its fp32 GEMM
+# outruns the widening kernel once the rows are many, which pays for widening the matrix per call. Up to
+# here (a wide decode or verify batch, a recomputed chunk) the kernel, in parts, is the faster one.
+WIDE_BF16_ROWS = 4 * MAX_ROWS
+
+
 def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 round_inputs: bool = False) -> torch.Tensor | None:
     """x [..., K] fp32 @ weight [N, K] bfloat16 ^T (+ bias) with fp32 sums through the C kernels: the
     weight is widened exactly, so this is F.linear(x, weight.float(), bias) up to summation order; with
     round_inputs, F.linear(x.bfloat16().float(), weight.float(), bias) (bf16dot.c: bf16 dot products where
-    the CPU has them). Any number of rows, MAX_ROWS per kernel call. None where the kernel does not apply
-    (not CPU fp32, autograd, no compiled library)."""
+    the CPU has them). More than MAX_ROWS rows go MAX_ROWS per kernel call. None where the kernel does not
+    apply (not CPU fp32, autograd, no compiled library; over WIDE_BF16_ROWS rows without round_inputs)."""
     rows = x.numel() // x.shape[-1]
     if (x.dtype is not torch.float32 or x.device.type != "cpu" or weight.dtype is not torch.bfloat16
-            or (bias is not None and bias.dtype is not torch.float32)
+            or (rows > WIDE_BF16_ROWS and not round_inputs) or (bias is not None and bias.dtype is not torch.float32)
             or (torch.is_grad_enabled() and x.requires_grad) or _load() is None):
         return None
     x = x.contiguous()
