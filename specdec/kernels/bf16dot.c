@@ -48,16 +48,9 @@ static inline uint16_t round_bf16(float f) {
 #if defined(__AVX512BF16__)
 /* The calling thread's buffer for the rounded inputs, grown as needed and kept; NULL if it cannot grow. */
 static uint16_t *input_buffer(int64_t n) {
-    static __thread uint16_t *buf = NULL;
+    static __thread void *buf = NULL;
     static __thread int64_t size = 0;
-    if (n > size) {
-        void *grown = NULL;
-        if (posix_memalign(&grown, 64, sizeof(uint16_t) * n) != 0) return NULL;
-        free(buf);
-        buf = grown;
-        size = n;
-    }
-    return buf;
+    return grow_buffer(&buf, &size, (int64_t)sizeof(uint16_t) * n);
 }
 
 static void round_rows(const float *x, uint16_t *xb, int64_t n) {

@@ -3,6 +3,7 @@
 #ifndef SPECDEC_COMMON_H
 #define SPECDEC_COMMON_H
 #include <stdint.h>
+#include <stdlib.h>
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -11,6 +12,19 @@
 typedef void (*pool_fn)(void *ctx, int64_t me, int64_t nth);
 void specdec_parallel(pool_fn fn, void *ctx, int64_t nth);
 int64_t specdec_num_threads(void);
+
+/* A caller's per-thread scratch (*buf, *size bytes: its own `static __thread` pair) grown to at least
+ * `bytes`, 64-byte aligned, and kept between calls; NULL if it cannot grow. */
+static inline void *grow_buffer(void **buf, int64_t *size, int64_t bytes) {
+    if (bytes > *size) {
+        void *grown = NULL;
+        if (posix_memalign(&grown, 64, (size_t)bytes) != 0) return NULL;
+        free(*buf);
+        *buf = grown;
+        *size = bytes;
+    }
+    return *buf;
+}
 
 #ifdef __AVX2__
 static inline float hsum256(__m256 s) {

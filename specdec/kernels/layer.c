@@ -20,6 +20,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "common.h"
 
 enum { LIN_F32 = 0, LIN_I8 = 1, LIN_I4 = 2, LIN_BF16 = 3, LIN_BF16_DOT = 4 };
 
@@ -92,16 +93,9 @@ static void add_into(float *x, const float *y, int64_t n) {
  * as needed and kept, instead of a fresh block per layer (a verify pass's, T = 8: 184 KB, is above
  * glibc's mmap threshold: new zeroed pages every layer). NULL if it cannot grow. */
 static float *layer_buffer(int64_t floats) {
-    static __thread float *buf = NULL;
+    static __thread void *buf = NULL;
     static __thread int64_t size = 0;
-    if (floats > size) {
-        void *grown = NULL;
-        if (posix_memalign(&grown, 64, sizeof(float) * floats) != 0) return NULL;
-        free(buf);
-        buf = grown;
-        size = floats;
-    }
-    return buf;
+    return grow_buffer(&buf, &size, (int64_t)sizeof(float) * floats);
 }
 
 /* 0 on success, -1 when a buffer cannot be allocated (x is then unchanged or partly updated:

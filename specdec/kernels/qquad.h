@@ -27,16 +27,9 @@ static inline int64_t quad_count(int64_t K) { return (K / QBLOCK + 3) / 4; }
 /* The calling thread's buffer for a call's quad-order activations (kept and grown, not a malloc per
  * call: 1.1-1.2x on the int4 matrices at 4-8 rows); NULL if it cannot grow. */
 static float *quad_buffer(int64_t floats) {
-    static __thread float *buf = NULL;
+    static __thread void *buf = NULL;
     static __thread int64_t size = 0;
-    if (floats > size) {
-        void *grown = NULL;
-        if (posix_memalign(&grown, 64, sizeof(float) * floats) != 0) return NULL;
-        free(buf);
-        buf = grown;
-        size = floats;
-    }
-    return buf;
+    return grow_buffer(&buf, &size, (int64_t)sizeof(float) * floats);
 }
 
 static void quantize_row_quad(const float *x, int64_t K, int8_t *xq, float *d16, float *S16) {
