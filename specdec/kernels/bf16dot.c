@@ -45,14 +45,15 @@ static inline uint16_t round_bf16(float f) {
     return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
 
-#if defined(__AVX512BF16__)
-/* The calling thread's buffer for the rounded inputs, grown as needed and kept; NULL if it cannot grow. */
-static uint16_t *input_buffer(int64_t n) {
+/* The calling thread's buffer for the rounded inputs (bf16, or widened back to fp32 without AVX512-BF16),
+ * grown as needed and kept; NULL if it cannot grow. */
+static void *input_buffer(int64_t bytes) {
     static __thread void *buf = NULL;
     static __thread int64_t size = 0;
-    return grow_buffer(&buf, &size, (int64_t)sizeof(uint16_t) * n);
+    return grow_buffer(&buf, &size, bytes);
 }
 
+#if defined(__AVX512BF16__)
 static void round_rows(const float *x, uint16_t *xb, int64_t n) {
     int64_t i = 0;
     for (; i + 16 <= n; i += 16)
@@ -155,21 +156,20 @@ int specdec_bf16_dot_native(void) {
 int specdec_linear_bf16_dot(const float *x, const uint16_t *W, const float *bias, float *y, int64_t T, int64_t K,
                             int64_t N) {
 #if defined(__AVX512BF16__)
-    uint16_t *xb = input_buffer(T * K);
+    uint16_t *xb = input_buffer((int64_t)sizeof(uint16_t) * T * K);
     if (xb == NULL) return -1;
     round_rows(x, xb, T * K);
     DotJob job = {W, xb, bias, y, T, K, N};
     specdec_parallel(dot_share, &job, specdec_num_threads());
 #else
     /* the rounded inputs widened back to fp32 (exact), through gemv.c's widening kernel */
-    float *xr = (float *)malloc(sizeof(float) * T * K);
+    float *xr = input_buffer((int64_t)sizeof(float) * T * K);
     if (xr == NULL) return -1;
     for (int64_t i = 0; i < T * K; i++) {
         union { uint32_t u; float f; } v = {.u = (uint32_t)round_bf16(x[i]) << 16};
         xr[i] = v.f;
     }
     specdec_linear_bf16(xr, W, bias, y, T, K, N);
-    free(xr);
 #endif
     return 0;
 }

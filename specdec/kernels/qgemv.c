@@ -191,7 +191,6 @@ typedef struct {
     int8_t *xq; /* [T, K] */
     float *xd;  /* [T, K / 32] block scales */
     float *xs;  /* [T, ng] group sums */
-    int borrowed; /* 1: the thread's quad buffer (not freed) */
 } QActs;
 
 static int quantize_acts(const int KIND, const float *x, int64_t T, int64_t K, int64_t G, QActs *a) {
@@ -201,7 +200,7 @@ static int quantize_acts(const int KIND, const float *x, int64_t T, int64_t K, i
         const int64_t nq = quad_count(K);
         float *buf = quad_buffer(T * nq * 64); /* 128 bytes of xq, 16 + 16 floats of d16, S16 per quad */
         if (buf == NULL) return -1;
-        a->xq = (int8_t *)buf, a->xd = buf + T * nq * 32, a->xs = a->xd + T * nq * 16, a->borrowed = 1;
+        a->xq = (int8_t *)buf, a->xd = buf + T * nq * 32, a->xs = a->xd + T * nq * 16; /* the thread's: kept */
         for (int64_t t = 0; t < T; t++)
             quantize_row_quad(x + t * K, K, a->xq + t * nq * 128, a->xd + t * nq * 16, a->xs + t * nq * 16);
         return 0;
@@ -213,7 +212,7 @@ static int quantize_acts(const int KIND, const float *x, int64_t T, int64_t K, i
         free(a->xq), free(a->xd);
         return -1;
     }
-    a->xs = a->xd + T * nb, a->borrowed = 0;
+    a->xs = a->xd + T * nb;
     for (int64_t t = 0; t < T; t++) quantize_row(KIND, x + t * K, K, G, a->xq + t * K, a->xd + t * nb, a->xs + t * ng);
     return 0;
 }
@@ -320,7 +319,7 @@ typedef struct {
         if (quantize_acts(KIND, x, T, K, G, &a) != 0) return -1;                                           \
         QJob job = {&a, q, sc, zp, bias, y, T, K, N, G};                                                   \
         specdec_parallel(name##_share, &job, N * K * (T < 4 ? T : 4) >= PARALLEL_MIN ? specdec_num_threads() : 1); \
-        if (!a.borrowed) free(a.xq), free(a.xd);                                                                          \
+        if (!USES_QUAD(KIND, G)) free(a.xq), free(a.xd); /* quad activations: the thread's buffer */       \
         return 0;                                                                                          \
     }
 DEFINE_QLINEAR(qlinear_i8_sym, I8_SYM)

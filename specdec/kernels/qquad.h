@@ -10,8 +10,9 @@
  * 4x), and the zero term z_b * S_b is added in lane 4i only. Per (n, t):
  *     tot += float(dot lanes) * (d_b s_b),  zt += z_b S_b,  y = reduce(tot) + reduce(zt)
  * the same sequence for every tile shape, so results are batch invariant. The 121 int4 matrices of the
- * 135M model's int4-g32 copy (2-vCPU Zen 4, from DRAM, one process, medians of 11): T = 1 / 2 / 4 / 8
- * rows 3.49 / 4.42 / 6.98 / 13.18 ms with qtile32, 3.35 / 3.75 / 5.37 / 9.74 ms here. */
+ * 135M model's int4-g32 copy (2-vCPU Zen 4, from DRAM, raw kernel calls, the two builds alternated twice):
+ * T = 1 / 2 / 4 / 8 rows 3.80-3.95 / 4.82-5.15 / 7.66-8.44 / 14.0-16.3 ms with qtile32, 3.37-3.49 /
+ * 3.79-3.98 / 5.86-5.91 / 10.3-12.4 ms here. */
 #ifndef SPECDEC_QQUAD_H
 #define SPECDEC_QQUAD_H
 
@@ -22,8 +23,6 @@
 /* blocks of a row rounded up to whole quads */
 static inline int64_t quad_count(int64_t K) { return (K / QBLOCK + 3) / 4; }
 
-/* Row t of x -> xq [quads * 128] int8 in quad order, d16 [quads * 16] (d_b in lanes 4i..4i+3), S16
- * [quads * 16] (the block's exact sum in lane 4i, zero elsewhere); a last partial quad zero-padded. */
 /* The calling thread's buffer for a call's quad-order activations (kept and grown, not a malloc per
  * call: 1.1-1.2x on the int4 matrices at 4-8 rows); NULL if it cannot grow. */
 static float *quad_buffer(int64_t floats) {
@@ -32,6 +31,8 @@ static float *quad_buffer(int64_t floats) {
     return grow_buffer(&buf, &size, (int64_t)sizeof(float) * floats);
 }
 
+/* Row t of x -> xq [quads * 128] int8 in quad order, d16 [quads * 16] (d_b in lanes 4i..4i+3), S16
+ * [quads * 16] (the block's exact sum in lane 4i, zero elsewhere); a last partial quad zero-padded. */
 static void quantize_row_quad(const float *x, int64_t K, int8_t *xq, float *d16, float *S16) {
     const int64_t nb = K / QBLOCK, nq = quad_count(K);
     memset(xq, 0, (size_t)(nq * 128));
