@@ -196,3 +196,41 @@ def test_cli_train_and_eval(dataset, tmp_path, capsys):
     assert main(["eval-draft", str(out / "head"), "--model", str(d), "--data", str(data), "--depth", "2"]) == 0
     ev = json.loads(capsys.readouterr().out)
     assert ev["offline_chain"]["tau"] >= 1.0
+
+
+def test_prompts_file_gives_the_same_selection(tiny_dir, tmp_path):
+    """--write-prompts on a machine with ShareGPT, --prompts on one without: the same prompts, seed for seed;
+    a file that is not a list of strings is one clear error."""
+    from specdec.config import ConfigError
+    from specdec.model.tokenizer import Tokenizer
+    from specdec.train.data import candidate_prompts, select_prompts, write_prompts
+
+    tok = Tokenizer(tiny_dir("llama"))
+    spec = DataSpec(num_prompts=20, num_heldout=5, scan=300, seed=3)
+    path = tmp_path / "prompts.json.gz"
+    write_prompts(path, candidate_prompts(tok, spec))
+    from_file = DataSpec(num_prompts=20, num_heldout=5, scan=300, seed=3, prompts_file=str(path))
+    assert select_prompts(tok, from_file) == select_prompts(tok, spec)
+    assert select_prompts(tok, from_file) != select_prompts(tok, DataSpec(num_prompts=20, num_heldout=5, seed=4,
+                                                                           prompts_file=str(path)))
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"not": "a list"}')
+    with pytest.raises(ConfigError, match="list of prompt strings"):
+        select_prompts(tok, DataSpec(prompts_file=str(bad)))
+
+
+def test_max_seconds_fits_the_schedule_to_the_budget(dataset, tmp_path):
+    """A budget far below the planned steps cuts total_steps after the first ten (never below what ran),
+    and the run then ends there with a head exported; without a budget the plan stands."""
+    from specdec.model.loader import load_model
+    from specdec.train.trainer import TrainSpec, Trainer
+
+    d, data = dataset
+    target = load_model(d, torch.float32, 512)
+    kw = dict(kind="eagle3", data=(str(data),), epochs=40, batch_size=1, warmup=1, draft_vocab_size=200,
+              ckpt_every=1000, eval_every=1000, save_dtype="float32")
+    planned = Trainer(TrainSpec(out=str(tmp_path / "plan"), **kw), target, progress=False).total_steps
+    t = Trainer(TrainSpec(out=str(tmp_path / "budget"), max_seconds=1e-3, **kw), target, progress=False)
+    assert t.total_steps == planned == 240
+    t.run()
+    assert t.step == t.total_steps == 10  # cut at the first fit, after ten steps

@@ -35,11 +35,19 @@ def register(sub) -> None:
                    help="instead: N ShareGPT answers as they are (one target pass each, no generation)")
     d.add_argument("--online", action="store_true",
                    help="store tokens only (disk short): the trainer computes the target's features per batch")
+    d.add_argument("--scan", type=int, default=20000, help="ShareGPT conversations read to pick prompts from")
+    d.add_argument("--prompts", type=Path, default=None, metavar="FILE",
+                   help="candidate prompts from --write-prompts (a JSON list, .gz allowed) instead of ShareGPT")
+    d.add_argument("--write-prompts", type=Path, default=None, metavar="FILE",
+                   help="only save the candidate prompts (for a machine without the ShareGPT package)")
+    d.add_argument("--max-seconds", type=float, default=None, help="start no train batch after this long")
+    _device(d)
     d.set_defaults(func=run_data)
     for kind in KINDS:
         h = tsub.add_parser(kind, help=f"train a {kind} head on stored features")
         _common(h)
         _train_args(h)
+        _device(h)
         h.set_defaults(func=run_head, kind=kind)
     dm = tsub.add_parser("draft-model", help="distill a small draft model (e.g. a truncated copy) on target data")
     _common(dm)
@@ -59,6 +67,10 @@ def _common(p) -> None:
     p.add_argument("--no-progress", action="store_true")
 
 
+def _device(p) -> None:
+    p.add_argument("--device", default="cpu", help="cpu, cuda or auto (data and heads; draft-model: cpu)")
+
+
 def _train_args(p) -> None:
     p.add_argument("--data", action="append", required=True, help="dataset dir from `train data` (repeatable)")
     p.add_argument("--epochs", type=float, default=2.0)
@@ -66,6 +78,7 @@ def _train_args(p) -> None:
     p.add_argument("--warmup", type=int, default=10, help="warmup steps")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--ttt-steps", type=int, default=2, help="training-time-test unroll depth (eagle, eagle3)")
+    p.add_argument("--max-len", type=int, default=512, help="tokens of each sequence trained on")
     p.add_argument("--draft-vocab-size", type=int, default=4096, help="0: the full vocabulary")
     p.add_argument("--intermediate-size", type=int, default=0, help="head MLP width (0: the target's)")
     p.add_argument("--medusa-heads", type=int, default=4)
@@ -74,26 +87,41 @@ def _train_args(p) -> None:
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--ckpt-every", type=int, default=10)
     p.add_argument("--save-dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="fit the schedule to this time budget (measured over the first steps)")
     p.add_argument("--init-from", type=Path, default=None, metavar="HEAD_DIR",
                    help="fine-tune this trained head (its weights and draft vocabulary) instead of a fresh one")
 
 
-def _hardware() -> dict:
+def _hardware(device: torch.device) -> dict:
+    gpu = {"gpu": torch.cuda.get_device_name(device)} if device.type == "cuda" else {}
     return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-            "threads": torch.get_num_threads(), "torch": torch.__version__}
+            "threads": torch.get_num_threads(), "torch": torch.__version__, **gpu}
 
 
 def run_data(args) -> int:
     torch.set_num_threads(args.threads)
+    from specdec.model.loader import resolve_device
     from specdec.train.data import DataSpec, build_dataset, build_teacher_forced
 
+    spec = DataSpec(args.num_prompts, args.num_heldout, args.max_prompt_tokens, args.max_new_tokens,
+                    args.batch_size, args.seed, scan=args.scan, max_batches=args.max_batches, online=args.online,
+                    prompts_file=str(args.prompts) if args.prompts else None, max_seconds=args.max_seconds)
+    if args.write_prompts:
+        from specdec.model.loader import resolve_model
+        from specdec.model.tokenizer import Tokenizer
+        from specdec.train.data import candidate_prompts, write_prompts
+
+        prompts = candidate_prompts(Tokenizer(resolve_model(args.model).directory), spec)
+        write_prompts(args.write_prompts, prompts)
+        print(f"{len(prompts)} candidate prompts -> {args.write_prompts}")
+        return 0
     if args.teacher_forced:
         stats = build_teacher_forced(args.model, args.out, args.teacher_forced, progress=not args.no_progress,
                                      online=args.online)
     else:
-        spec = DataSpec(args.num_prompts, args.num_heldout, args.max_prompt_tokens, args.max_new_tokens,
-                        args.batch_size, args.seed, max_batches=args.max_batches, online=args.online)
-        stats = build_dataset(args.model, args.out, spec, progress=not args.no_progress)
+        stats = build_dataset(args.model, args.out, spec, progress=not args.no_progress,
+                              device=resolve_device(args.device))
     print(json.dumps(stats, indent=2, default=str))
     return 0
 
@@ -103,12 +131,14 @@ def run_head(args) -> int:
     from specdec.llm import load_target
     from specdec.train.trainer import TrainSpec, Trainer, chain_acceptance, medusa_rank_accuracy
 
-    _, target, _ = load_target(args.model, "float32", None, progress=not args.no_progress)
+    _, target, _ = load_target(args.model, "float32", None, progress=not args.no_progress, device=args.device)
+    if target.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # the head's matmuls; the features are stored already
     spec = TrainSpec(kind=args.kind, data=tuple(args.data), out=str(args.out), epochs=args.epochs, lr=args.lr, warmup=args.warmup,
-                     batch_size=args.batch_size, ttt_steps=args.ttt_steps, draft_vocab_size=args.draft_vocab_size,
+                     batch_size=args.batch_size, max_len=args.max_len, ttt_steps=args.ttt_steps, draft_vocab_size=args.draft_vocab_size,
                      intermediate_size=args.intermediate_size, medusa_heads=args.medusa_heads, seed=args.seed,
                      eval_every=args.eval_every, ckpt_every=args.ckpt_every, max_train_seqs=args.max_train_seqs, save_dtype=args.save_dtype,
-                     init_from=str(args.init_from) if args.init_from else None)
+                     init_from=str(args.init_from) if args.init_from else None, max_seconds=args.max_seconds)
     trainer = Trainer(spec, target, progress=not args.no_progress)
     held = trainer.heldout
     depth = min(args.eval_depth, args.medusa_heads) if args.kind == "medusa" else args.eval_depth
@@ -126,7 +156,7 @@ def run_head(args) -> int:
     report = {"kind": args.kind, "train_sequences": len(trainer.train),
               "train_tokens_per_epoch": sum(len(s.tokens) for s in trainer.train),
               "steps": trainer.total_steps, "wall_seconds_this_run": round(time.perf_counter() - t0, 1),
-              **stats, "heldout": final, "hardware": _hardware()}
+              **stats, "heldout": final, "hardware": _hardware(target.device)}
     path = trainer.export(report)
     (args.out / "train_report.json").write_text(json.dumps(report, indent=2, default=str))
     print(json.dumps({"head": str(path), **report}, indent=2, default=str))

@@ -333,7 +333,7 @@ def save_head(head: torch.nn.Module, out: Path, dtype: torch.dtype = torch.float
     from specdec.train.export import hf_config  # the HF/vLLM/SGLang config fields live with the exporter
 
     out.mkdir(parents=True, exist_ok=True)
-    sd = {k: (v.to(dtype) if v.is_floating_point() else v).detach().contiguous().clone()
+    sd = {k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous().clone()
           for k, v in head.state_dict().items() if not k.startswith("rotary.")}
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg = hf_config(head.cfg, dtype)

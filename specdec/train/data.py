@@ -12,11 +12,15 @@
    a rerun skips the shards already on disk (resumable).
 
 Generation runs batched through `transformers` on our converted HF directory (left padding, explicit
-position ids, greedy); on the 2-core CPU this is ~4x the token rate of our single-request engine
+position ids, greedy, fp32); on the 2-core CPU this is ~4x the token rate of our single-request engine
 (measured: 20 vs 5.6 tok/s under load), and its token ids are identical to our engine's greedy output.
+`--device cuda` runs it on a GPU. Where the ShareGPT package is absent (a GPU box), `--write-prompts`
+on a machine that has it saves the candidate prompts, and `--prompts FILE` reads them: the same
+selection, seed for seed.
 """
 from __future__ import annotations
 
+import gzip
 import json
 import random
 import time
@@ -66,23 +70,56 @@ class DataSpec:
     scan: int = 20000  # ShareGPT conversations read to pick prompts from
     max_batches: int | None = None  # stop after this many train batches (a budget cut; rerun to extend)
     online: bool = False  # store tokens only; the trainer computes the features (specdec.train.features)
+    prompts_file: str | None = None  # candidate prompts from `--write-prompts` instead of the ShareGPT package
+    max_seconds: float | None = None  # start no train batch after this long (a budget cut; rerun to extend)
 
 
-def select_prompts(tokenizer, spec: DataSpec) -> tuple[list[list[int]], list[list[int]]]:
-    """Chat-formatted prompt ids (train, held-out): short enough, deduplicated, shuffled by seed."""
+def candidate_prompts(tokenizer, spec: DataSpec) -> list[str]:
+    """ShareGPT first turns (or the prompts file's), deduplicated, short enough once chat-formatted;
+    in file order. A prompts file holds exactly this list, so the selection is the same from either."""
+    if spec.prompts_file:
+        return read_prompts(Path(spec.prompts_file))
     seen, picked = set(), []
     for text in load_sharegpt_prompts(spec.scan):
         if text in seen:
             continue
         seen.add(text)
-        chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        ids = tokenizer.encode(chat)
-        if len(ids) <= spec.max_prompt_tokens:
-            picked.append(ids)
+        if len(_chat_ids(tokenizer, text)) <= spec.max_prompt_tokens:
+            picked.append(text)
+    return picked
+
+
+def _chat_ids(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                          add_generation_prompt=True))
+
+
+def write_prompts(path: Path, prompts: list[str]) -> None:
+    """A JSON list of prompt strings (gzip-compressed when the name ends in .gz)."""
+    data = json.dumps(prompts, ensure_ascii=False).encode()
+    path.write_bytes(gzip.compress(data, mtime=0) if path.suffix == ".gz" else data)
+
+
+def read_prompts(path: Path) -> list[str]:
+    try:
+        raw = path.read_bytes()
+        prompts = json.loads(gzip.decompress(raw) if path.suffix == ".gz" else raw)
+    except (OSError, ValueError) as e:  # unreadable, not gzip, not JSON
+        raise ConfigError(f"cannot read prompts from {path}: {e}") from None
+    if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+        raise ConfigError(f"{path}: expected a JSON list of prompt strings")
+    return prompts
+
+
+def select_prompts(tokenizer, spec: DataSpec) -> tuple[list[list[int]], list[list[int]]]:
+    """Chat-formatted prompt ids (train, held-out): short enough, deduplicated, shuffled by seed."""
+    picked = [ids for ids in (_chat_ids(tokenizer, t) for t in candidate_prompts(tokenizer, spec))
+              if len(ids) <= spec.max_prompt_tokens]
     random.Random(spec.seed).shuffle(picked)
     need = spec.num_prompts + spec.num_heldout
     if len(picked) < need:
-        raise ValueError(f"only {len(picked)} usable prompts in the first {spec.scan} conversations; need {need}")
+        where = spec.prompts_file or f"the first {spec.scan} conversations"
+        raise ValueError(f"only {len(picked)} usable prompts in {where}; need {need}")
     return picked[spec.num_heldout:need], picked[:spec.num_heldout]
 
 
@@ -98,15 +135,18 @@ def generate_batch(hf_model, prompts: list[list[int]], max_new_tokens: int, eos_
     features for every position but the last (hidden [N-1, H], aux {layer: [N-1, H]}), or the
     tokens only (hidden None) when not `features` (online mode: the trainer computes them)."""
     B, L = len(prompts), max(len(p) for p in prompts)
+    device = hf_model.device
     ids = torch.full((B, L), 0, dtype=torch.long)
     attn = torch.zeros(B, L, dtype=torch.long)
     for b, p in enumerate(prompts):  # left padding
         ids[b, L - len(p):], attn[b, L - len(p):] = torch.tensor(p), 1
+    ids, attn = ids.to(device), attn.to(device)
     pos = (attn.cumsum(-1) - 1).clamp_min(0)
+    eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=device)
     keep = [hf_layer_index(l) for l in aux_layers]
     feats: list[list[torch.Tensor]] = []  # per step: [B, T, H] final, then aux
     out_tokens: list[torch.Tensor] = []
-    past, done = None, torch.zeros(B, dtype=torch.bool)
+    past, done = None, torch.zeros(B, dtype=torch.bool, device=device)
     step_ids, step_pos = ids, pos
     for _ in range(max_new_tokens):
         out = hf_model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos, past_key_values=past,
@@ -117,15 +157,15 @@ def generate_batch(hf_model, prompts: list[list[int]], max_new_tokens: int, eos_
         nxt = out.logits[:, -1].argmax(-1)
         nxt = torch.where(done, torch.zeros_like(nxt), nxt)
         out_tokens.append(nxt)
-        done |= torch.tensor([int(t) in eos_ids for t in nxt])
+        done |= torch.isin(nxt, eos)
         if bool(done.all()):
             break
         past, step_ids = out.past_key_values, nxt[:, None]
         step_pos = step_pos[:, -1:] + 1
-        attn = torch.cat([attn, torch.ones(B, 1, dtype=torch.long)], dim=1)
-    gen = torch.stack(out_tokens, 1)  # [B, steps]
+        attn = torch.cat([attn, torch.ones(B, 1, dtype=torch.long, device=device)], dim=1)
+    gen = torch.stack(out_tokens, 1).cpu()  # [B, steps]
     # [B, L + steps - 1, H] per kept layer (final normed state first)
-    cat = [torch.cat([f[j] for f in feats], dim=1) for j in range(1 + len(keep))] if features else []
+    cat = [torch.cat([f[j] for f in feats], dim=1).cpu() for j in range(1 + len(keep))] if features else []
     seqs = []
     for b, p in enumerate(prompts):
         resp = gen[b].tolist()
@@ -149,7 +189,7 @@ def default_aux_layers(num_layers: int) -> tuple[int, ...]:
     return (1, num_layers // 2 - 1, num_layers - 4)
 
 
-def build_dataset(model: str, out: Path, spec: DataSpec, progress: bool = True) -> dict:
+def build_dataset(model: str, out: Path, spec: DataSpec, progress: bool = True, device: str = "cpu") -> dict:
     """Regenerate responses and write shards under out/train and out/heldout; returns the meta."""
     try:
         import transformers as tf  # batched regeneration with left padding
@@ -166,7 +206,7 @@ def build_dataset(model: str, out: Path, spec: DataSpec, progress: bool = True) 
     tok = Tokenizer(src)
     aux = default_aux_layers(cfg.num_hidden_layers)
     train, held = select_prompts(tok, spec)
-    hf = tf.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    hf = tf.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).to(device).eval()
     meta = {"model": model, "model_dir": str(src), "spec": spec.__dict__, "aux_layers": list(aux),
             "hidden_size": cfg.hidden_size, "num_layers": cfg.num_hidden_layers, "feature_dtype": "float16",
             "features": "online" if spec.online else "offline"}
@@ -183,13 +223,15 @@ def build_dataset(model: str, out: Path, spec: DataSpec, progress: bool = True) 
             path = out / split / f"shard-{bi:05d}.safetensors"
             if path.exists():
                 continue
+            if split == "train" and spec.max_seconds is not None and time.perf_counter() - t0 > spec.max_seconds:
+                break
             seqs = generate_batch(hf, [prompts[i] for i in batch], spec.max_new_tokens, set(tok.eos_token_ids), aux,
                                   features=not spec.online)
             new_tokens += sum(len(s.tokens) - s.prompt_len for s in seqs)
             write_shard(path, seqs)
     elapsed = time.perf_counter() - t0
     stats = {"generated_tokens_this_run": new_tokens, "seconds_this_run": round(elapsed, 1),
-             "threads": torch.get_num_threads()}
+             "threads": torch.get_num_threads(), "device": str(hf.device)}
     (out / f"generation-{int(time.time())}.json").write_text(json.dumps(stats, indent=2))
     return {**meta, **stats}
 

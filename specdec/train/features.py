@@ -86,11 +86,12 @@ def read_split(directory: Path, limit: int | None = None) -> list[Shard.Sequence
 @torch.inference_mode()
 def compute_features(model, tokens: list[int], prompt_len: int, aux_layers: tuple[int, ...] = ()) -> Shard.Sequence:
     """Online mode: one target pass with our engine gives the same features as the shards."""
-    n = len(tokens)
+    n, device = len(tokens), model.embed.weight.device
     cache = model.new_cache(n)
-    out = model(torch.tensor([tokens]), torch.arange(n)[None], cache, num_logits=1, output_layers=aux_layers)
-    return Shard.Sequence(list(tokens), prompt_len, out.hidden[0, :n - 1].float(),
-                          {l: out.layer_hidden[l][0, :n - 1].float() for l in aux_layers})
+    out = model(torch.tensor([tokens], device=device), torch.arange(n, device=device)[None], cache, num_logits=1,
+                output_layers=aux_layers)
+    return Shard.Sequence(list(tokens), prompt_len, out.hidden[0, :n - 1].float().cpu(),
+                          {l: out.layer_hidden[l][0, :n - 1].float().cpu() for l in aux_layers})
 
 
 def with_features(model, seqs: list[Shard.Sequence], aux_layers: tuple[int, ...] = (),

@@ -14,6 +14,9 @@ Notation per sequence (tokens x_0..x_{N-1}, feature rows 0..M-1 with M = N - 1, 
 Step losses are weighted 0.8^j (EAGLE-3) / 0.8^i (Medusa). AdamW, linear warmup + cosine decay, grad
 clipping, a checkpoint (head + optimiser + step + RNG) every `ckpt_every` steps: a rerun resumes.
 Sequences are batched with right padding (causal attention never sees the padding).
+The head trains on the target's device (`--device cuda`: features go to the GPU batch by batch).
+`max_seconds` fits the schedule to a time budget: after the first steps, and at every evaluation, the
+total is cut to the steps the measured pace leaves room for (the cosine decay follows the new total).
 """
 from __future__ import annotations
 
@@ -53,6 +56,7 @@ class TrainSpec:
     max_train_seqs: int | None = None
     save_dtype: str = "bfloat16"
     init_from: str | None = None  # a head dir: fine-tune its weights and draft vocabulary (fresh optimizer)
+    max_seconds: float | None = None  # fit the number of steps to this budget (see the module docstring)
 
 
 def _pad(seqs: list[Shard.Sequence], max_len: int, aux_layers: tuple[int, ...]):
@@ -76,6 +80,7 @@ def _pad(seqs: list[Shard.Sequence], max_len: int, aux_layers: tuple[int, ...]):
 class Trainer:
     def __init__(self, spec: TrainSpec, target, progress: bool = True):
         self.spec, self.target, self.progress = spec, target, progress
+        self.device = target.embed.weight.device
         self.out = Path(spec.out)
         torch.manual_seed(spec.seed)
         meta = json.loads((Path(spec.data[0]) / "meta.json").read_text())
@@ -88,14 +93,15 @@ class Trainer:
                                     target=meta.get("model", ""))
         if spec.intermediate_size:
             cfg = replace(cfg, intermediate_size=spec.intermediate_size)
-        self.head = make_head(cfg)
+        self.head = make_head(cfg)  # on the CPU until its vocabulary is set, then on self.device
         self.counts = token_counts(self.train, tc.vocab_size)
         ranked = self.counts.clone().float()
         ranked[list(tc.eos_token_id)] = float("inf")  # the end-of-turn token is always draftable
         Vd = spec.draft_vocab_size or tc.vocab_size
         self.embed = target.embed.weight.detach()
         self._use_vocab(ranked.topk(Vd).indices.sort().values)
-        self.head.set_vocab(self.draft_ids)
+        self.head.set_vocab(self.draft_ids.cpu())
+        self.head.to(self.device)
         if spec.init_from:
             self._init_from_head(Path(spec.init_from))
         else:
@@ -108,9 +114,9 @@ class Trainer:
 
     def _use_vocab(self, draft_ids: torch.Tensor) -> None:
         """The draft vocabulary [Vd] (ascending target ids) that the loss and the head share."""
-        self.draft_ids = draft_ids
-        self.coverage = float(self.counts[draft_ids].sum() / self.counts.sum().clamp_min(1))
-        self.lm_head_d = self.target.lm_head.weight.detach()[draft_ids]  # [Vd, H]
+        self.draft_ids = draft_ids.to(self.device)
+        self.coverage = float(self.counts[draft_ids.cpu()].sum() / self.counts.sum().clamp_min(1))
+        self.lm_head_d = self.target.lm_head.weight.detach()[self.draft_ids]  # [Vd, H]
 
     def _init_from_head(self, path: Path) -> None:
         """Start from a trained head (fine-tuning on other data): its weights, and its draft vocabulary,
@@ -193,7 +199,7 @@ class Trainer:
 
     def loss(self, seqs):
         seqs = with_features(self.target, seqs, self.aux_layers, self.spec.max_len)  # online shards: a pass each
-        batch = _pad(seqs, self.spec.max_len, self.aux_layers)
+        batch = _to(_pad(seqs, self.spec.max_len, self.aux_layers), self.device)
         if self.spec.kind == "medusa":
             return self.medusa_loss(batch)
         return self.eagle_loss(batch, self.spec.ttt_steps)
@@ -229,14 +235,14 @@ class Trainer:
         path = self.out / "checkpoint.pt"
         if not path.exists():
             return False
-        state = torch.load(path, weights_only=True)
+        state = torch.load(path, weights_only=True, map_location=self.device)
         self.head.load_state_dict(state["head"])
         # the checkpoint's draft vocabulary wins: new data (a resumed run on more shards) would rank
         # another top-Vd set, and the head's rows follow the vocabulary it was trained with
         self._use_vocab(self.head.draft_ids.clone())
         self.opt.load_state_dict(state["opt"])
         self.step, self.history = int(state["step"]), json.loads(state["history"])
-        torch.set_rng_state(state["rng"])
+        torch.set_rng_state(state["rng"].cpu())
         return True
 
     def run(self, evaluate=None) -> dict:
@@ -246,7 +252,7 @@ class Trainer:
         batches = self._batches()
         for _ in range(self.step):  # skip what a previous run already trained on
             next(batches)
-        t0, seen = time.perf_counter(), 0
+        t0, seen, start_step = time.perf_counter(), 0, self.step
         bar = tqdm(total=self.total_steps, initial=self.step, desc=f"train {self.spec.kind}", disable=not self.progress)
         self.head.train()
         while self.step < self.total_steps:
@@ -262,6 +268,8 @@ class Trainer:
             seen += sum(len(s.tokens) for s in seqs)
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.3f}", **{k: f"{v:.2f}" for k, v in stats.items()})
+            if self.step - start_step == 10:
+                self._fit_budget(start_step, time.perf_counter() - t0, bar)
             if self.step % self.spec.eval_every == 0 or self.step == self.total_steps:
                 rec = {"step": self.step, "loss": loss.item(), **stats}
                 if evaluate is not None:
@@ -270,11 +278,23 @@ class Trainer:
                     self.head.train()
                 self.history.append(rec)
                 bar.write(json.dumps(rec))
+                self._fit_budget(start_step, time.perf_counter() - t0, bar)
             if self.step % self.spec.ckpt_every == 0:
                 self.save_checkpoint()
         bar.close()
         self.save_checkpoint()
         return {"resumed": resumed, "train_tokens_this_run": seen, "seconds_this_run": time.perf_counter() - t0}
+
+    def _fit_budget(self, start_step: int, elapsed: float, bar) -> None:
+        """Cut total_steps to what max_seconds leaves room for at the pace measured so far (never raise it)."""
+        if self.spec.max_seconds is None or self.step <= start_step:
+            return
+        pace = elapsed / (self.step - start_step)  # seconds a step, evaluations included
+        fits = self.step + max(0, int((self.spec.max_seconds - elapsed) / pace))
+        if fits < self.total_steps:
+            self.total_steps = max(self.step, fits)
+            bar.total = self.total_steps
+            bar.refresh()
 
     def export(self, extra: dict) -> Path:
         cfg = replace(self.head.cfg, training={**extra, "spec": asdict(self.spec), "history": self.history,
@@ -282,7 +302,11 @@ class Trainer:
                                                "target_config": {"num_hidden_layers": self.target.config.num_hidden_layers}})
         self.head.cfg = cfg
         dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[self.spec.save_dtype]
-        return save_head(self.head.eval(), self.out / "head", dtype)
+        return save_head(self.head.eval(), self.out / "head", dtype)  # save_head copies to the CPU
+
+
+def _to(batch: tuple, device: torch.device) -> tuple:
+    return tuple(None if t is None else t.to(device, non_blocking=True) for t in batch)
 
 
 def _shift(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -299,7 +323,7 @@ def eagle_unroll(head, embed, lm_head_d, tokens, hidden, aux, steps: int):
     B, N = tokens.shape
     M = N - 1
     emb = embed[tokens[:, 1:]]  # [B, M, H]: embedding of x_{p+1}
-    pos = torch.arange(M)[None].expand(B, M)
+    pos = torch.arange(M, device=tokens.device)[None].expand(B, M)
     cos, sin = head.rotary(pos, emb.dtype)
     h = head.fuse(aux if head.cfg.kind == "eagle3" else hidden, emb)
     ks, vs, logits, outs = [], [], [], []
@@ -314,7 +338,7 @@ def eagle_unroll(head, embed, lm_head_d, tokens, hidden, aux, steps: int):
         ks.append(k.repeat_interleave(rep, 1))
         vs.append(v.repeat_interleave(rep, 1))
         s0 = (q @ ks[0].transpose(-1, -2)) * scale  # [B, Hq, M, M]: step-0 keys at positions <= p - j
-        s0 = s0.masked_fill(~torch.ones(M, M, dtype=torch.bool).tril(-j), float("-inf"))
+        s0 = s0.masked_fill(~torch.ones(M, M, dtype=torch.bool, device=s0.device).tril(-j), float("-inf"))
         diag = [(q * _shift(ks[i], j - i)).sum(-1, keepdim=True) * scale for i in range(1, j + 1)]
         probs = torch.softmax(torch.cat([s0] + diag, dim=-1), dim=-1)
         att = probs[..., :M] @ vs[0]
@@ -336,7 +360,7 @@ def chain_acceptance(head, target, seqs: list[Shard.Sequence], depth: int, aux_l
     embed, lm_head_d = target.embed.weight, target.lm_head.weight[draft_ids]
     hits_by_pos, starts = [0] * depth, 0
     for i in range(0, len(seqs), batch_size):
-        tokens, mask, hidden, aux = _pad(seqs[i:i + batch_size], 10 ** 6, aux_layers)
+        tokens, mask, hidden, aux = _to(_pad(seqs[i:i + batch_size], 10 ** 6, aux_layers), embed.device)
         M = hidden.shape[1]
         if head.cfg.kind == "medusa":
             preds = [draft_ids[(head.blocks[j](hidden) @ lm_head_d.t()).argmax(-1)] for j in range(depth)]
@@ -347,7 +371,7 @@ def chain_acceptance(head, target, seqs: list[Shard.Sequence], depth: int, aux_l
             preds = [draft_ids[lg.argmax(-1)] for lg in logits]  # step j at position q guesses x_{q+2}
         match = torch.stack([(pr[:, :M - 1] == tokens[:, 2:]) & mask[:, 2:] for pr in preds])  # [depth, B, M-1]
         for p in range(M - 1):
-            run = torch.ones(tokens.shape[0], dtype=torch.bool) & mask[:, p + 2]
+            run = mask[:, p + 2].clone()
             starts += int(run.sum())
             for j in range(min(depth, M - 1 - p)):
                 run = run & match[j, :, p + j]
@@ -360,9 +384,9 @@ def chain_acceptance(head, target, seqs: list[Shard.Sequence], depth: int, aux_l
 def medusa_rank_accuracy(head, target, seqs: list[Shard.Sequence], ranks: int = 10) -> list[list[float]]:
     """acc[i][r]: how often the target's token at p + i + 2 is head i's rank-r guess (held out)."""
     K, lm_head_d = head.cfg.medusa_num_heads, target.lm_head.weight[head.draft_ids]
-    hits, totals = torch.zeros(K, ranks), torch.zeros(K)
+    hits, totals = torch.zeros(K, ranks, device=lm_head_d.device), torch.zeros(K, device=lm_head_d.device)
     for s in seqs:
-        tokens, mask, hidden, _ = _pad([s], 10 ** 6, ())
+        tokens, mask, hidden, _ = _to(_pad([s], 10 ** 6, ()), lm_head_d.device)
         M = hidden.shape[1]
         for i in range(K):
             n = M - 1 - i
