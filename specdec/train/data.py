@@ -150,7 +150,7 @@ def generate_batch(hf_model, prompts: list[list[int]], max_new_tokens: int, eos_
     step_ids, step_pos = ids, pos
     for _ in range(max_new_tokens):
         out = hf_model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos, past_key_values=past,
-                       use_cache=True, output_hidden_states=features)
+                       use_cache=True, output_hidden_states=features, logits_to_keep=1)
         if features:
             hs = out.hidden_states
             feats.append([hs[-1].half()] + [hs[i].half() for i in keep])

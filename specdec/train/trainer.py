@@ -60,20 +60,21 @@ class TrainSpec:
 
 
 def _pad(seqs: list[Shard.Sequence], max_len: int, aux_layers: tuple[int, ...]):
-    """Right-padded batch: tokens [B, N], loss mask [B, N], hidden [B, N-1, H], aux [B, N-1, 3H]."""
+    """Right-padded batch: tokens [B, N], loss mask [B, N], hidden [B, N-1, H], aux [B, N-1, 3H]; the
+    features in their stored dtype (fp16 shards: half the bytes to copy; `_to` widens them on the device)."""
     N = min(max_len, max(len(s.tokens) for s in seqs))
-    B, H = len(seqs), seqs[0].hidden.shape[-1]
+    B, H, dtype = len(seqs), seqs[0].hidden.shape[-1], seqs[0].hidden.dtype
     tokens = torch.zeros(B, N, dtype=torch.long)
     mask = torch.zeros(B, N, dtype=torch.bool)
-    hidden = torch.zeros(B, N - 1, H)
-    aux = torch.zeros(B, N - 1, H * len(aux_layers)) if aux_layers else None
+    hidden = torch.zeros(B, N - 1, H, dtype=dtype)
+    aux = torch.zeros(B, N - 1, H * len(aux_layers), dtype=dtype) if aux_layers else None
     for b, s in enumerate(seqs):
         n = min(len(s.tokens), N)
         tokens[b, :n] = torch.tensor(s.tokens[:n])
         mask[b, :n] = s.loss_mask[:n]
-        hidden[b, :n - 1] = s.hidden[:n - 1].float()
+        hidden[b, :n - 1] = s.hidden[:n - 1]
         if aux is not None:
-            aux[b, :n - 1] = torch.cat([s.aux[l][:n - 1].float() for l in aux_layers], dim=-1)
+            aux[b, :n - 1] = torch.cat([s.aux[l][:n - 1] for l in aux_layers], dim=-1)
     return tokens, mask, hidden, aux
 
 
@@ -306,7 +307,9 @@ class Trainer:
 
 
 def _to(batch: tuple, device: torch.device) -> tuple:
-    return tuple(None if t is None else t.to(device, non_blocking=True) for t in batch)
+    """A `_pad` batch on `device`, features widened to fp32 there."""
+    moved = (None if t is None else t.to(device, non_blocking=True) for t in batch)
+    return tuple(t.float() if t is not None and t.is_floating_point() else t for t in moved)
 
 
 def _shift(x: torch.Tensor, n: int) -> torch.Tensor:

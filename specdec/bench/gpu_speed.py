@@ -1,0 +1,137 @@
+"""Single-request decode speed on a GPU (or any device): plain decoding against speculative methods.
+
+    python -m specdec.bench.gpu_speed --out runs/gpu --head specdec/assets/smollm2-135m-eagle3
+
+One target at one dtype, greedy, batch 1, MT-bench first turns (or `--prompts FILE`, a JSON list of
+strings, for a machine without the MT-bench package). Methods run one after the other with a warm-up
+request each; every method decodes the same prompts. Speculation is not adaptive here (fixed k, fixed
+tree), so the figures are the methods' own. Reported per method: decode tokens per second (all
+prompts' tokens over all their decode time), its ratio to plain, tokens per target pass, and how many
+outputs equal plain decoding's token for token (on a GPU in bf16 a verify pass over k tokens need not
+sum in the order of a one-token pass, so an early tie can flip: the count says how often it did).
+Results are rewritten after every method (`gpu_speed.json`, `gpu_speed.md`), so a time box that ends
+the run early still leaves what was measured.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+
+from specdec.config import ConfigError
+
+
+def methods(head: str | None) -> dict[str, dict | None]:
+    """name -> speculative_config (None: plain decoding)."""
+    table: dict[str, dict | None] = {"plain": None,
+                                     "ngram k4": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}}
+    if head:
+        table["eagle3 chain 5"] = {"method": "eagle3", "model": head, "num_steps": 5, "eagle_topk": 1,
+                                   "adaptive": False}
+        table["eagle3 tree 5x4 (16)"] = {"method": "eagle3", "model": head, "num_steps": 5, "eagle_topk": 4,
+                                         "num_draft_tokens": 16, "adaptive": False}
+    return table
+
+
+def load_prompts(path: Path | None, n: int) -> list[str]:
+    if path is not None:
+        prompts = json.loads(path.read_text())
+        if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+            raise ConfigError(f"{path}: expected a JSON list of prompt strings")
+        return prompts[:n]
+    from specdec.bench.prompts import mtbench_questions
+    return [q["turns"][0] for q in mtbench_questions()[:n]]
+
+
+def run_method(model: str, config: dict | None, prompts: list[str], max_tokens: int, dtype: str,
+               device: str) -> dict:
+    from specdec.llm import LLM
+    from specdec.sampling_params import SamplingParams
+
+    llm = LLM(model, speculative_config=config, dtype=dtype, device=device, progress=False)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=False)
+    llm.chat([{"role": "user", "content": "Say hello."}], params)  # warm-up (kernels, allocator)
+    outputs, tokens, seconds, passes, per_prompt = [], 0, 0.0, 0, []
+    for p in prompts:
+        out = llm.chat([{"role": "user", "content": p}], params)[0].outputs[0]
+        m = out.metrics
+        n = max(len(out.token_ids) - 1, 0)
+        outputs.append(out.token_ids)
+        tokens, seconds, passes = tokens + n, seconds + m["decode_time_s"], passes + m["target_forward_passes"] - 1
+        per_prompt.append(m["decode_tokens_per_s"])
+    del llm
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return {"decode_tokens": tokens, "decode_seconds": round(seconds, 4),
+            "decode_tokens_per_s": round(tokens / seconds, 2) if seconds else 0.0,
+            "per_prompt_tokens_per_s": {"median": round(statistics.median(per_prompt), 2), "min": min(per_prompt),
+                                        "max": max(per_prompt)},
+            "tokens_per_target_pass": round(tokens / passes, 3) if passes else 1.0, "outputs": outputs}
+
+
+def render(report: dict) -> str:
+    lines = [f"# Decode speed at batch 1 on {report['device_name']} ({report['date']})", "",
+             f"Model `{report['model']}`, {report['dtype']}, greedy, {report['num_prompts']} prompts, "
+             f"up to {report['max_tokens']} new tokens; torch {report['torch']}.", "",
+             "| method | decode tok/s | vs plain | per-prompt tok/s median (min-max) | tokens/target pass | "
+             "outputs equal to plain |", "|---|---|---|---|---|---|"]
+    base = report["results"].get("plain", {}).get("decode_tokens_per_s")
+    for name, r in report["results"].items():
+        if "error" in r:
+            lines.append(f"| {name} | error: {r['error']} | | | | |")
+            continue
+        pp = r["per_prompt_tokens_per_s"]
+        ratio = f"{r['decode_tokens_per_s'] / base:.2f}x" if base else "-"
+        lines.append(f"| {name} | {r['decode_tokens_per_s']:.1f} | {ratio} | {pp['median']:.1f} "
+                     f"({pp['min']:.1f}-{pp['max']:.1f}) | {r['tokens_per_target_pass']:.2f} | {r['equal_to_plain']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--head", default=None, help="an EAGLE-3 head directory (default: none, eagle3 not run)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--prompts", type=Path, default=None)
+    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--budget-s", type=float, default=120.0, help="start no method after this long")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    from specdec.model.loader import resolve_device
+
+    device = resolve_device(args.device)
+    prompts = load_prompts(args.prompts, args.num_prompts)
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = {"model": args.model, "dtype": args.dtype, "device": device, "date": date.today().isoformat(),
+              "device_name": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+              "torch": torch.__version__, "num_prompts": len(prompts), "max_tokens": args.max_tokens, "results": {}}
+    t0, plain = time.perf_counter(), None
+    for name, config in methods(args.head).items():
+        if time.perf_counter() - t0 > args.budget_s:
+            report["results"][name] = {"error": "skipped: over the time budget"}
+            continue
+        try:
+            r = run_method(args.model, config, prompts, args.max_tokens, args.dtype, device)
+        except (RuntimeError, ConfigError, ValueError) as e:  # one method failing leaves the others' figures
+            report["results"][name] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        else:
+            outputs = r.pop("outputs")
+            plain = outputs if name == "plain" else plain
+            r["equal_to_plain"] = (f"{sum(a == b for a, b in zip(outputs, plain))}/{len(outputs)}"
+                                   if plain is not None else "-")
+            report["results"][name] = r
+        print(name, json.dumps(report["results"][name]), flush=True)
+        (args.out / "gpu_speed.json").write_text(json.dumps(report, indent=2))
+        (args.out / "gpu_speed.md").write_text(render(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

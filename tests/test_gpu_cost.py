@@ -1,0 +1,44 @@
+"""The GPU cost probe's CPU test mode (--tiny): report structure, positive timings, budget skipping."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from specdec.bench.gpu_cost import main
+
+
+def test_tiny_report(tmp_path):
+    threads = torch.get_num_threads()
+    data = main(["--out", str(tmp_path), "--tiny", "--budget-s", "30"])
+    assert torch.get_num_threads() == threads  # the tiny mode's single thread is given back
+    saved = json.loads((tmp_path / "gpu_cost.json").read_text())
+    assert saved == json.loads(json.dumps(data))  # the last save holds everything measured
+    assert {"meta", "verify_cost", "gemm", "skipped", "errors"} <= set(saved)
+    assert {"torch", "device", "device_name", "date", "elapsed_s", "budget_s"} <= set(saved["meta"])
+    assert saved["skipped"] == [] and saved["errors"] == []
+
+    tiny = saved["verify_cost"]["tiny"]
+    assert tiny["prefix"] == 32 and tiny["prefill_ms"] > 0 and tiny["params_m"] > 0
+    assert [r["T"] for r in tiny["eager"]] == [1, 2, 4] and tiny["cuda_graph"] == []  # no graphs on a CPU
+    for r in tiny["eager"]:
+        assert 0 < r["ms_min"] <= r["ms_median"] <= r["ms_max"] and r["ratio"] > 0
+    assert tiny["eager"][0]["ratio"] == 1.0
+
+    bf16 = [g for g in saved["gemm"] if g["kind"] == "bf16"]
+    assert len(bf16) == 3 * 4  # three weight shapes, M = 1, 4, 8, 16
+    for g in bf16:
+        assert g["us_median"] > 0 and g["gb_s"] > 0 and g["rel_err"] == 0.0 and "error" not in g
+    others = [g for g in saved["gemm"] if g["kind"] != "bf16"]
+    assert others and all(g["error"] == "needs CUDA" for g in others)
+
+    md = (tmp_path / "gpu_cost.md").read_text()
+    for heading in ("# GPU cost probe", "## 1. Verify cost", "### tiny", "## 2. GEMMs", "## Skipped", "## Errors"):
+        assert heading in md
+    assert "| eager | 1 |" in md and "| 256 | 512 | 16 | bf16 |" in md
+
+
+def test_budget_spent_skips_everything(tmp_path):
+    data = main(["--out", str(tmp_path), "--tiny", "--budget-s", "0"])
+    assert data["skipped"] == ["tiny", "gemm"] and data["verify_cost"] == {} and data["gemm"] == []
+    assert "tiny, gemm" in (tmp_path / "gpu_cost.md").read_text()
