@@ -42,3 +42,21 @@ def test_budget_spent_skips_everything(tmp_path):
     data = main(["--out", str(tmp_path), "--tiny", "--budget-s", "0"])
     assert data["skipped"] == ["tiny", "gemm"] and data["verify_cost"] == {} and data["gemm"] == []
     assert "tiny, gemm" in (tmp_path / "gpu_cost.md").read_text()
+
+
+def test_gpu_speed_on_the_cpu(tiny_dir, tmp_path):
+    """gpu_speed runs on any device: plain and n-gram over the same prompts, the profile of plain decoding,
+    and on the CPU (batch-invariant kernels) every speculative output equal to plain decoding's."""
+    from specdec.bench.gpu_speed import main as speed
+
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(["the the the the the", "one two one two one two"]))
+    out = tmp_path / "out"
+    assert speed(["--model", str(tiny_dir("llama")), "--device", "cpu", "--dtype", "float32", "--prompts",
+                  str(prompts), "--max-tokens", "12", "--profile", "6", "--out", str(out)]) == 0
+    report = json.loads((out / "gpu_speed.json").read_text())
+    assert set(report["results"]) == {"plain", "ngram k4"}  # no head given: no eagle3 rows
+    for r in report["results"].values():
+        assert r["equal_to_plain"] == "2/2" and r["decode_tokens"] > 0 and r["decode_tokens_per_s"] > 0
+    assert "| ngram k4 |" in (out / "gpu_speed.md").read_text()
+    assert "plain decoding, 6 tokens" in (out / "gpu_profile.txt").read_text()

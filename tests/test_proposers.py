@@ -418,3 +418,19 @@ def test_model_drafters_start_from_the_previous_requests_estimates(tiny_dir, met
     assert second is not first
     assert (second.probes.interval == 128) == carried
     assert (second.acceptance < 0.3) == carried
+
+
+def test_speculation_off_the_cpu_says_it_is_not_batch_invariant():
+    """Bitwise equality with plain decoding is a CPU-kernel property: on another device the proposer
+    registry warns (a meta-device stand-in for CUDA), and on the CPU it does not."""
+    import warnings
+    from types import SimpleNamespace
+
+    from specdec.spec.proposer import ProposerContext, make_proposer
+
+    cfg = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3})
+    with pytest.warns(RuntimeWarning, match="not batch-invariant"):
+        make_proposer(ProposerContext(SimpleNamespace(device=torch.device("meta")), None, cfg))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make_proposer(ProposerContext(SimpleNamespace(device=torch.device("cpu")), None, cfg))

@@ -234,3 +234,19 @@ def test_max_seconds_fits_the_schedule_to_the_budget(dataset, tmp_path):
     assert t.total_steps == planned == 240
     t.run()
     assert t.step == t.total_steps == 10  # cut at the first fit, after ten steps
+
+    class Bar:  # tqdm's two members that the fit touches
+        total = 0
+
+        def refresh(self):
+            pass
+
+    fit = Trainer(TrainSpec(out=str(tmp_path / "fit"), max_seconds=20.0, **kw), target, progress=False)
+    fit.step = 10
+    fit._fit_budget(0, 10.0, Bar())  # 1 s a step (a slow start): 10 s left, 10 more steps
+    assert fit.total_steps == 20
+    fit.step = 20
+    fit._fit_budget(0, 12.0, Bar())  # 0.6 s a step since: 8 s left, 13 more; raised again
+    assert fit.total_steps == 33
+    fit._fit_budget(0, 0.02, Bar())  # a pace that would allow thousands: the planned steps
+    assert fit.total_steps == planned

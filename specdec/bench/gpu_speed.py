@@ -10,7 +10,9 @@ prompts' tokens over all their decode time), its ratio to plain, tokens per targ
 outputs equal plain decoding's token for token (on a GPU in bf16 a verify pass over k tokens need not
 sum in the order of a one-token pass, so an early tie can flip: the count says how often it did).
 Results are rewritten after every method (`gpu_speed.json`, `gpu_speed.md`), so a time box that ends
-the run early still leaves what was measured.
+the run early still leaves what was measured. `--profile N` first profiles N tokens of plain decoding
+(`gpu_profile.txt`: the Python functions by cumulative time, then torch's operators by CPU and device
+time), to find where a step goes besides the model's kernels.
 """
 from __future__ import annotations
 
@@ -74,6 +76,38 @@ def run_method(model: str, config: dict | None, prompts: list[str], max_tokens: 
             "tokens_per_target_pass": round(tokens / passes, 3) if passes else 1.0, "outputs": outputs}
 
 
+def profile_plain(model: str, prompt: str, max_tokens: int, dtype: str, device: str, path: Path) -> None:
+    """cProfile and torch.profiler over one plain request (after a warm-up one); top rows of each."""
+    import cProfile
+    import io
+    import pstats
+
+    from specdec.llm import LLM
+    from specdec.sampling_params import SamplingParams
+
+    llm = LLM(model, dtype=dtype, device=device, progress=False)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    chat = [{"role": "user", "content": prompt}]
+    llm.chat(chat, params)
+    prof = cProfile.Profile()
+    prof.enable()
+    out = llm.chat(chat, params)[0].outputs[0]
+    prof.disable()
+    text = io.StringIO()
+    text.write(f"plain decoding, {len(out.token_ids)} tokens, {out.metrics['decode_tokens_per_s']} tok/s\n\n")
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(30)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.startswith("cuda"):
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as tp:
+        llm.chat(chat, params)
+    sort = "cuda_time_total" if device.startswith("cuda") else "cpu_time_total"
+    text.write(tp.key_averages().table(sort_by="cpu_time_total", row_limit=30) + "\n")
+    if sort != "cpu_time_total":
+        text.write(tp.key_averages().table(sort_by=sort, row_limit=20) + "\n")
+    path.write_text(text.getvalue())
+
+
 def render(report: dict) -> str:
     lines = [f"# Decode speed at batch 1 on {report['device_name']} ({report['date']})", "",
              f"Model `{report['model']}`, {report['dtype']}, greedy, {report['num_prompts']} prompts, "
@@ -102,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--budget-s", type=float, default=120.0, help="start no method after this long")
+    ap.add_argument("--profile", type=int, default=0, metavar="N", help="first profile N tokens of plain decoding")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     from specdec.model.loader import resolve_device
@@ -112,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {"model": args.model, "dtype": args.dtype, "device": device, "date": date.today().isoformat(),
               "device_name": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
               "torch": torch.__version__, "num_prompts": len(prompts), "max_tokens": args.max_tokens, "results": {}}
+    if args.profile:
+        profile_plain(args.model, prompts[0], args.profile, args.dtype, device, args.out / "gpu_profile.txt")
     t0, plain = time.perf_counter(), None
     for name, config in methods(args.head).items():
         if time.perf_counter() - t0 > args.budget_s:
