@@ -170,3 +170,28 @@ def test_drafting_path_equals_the_training_path(tiny, tmp_path, kind, saved):
     train2, draft2 = both()
     assert not torch.allclose(train2, train, atol=1e-3)
     torch.testing.assert_close(draft2, train2, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_serving_engine_with_a_prefix_cache_hit(tiny, tmp_path, kind):
+    """In the serving engine a prompt whose first blocks are in the prefix cache is computed only from
+    there on: the head gets features for that suffix alone and must place them at their positions (it
+    raised a shape error in the server before). Every output equals plain decoding, blocks all freed."""
+    from specdec.engine.engine import Engine, EngineConfig, EngineRequest
+    from specdec.llm import LLM
+    from tests.test_engine_batching import reference, run
+
+    d, plain = tiny
+    head = random_head(plain.model, kind, tmp_path / "head", draft_vocab=512 if kind == "eagle3" else 0)
+    config = {"method": kind, "model": str(head), "num_speculative_tokens": 3, "adaptive": False}
+    spec = LLM(str(d), dtype="float32", progress=False, speculative_config=config)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    shared = plain.tokenizer.encode("A long shared system prompt: 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16.")
+    prompts = [shared + plain.tokenizer.encode(t) for t in (" First question?", " Second one, longer?")]
+    engine = Engine(spec, EngineConfig(max_num_seqs=2, max_num_batched_tokens=64, block_size=8))
+    res = run(engine, [EngineRequest("a", prompts[0], params)])  # fills the prefix cache
+    res.update(run(engine, [EngineRequest("b", prompts[1], params), EngineRequest("c", prompts[0], params)]))
+    assert engine.stats().prefix_hits >= 2 * 2  # b and c each found the two shared blocks cached
+    for rid, ids in (("a", prompts[0]), ("b", prompts[1]), ("c", prompts[0])):
+        assert res[(rid, 0)]["ids"] == reference(plain, ids, params)[0].token_ids, rid
+        assert res[(rid, 0)]["out"].metrics.num_drafts > 0

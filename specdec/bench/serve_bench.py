@@ -97,6 +97,8 @@ async def _one(client, url: str, prompt: str, max_tokens: int) -> dict:
             if not line.startswith("data:") or line.strip() == "data: [DONE]":
                 continue
             chunk = json.loads(line[5:])
+            if "error" in chunk:  # the server ended the stream with an error object
+                return {"error": f"in stream: {json.dumps(chunk['error'])[:200]}"}
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
                 spec = (chunk.get("metrics") or {}).get("speculative_decoding")

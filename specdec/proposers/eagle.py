@@ -102,9 +102,11 @@ class _EagleBase(Proposer):
         committed = min(n + state.params.max_tokens, self.ctx.max_len)
         speculative = max(self.budget, self.num_steps * self.topk) + 2
         st["cache"] = DraftKV(self.head.cfg, committed + speculative, self.ctx.dtype)
+        feats = self._features(prefill.forward, prefill.accepted_rows)  # [m, .]: the prompt's last m positions
+        m = feats.shape[0]  # m < n where the serving engine's prefix cache held the first n - m (not computed)
         st["len"] = 0
-        st["offset"] = 0  # position of the cache's row 0 (rows before the first draft's window were skipped)
-        st["pending"] = [(self._features(prefill.forward, prefill.accepted_rows), state.token_ids[1:n + 1])]
+        st["offset"] = n - m  # position of the cache's row 0 (rows before the first draft's window are skipped)
+        st["pending"] = [(feats, state.token_ids[n - m + 1:n + 1])]
 
     @torch.inference_mode()
     def on_verified(self, state: RequestState, proposal: Proposal, num_accepted: int,
@@ -125,7 +127,8 @@ class _EagleBase(Proposer):
             pending.clear()
             skip = len(tokens) - PROMPT_WINDOW if state.draft["len"] == 0 else 0
             if skip > 0:  # the first digest: only the newest PROMPT_WINDOW rows
-                feats, tokens, state.draft["offset"] = feats[skip:], tokens[skip:], skip
+                feats, tokens = feats[skip:], tokens[skip:]
+                state.draft["offset"] += skip
             self._commit(state, feats, tokens)
 
     # -- drafting -------------------------------------------------------------------------------
