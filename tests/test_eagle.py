@@ -91,7 +91,7 @@ def test_incremental_draft_matches_training_unroll(tiny, tmp_path, kind):
     state.output_ids = [tokens[n]]
     prop.begin(state, TargetOutput(fwd, list(range(n))))
     with torch.inference_mode():
-        prop._flush(state)  # the head digests queued features when it next drafts
+        prop._flush([state])  # the head digests queued features when it next drafts
     hidden = fwd.hidden[:, :N - 1]
     aux = torch.cat([fwd.layer_hidden[l][:, :N - 1] for l in prop.feature_layers], -1) if kind == "eagle3" else None
     with torch.inference_mode():
@@ -118,9 +118,9 @@ def test_first_digest_keeps_the_newest_prompt_rows_at_their_positions(tiny, tmp_
     commits = []
     original = eagle._EagleBase._commit
 
-    def record(self, state, feats, next_tokens):
-        commits.append((state.draft["offset"], state.draft["len"], len(next_tokens)))
-        original(self, state, feats, next_tokens)
+    def record(self, work):
+        commits.extend((state.draft["offset"], state.draft["len"], len(next_tokens)) for state, _, next_tokens in work)
+        original(self, work)
 
     monkeypatch.setattr(eagle._EagleBase, "_commit", record)
     d, plain = tiny
@@ -195,3 +195,50 @@ def test_serving_engine_with_a_prefix_cache_hit(tiny, tmp_path, kind):
     for rid, ids in (("a", prompts[0]), ("b", prompts[1]), ("c", prompts[0])):
         assert res[(rid, 0)]["ids"] == reference(plain, ids, params)[0].token_ids, rid
         assert res[(rid, 0)]["out"].metrics.num_drafts > 0
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_engine_rows_draft_together_as_each_would_alone(tiny, tmp_path, kind, monkeypatch):
+    """The serving engine's greedy rows digest and draft in one head pass per depth (forward_rows over
+    several rows), and each row drafts exactly what it drafts alone: the same sequence of proposals per
+    request as in the single-request decoder (k fixed), and outputs equal to plain decoding."""
+    from collections import defaultdict
+
+    from specdec.engine.engine import Engine, EngineConfig, EngineRequest
+    from specdec.llm import LLM
+    from specdec.proposers import eagle
+    from specdec.proposers.heads import EagleHead
+    from tests.test_engine_batching import reference, run
+
+    d, plain = tiny
+    head = random_head(plain.model, kind, tmp_path / "head", draft_vocab=512 if kind == "eagle3" else 0, seed=4)
+    spec = LLM(str(d), dtype="float32", progress=False,
+               speculative_config={"method": kind, "model": str(head), "num_speculative_tokens": 3, "adaptive": False})
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    texts = ["Hello there, 1 2 3 4", "The cat sat on the mat, the cat", "a b c a b c a b", "Counting: 7 8 9 10 11"]
+    reqs = [EngineRequest(str(i), plain.tokenizer.encode(t), params) for i, t in enumerate(texts)]
+    drafts, widths = defaultdict(list), []
+    propose_batch, forward_rows = eagle._EagleBase.propose_batch, EagleHead.forward_rows
+
+    def log_drafts(self, states, ks):
+        out = propose_batch(self, states, ks)
+        for state, proposal in zip(states, out):
+            drafts[tuple(state.prompt_ids)].append(tuple(proposal.tokens))
+        return out
+
+    def log_width(self, embeds, hidden, positions, caches, sizes):
+        widths.append(len(sizes))
+        return forward_rows(self, embeds, hidden, positions, caches, sizes)
+
+    monkeypatch.setattr(eagle._EagleBase, "propose_batch", log_drafts)
+    monkeypatch.setattr(EagleHead, "forward_rows", log_width)
+    for r in reqs:
+        spec.generate_one(r.prompt_ids, params)
+    alone, widths[:] = dict(drafts), []
+    drafts.clear()
+    res = run(Engine(spec, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, block_size=8)), reqs)
+    assert max(widths) == 4  # four rows in one head pass
+    for r in reqs:
+        assert res[(r.request_id, 0)]["ids"] == reference(plain, r.prompt_ids, params)[0].token_ids, r.request_id
+        assert drafts[tuple(r.prompt_ids)] == alone[tuple(r.prompt_ids)], r.request_id
+        assert sum(len(t) for t in alone[tuple(r.prompt_ids)]) > 0

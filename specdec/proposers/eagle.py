@@ -82,16 +82,24 @@ class _EagleBase(Proposer):
             return torch.cat([fwd.layer_hidden[l][0, rows] for l in self.feature_layers], dim=-1)
         return fwd.hidden[0, rows]
 
-    def _commit(self, state: RequestState, feats: torch.Tensor, next_tokens: list[int]) -> None:
-        st = state.draft
-        cache: DraftKV = st["cache"]
-        cache.length = st["len"]  # forget the speculative rows of the last proposal
-        n = len(next_tokens)
-        emb = self.embed(torch.tensor(next_tokens))[None]  # [1, n, H]
-        hidden = self.head.fuse(feats[None].to(emb.dtype), emb)
-        pos = st["offset"] + torch.arange(st["len"], st["len"] + n)[None]
-        out = self.head.forward_layer(emb, hidden, pos, cache)
-        st["len"], st["g"] = cache.length, out[:, -1:]
+    def _commit(self, work: list[tuple[RequestState, torch.Tensor, list[int]]]) -> None:
+        """Run each row's (state, features [n, .], next tokens [n]) through the head, all rows in one pass:
+        row i's cache grows by its n_i rows and its g becomes the output at its last one."""
+        caches: list[DraftKV] = []
+        positions = []
+        for state, _, next_tokens in work:
+            st = state.draft
+            st["cache"].length = st["len"]  # forget the speculative rows of the last proposal
+            caches.append(st["cache"])
+            positions.append(st["offset"] + torch.arange(st["len"], st["len"] + len(next_tokens)))
+        sizes = [len(t) for _, _, t in work]
+        emb = self.embed(torch.tensor([t for _, _, toks in work for t in toks]))[None]  # [1, N, H]
+        feats = torch.cat([f for _, f, _ in work])[None].to(emb.dtype)  # [1, N, H or 3H]
+        out = self.head.forward_rows(emb, self.head.fuse(feats, emb), torch.cat(positions)[None], caches, sizes)
+        end = 0
+        for (state, _, _), cache, n in zip(work, caches, sizes):
+            end += n
+            state.draft["len"], state.draft["g"] = cache.length, out[:, end - 1:end]
 
     @torch.inference_mode()
     def begin(self, state: RequestState, prefill: TargetOutput | None = None) -> None:
@@ -119,9 +127,13 @@ class _EagleBase(Proposer):
             return  # the request stopped inside the block: it ends here
         state.draft["pending"].append((self._features(target.forward, rows), nxt))
 
-    def _flush(self, state: RequestState) -> None:
-        pending = state.draft.get("pending")
-        if pending:
+    def _flush(self, states: list[RequestState]) -> None:
+        """Digest the rows the target accepted since each request last drafted (one head pass for all)."""
+        work = []
+        for state in states:
+            pending = state.draft.get("pending")
+            if not pending:
+                continue
             feats = torch.cat([f for f, _ in pending])  # [n, H] or [n, 3H]
             tokens = [t for _, toks in pending for t in toks]
             pending.clear()
@@ -129,7 +141,9 @@ class _EagleBase(Proposer):
             if skip > 0:  # the first digest: only the newest PROMPT_WINDOW rows
                 feats, tokens = feats[skip:], tokens[skip:]
                 state.draft["offset"] += skip
-            self._commit(state, feats, tokens)
+            work.append((state, feats, tokens))
+        if work:
+            self._commit(work)
 
     # -- drafting -------------------------------------------------------------------------------
     def _logprobs(self, out: torch.Tensor) -> torch.Tensor:
@@ -145,15 +159,51 @@ class _EagleBase(Proposer):
 
     @torch.inference_mode()
     def propose(self, state: RequestState, k: int) -> Proposal:
-        if "cache" not in state.draft:
-            return EMPTY
-        self._flush(state)
-        state.draft["cache"].length = state.draft["len"]
-        if self.topk == 1 or min(k, self.budget) <= 1:
-            return self._chain(state, min(k, self.num_steps))
-        return self._tree(state, min(k, self.budget))
+        return self.propose_batch([state], [k])[0]
 
-    def _chain(self, state: RequestState, k: int) -> Proposal:
+    @torch.inference_mode()
+    def propose_batch(self, states: list[RequestState], ks: list[int]) -> list[Proposal]:
+        """The serving engine's rows: their queued rows digested in one head pass, and greedy chains
+        drafted together, one pass per depth; trees and sampled chains row by row. With the
+        batch-invariant kernels each row's proposal is what it would be alone (tested)."""
+        ready = [i for i, s in enumerate(states) if "cache" in s.draft and ks[i] > 0]
+        self._flush([states[i] for i in ready])
+        proposals, chains = [EMPTY] * len(states), []
+        for i in ready:
+            state, k = states[i], ks[i]
+            state.draft["cache"].length = state.draft["len"]
+            if self.topk > 1 and min(k, self.budget) > 1:
+                proposals[i] = self._tree(state, min(k, self.budget))
+            elif state.params.greedy:
+                chains.append(i)
+            else:
+                proposals[i] = self._sampled_chain(state, min(k, self.num_steps))
+        if chains:
+            drafted = self._greedy_chains([states[i] for i in chains], [min(ks[i], self.num_steps) for i in chains])
+            for i, p in zip(chains, drafted):
+                proposals[i] = p
+        return proposals
+
+    def _greedy_chains(self, states: list[RequestState], ks: list[int]) -> list[Proposal]:
+        """Row i drafts ks[i] tokens; each depth forwards the rows still drafting in one pass."""
+        g = torch.cat([s.draft["g"][0] for s in states])  # [B, H]
+        tokens: list[list[int]] = [[] for _ in states]
+        live = list(range(len(states)))
+        for d in range(1, max(ks) + 1):
+            best = argmax(self.head.logits(g, self.lm_head).float())  # [len(live)] draft ids
+            for j, i in enumerate(live):
+                tokens[i].append(int(self.draft_ids[int(best[j])]))
+            keep = [j for j, i in enumerate(live) if d < ks[i]]
+            if not keep:
+                break
+            live = [live[j] for j in keep]
+            emb = self.embed(torch.tensor([tokens[i][-1] for i in live]))[None]  # [1, m, H]
+            pos = torch.tensor([states[i].draft["offset"] + states[i].draft["len"] + d - 1 for i in live])[None]
+            g = self.head.forward_rows(emb, self.head.step_input(emb, g[keep][None]), pos,
+                                       [states[i].draft["cache"] for i in live], [1] * len(live))[0]
+        return [Proposal(t, None) for t in tokens]
+
+    def _sampled_chain(self, state: RequestState, k: int) -> Proposal:
         params, g = state.params, state.draft["g"][0]  # [1, H]
         tokens, probs = [], []
         for d in range(1, k + 1):

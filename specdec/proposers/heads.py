@@ -88,7 +88,10 @@ class _Attention(torch.nn.Module):
 
     def attend(self, q, k, v, mask):
         # k, v: [B, Hkv, S, D]; mask [T, S] bool -> [B, T, H]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return self.project(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True))
+
+    def project(self, out):
+        # out [B, Hq, T, D] -> o_proj -> [B, T, H]
         B, _, T, _ = out.shape
         return linear(out.transpose(1, 2).reshape(B, T, -1), stacked_weight(self, ("o_proj",)))
 
@@ -257,6 +260,25 @@ class EagleHead(torch.nn.Module):
             S, T = k.shape[2], q.shape[2]
             mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
         return layer.finish(residual, layer.self_attn.attend(q, k, v, mask))
+
+    def forward_rows(self, embeds, hidden, positions, caches: list["DraftKV"], sizes: list[int]):
+        """Several requests' new tokens in one pass (the serving engine's rows): embeds, hidden [1, N, H]
+        with row i's sizes[i] tokens back to back, positions [1, N]. The linears run over all N at once,
+        attention row by row over each row's own cache (causal among its new tokens); with the
+        batch-invariant kernels every row's output is what forward_layer gives it alone. -> [1, N, H]"""
+        layer = self.layer
+        x, residual = layer.attn_input(embeds, hidden)
+        cos, sin = self.rotary(positions, x.dtype)
+        q, k, v = layer.self_attn.qkv(x, cos, sin)  # [1, Hq|Hkv, N, D]
+        outs, start = [], 0
+        for cache, n in zip(caches, sizes):
+            rows = slice(start, start + n)
+            kc, vc = cache.append(k[:, :, rows], v[:, :, rows])
+            S = kc.shape[2]
+            mask = None if n == 1 else torch.ones(n, S, dtype=torch.bool, device=q.device).tril(S - n)
+            outs.append(F.scaled_dot_product_attention(q[:, :, rows], kc, vc, attn_mask=mask, enable_gqa=True))
+            start += n
+        return layer.finish(residual, layer.self_attn.project(torch.cat(outs, dim=2)))
 
     def logits(self, out: torch.Tensor, target_lm_head: torch.Tensor | None = None) -> torch.Tensor:
         """[.., H] -> [.., Vd] draft-vocabulary logits (eagle: rows of the target LM head)."""
