@@ -275,7 +275,9 @@ class Speculation:
             t0 = time.perf_counter()
             states, row_ks = [seqs[i].state for i in rows], [ks[i] for i in rows]
             drafted = (proposer.propose_batch if whole else proposer.propose_model_batch)(states, row_ks)
-            if proposer.draft_cost_per_token > 0:  # it costs its drafting itself (lookups leave 0)
+            # a model drafter's time is costed apart (draft_cost_per_token; its one-off prompt catch-up, before
+            # it has a measured cost, nowhere): not step overhead. A lookup's stays there (it costs ~0)
+            if proposer.has_model_drafter or proposer.draft_cost_per_token > 0:
                 self.propose_seconds += time.perf_counter() - t0
             for i, p in zip(rows, drafted):
                 proposals[i] = self._fit(seqs[i], p, ks[i])

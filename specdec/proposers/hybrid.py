@@ -56,6 +56,10 @@ class HybridProposer(Proposer):
         return self.model.draft_cost_per_token
 
     @property
+    def carries_estimates(self) -> bool:
+        return self.model.carries_estimates
+
+    @property
     def acceptance_prior(self) -> float:
         return self.model.acceptance_prior
 

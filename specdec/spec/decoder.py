@@ -185,10 +185,11 @@ class SpeculativeDecoder:
         if self.proposer is not None and not self.config.fixed_k and self.config.adaptive:
             if not self.cost.profiled:
                 self.cost.profile(self.target)
-            # a model drafter starts from the previous request's estimates; a lookup drafter (no
-            # per-token cost: a miss costs one verify column) starts fresh, as its acceptance swings
-            # the most between requests (a translation copies its source, an answer on a document may not)
-            previous = self.last_adaptive if self.proposer.draft_cost_per_token > 0 else None
+            # a draft model starts from the previous request's estimates; a lookup drafter (no per-token
+            # cost: a miss costs one verify column) and a learned head start fresh, as their acceptance
+            # swings between requests (a translation copies its source, an answer on a document may not)
+            carry = self.proposer.draft_cost_per_token > 0 and self.proposer.carries_estimates
+            previous = self.last_adaptive if carry else None
             adaptive = AdaptiveK(self.k_max, self.cost, previous=previous, prior=self.proposer.acceptance_prior,
                                  tree_shares=self.proposer.tree_shares(), prompt_len=len(prompt_ids))
             self.last_adaptive = adaptive

@@ -102,6 +102,9 @@ class Proposer(ABC):
     feature_layers: ClassVar[tuple[int, ...]] = ()  # target layers whose hidden states this proposer reads
     draft_cost_per_token: float = 0.0  # seconds per drafted token, measured; 0 for lookup drafters
     has_model_drafter: ClassVar[bool] = True  # False: a lookup alone (n-gram, suffix), free to ask
+    # whether a request's adaptive k may start from the previous request's estimates (a draft model with a
+    # measured cost: its acceptance holds across requests); False: a head, whose acceptance swings with the content
+    carries_estimates: ClassVar[bool] = True
     acceptance_prior: float = 0.6  # per-token acceptance adaptive k assumes before a request's first step
 
     def __init__(self, ctx: ProposerContext):
