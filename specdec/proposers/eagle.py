@@ -81,9 +81,11 @@ class _EagleBase(Proposer):
     # -- target features -> committed draft rows -------------------------------------------------
     def _features(self, fwd, rows: list[int]) -> torch.Tensor:
         """[n, H] (eagle) or [n, 3H] (eagle3) target features of the given input rows."""
-        if self.kind == "eagle3":
+        if rows and rows == list(range(rows[0], rows[0] + len(rows))):  # consecutive (but a tree's paths): no
+            rows = slice(rows[0], rows[0] + len(rows))  # gather (22 -> 6.5 us a row, queued on every engine step)
+        if self.kind == "eagle3":  # cat copies: nothing queued aliases the forward's buffers
             return torch.cat([fwd.layer_hidden[l][0, rows] for l in self.feature_layers], dim=-1)
-        return fwd.hidden[0, rows]
+        return fwd.hidden[0, rows].clone()
 
     def _commit(self, work: list[tuple[RequestState, torch.Tensor, list[int]]]) -> None:
         """Run each row's (state, features [n, .], next tokens [n]) through the head, all rows in one pass:
