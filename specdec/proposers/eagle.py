@@ -64,7 +64,8 @@ class _EagleBase(Proposer):
         super().__init__(ctx)
         cfg = ctx.config
         path = Path(cfg.model) if cfg.model else default_head(self.kind, ctx.target.config)
-        self.head = load_head(path, ctx.dtype)
+        self.device = ctx.target.device  # the head, its cache and every index live with the target
+        self.head = load_head(path, ctx.dtype).to(self.device)
         if self.head.cfg.kind != self.kind:
             raise ConfigError(f"{path} is a {self.head.cfg.kind} head, not {self.kind}")
         tc = ctx.target.config
@@ -96,9 +97,9 @@ class _EagleBase(Proposer):
             st = state.draft
             st["cache"].length = st["len"]  # forget the speculative rows of the last proposal
             caches.append(st["cache"])
-            positions.append(st["offset"] + torch.arange(st["len"], st["len"] + len(next_tokens)))
+            positions.append(st["offset"] + torch.arange(st["len"], st["len"] + len(next_tokens), device=self.device))
         sizes = [len(t) for _, _, t in work]
-        emb = self.embed(torch.tensor([t for _, _, toks in work for t in toks]))[None]  # [1, N, H]
+        emb = self.embed(torch.tensor([t for _, _, toks in work for t in toks], device=self.device))[None]  # [1, N, H]
         feats = torch.cat([f for _, f, _ in work])[None].to(emb.dtype)  # [1, N, H or 3H]
         out = self.head.forward_rows(emb, self.head.fuse(feats, emb), torch.cat(positions)[None], caches, sizes)
         end = 0
@@ -114,7 +115,7 @@ class _EagleBase(Proposer):
         # a chain's, or the tree's frontier forwards (<= topk per depth); sized by the request, not the context
         committed = min(n + state.params.max_tokens, self.ctx.max_len)
         speculative = max(self.budget, self.num_steps * self.topk) + 2
-        st["cache"] = DraftKV(self.head.cfg, committed + speculative, self.ctx.dtype)
+        st["cache"] = DraftKV(self.head.cfg, committed + speculative, self.ctx.dtype, self.device)
         feats = self._features(prefill.forward, prefill.accepted_rows)  # [m, .]: the prompt's last m positions
         m = feats.shape[0]  # m < n where the serving engine's prefix cache held the first n - m (not computed)
         st["len"] = 0
@@ -157,9 +158,9 @@ class _EagleBase(Proposer):
     def _forward_nodes(self, state, tokens: list[int], parent_out: torch.Tensor, depths: list[int],
                        mask: torch.Tensor | None) -> torch.Tensor:
         """tokens: target ids of the nodes; parent_out [m, H]; returns their outputs [m, H]."""
-        emb = self.embed(torch.tensor(tokens))[None]  # [1, m, H]
+        emb = self.embed(torch.tensor(tokens, device=self.device))[None]  # [1, m, H]
         hidden = self.head.step_input(emb, parent_out[None])
-        pos = (state.draft["offset"] + state.draft["len"] + torch.tensor(depths) - 1)[None]
+        pos = (state.draft["offset"] + state.draft["len"] + torch.tensor(depths, device=self.device) - 1)[None]
         return self.head.forward_layer(emb, hidden, pos, state.draft["cache"], mask)[0]
 
     @torch.inference_mode()
@@ -206,8 +207,9 @@ class _EagleBase(Proposer):
             if not keep:
                 break
             live = [live[j] for j in keep]
-            emb = self.embed(torch.tensor([tokens[i][-1] for i in live]))[None]  # [1, m, H]
-            pos = torch.tensor([states[i].draft["offset"] + states[i].draft["len"] + d - 1 for i in live])[None]
+            emb = self.embed(torch.tensor([tokens[i][-1] for i in live], device=self.device))[None]  # [1, m, H]
+            pos = torch.tensor([states[i].draft["offset"] + states[i].draft["len"] + d - 1 for i in live],
+                               device=self.device)[None]
             g = self.head.forward_rows(emb, self.head.step_input(emb, g[keep][None]), pos,
                                        [states[i].draft["cache"] for i in live], [1] * len(live))[0]
         return [Proposal(t, None) for t in tokens]
@@ -220,7 +222,7 @@ class _EagleBase(Proposer):
             if params.greedy:
                 tok = int(self.draft_ids[int(argmax(logits))])
             else:  # q over the full vocabulary, warped exactly as the target's p
-                full = torch.full((self.ctx.target.config.vocab_size,), float("-inf"))
+                full = torch.full((self.ctx.target.config.vocab_size,), float("-inf"), device=self.device)
                 full[self.draft_ids] = logits
                 q = warp(full[None], params)[0]
                 tok = sample(q, state.generator)
@@ -241,7 +243,7 @@ class _EagleBase(Proposer):
         for depth in range(2, self.num_steps + 1):
             # forward the frontier: each row sees the prefix, its forwarded ancestors and itself
             m, base = len(frontier), state.draft["cache"].length
-            mask = torch.zeros(m, base + m, dtype=torch.bool)
+            mask = torch.zeros(m, base + m, dtype=torch.bool, device=self.device)
             mask[:, :c] = True
             for i, nd in enumerate(frontier):
                 a = par[nd]
@@ -255,7 +257,8 @@ class _EagleBase(Proposer):
             for i, nd in enumerate(frontier):
                 outs[nd] = out[i]
             lp = self._logprobs(out)  # [m, Vd]
-            cand = (torch.tensor([val[n] for n in frontier])[:, None] + lp).topk(K, dim=-1)  # [m, K]
+            scores = torch.tensor([val[n] for n in frontier], device=self.device)[:, None] + lp
+            cand = scores.topk(K, dim=-1)  # [m, K]
             new = []
             for i, nd in enumerate(frontier):
                 for v, j in zip(cand.values[i].tolist(), cand.indices[i].tolist()):

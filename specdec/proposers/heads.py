@@ -290,8 +290,8 @@ class EagleHead(torch.nn.Module):
 class DraftKV:
     """The drafter's own KV cache for one request: [1, Hkv, max_len, D]; `length` committed + speculative."""
 
-    def __init__(self, cfg: HeadConfig, max_len: int, dtype: torch.dtype):
-        self.k = torch.zeros(1, cfg.num_key_value_heads, max_len, cfg.head_dim, dtype=dtype)
+    def __init__(self, cfg: HeadConfig, max_len: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        self.k = torch.zeros(1, cfg.num_key_value_heads, max_len, cfg.head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.length = 0
 
