@@ -42,10 +42,8 @@ def methods(head: str | None) -> dict[str, dict | None]:
 
 def load_prompts(path: Path | None, n: int) -> list[str]:
     if path is not None:
-        prompts = json.loads(path.read_text())
-        if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
-            raise ConfigError(f"{path}: expected a JSON list of prompt strings")
-        return prompts[:n]
+        from specdec.train.data import read_prompts
+        return read_prompts(path)[:n]
     from specdec.bench.prompts import mtbench_questions
     return [q["turns"][0] for q in mtbench_questions()[:n]]
 

@@ -277,7 +277,7 @@ class Speculation:
             drafted = (proposer.propose_batch if whole else proposer.propose_model_batch)(states, row_ks)
             # a model drafter's time is costed apart (draft_cost_per_token; its one-off prompt catch-up, before
             # it has a measured cost, nowhere): not step overhead. A lookup's stays there (it costs ~0)
-            if proposer.has_model_drafter or proposer.draft_cost_per_token > 0:
+            if proposer.has_model_drafter:
                 self.propose_seconds += time.perf_counter() - t0
             for i, p in zip(rows, drafted):
                 proposals[i] = self._fit(seqs[i], p, ks[i])

@@ -77,21 +77,22 @@ class DataSpec:
 def candidate_prompts(tokenizer, spec: DataSpec) -> list[str]:
     """ShareGPT first turns (or the prompts file's), deduplicated, short enough once chat-formatted;
     in file order. A prompts file holds exactly this list, so the selection is the same from either."""
-    if spec.prompts_file:
-        return read_prompts(Path(spec.prompts_file))
+    return [text for text, _ in _candidates(tokenizer, spec)]
+
+
+def _candidates(tokenizer, spec: DataSpec) -> list[tuple[str, list[int]]]:
+    """candidate_prompts with their chat-formatted ids (each prompt tokenized once)."""
+    texts = read_prompts(Path(spec.prompts_file)) if spec.prompts_file else load_sharegpt_prompts(spec.scan)
     seen, picked = set(), []
-    for text in load_sharegpt_prompts(spec.scan):
+    for text in texts:
         if text in seen:
             continue
         seen.add(text)
-        if len(_chat_ids(tokenizer, text)) <= spec.max_prompt_tokens:
-            picked.append(text)
+        ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                             add_generation_prompt=True))
+        if len(ids) <= spec.max_prompt_tokens:
+            picked.append((text, ids))
     return picked
-
-
-def _chat_ids(tokenizer, text: str) -> list[int]:
-    return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                          add_generation_prompt=True))
 
 
 def write_prompts(path: Path, prompts: list[str]) -> None:
@@ -113,8 +114,7 @@ def read_prompts(path: Path) -> list[str]:
 
 def select_prompts(tokenizer, spec: DataSpec) -> tuple[list[list[int]], list[list[int]]]:
     """Chat-formatted prompt ids (train, held-out): short enough, deduplicated, shuffled by seed."""
-    picked = [ids for ids in (_chat_ids(tokenizer, t) for t in candidate_prompts(tokenizer, spec))
-              if len(ids) <= spec.max_prompt_tokens]
+    picked = [ids for _, ids in _candidates(tokenizer, spec)]
     random.Random(spec.seed).shuffle(picked)
     need = spec.num_prompts + spec.num_heldout
     if len(picked) < need:

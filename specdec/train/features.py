@@ -86,7 +86,7 @@ def read_split(directory: Path, limit: int | None = None) -> list[Shard.Sequence
 @torch.inference_mode()
 def compute_features(model, tokens: list[int], prompt_len: int, aux_layers: tuple[int, ...] = ()) -> Shard.Sequence:
     """Online mode: one target pass with our engine gives the same features as the shards."""
-    n, device = len(tokens), model.embed.weight.device
+    n, device = len(tokens), model.device
     cache = model.new_cache(n)
     out = model(torch.tensor([tokens], device=device), torch.arange(n, device=device)[None], cache, num_logits=1,
                 output_layers=aux_layers)

@@ -83,7 +83,7 @@ def _pad(seqs: list[Shard.Sequence], max_len: int, aux_layers: tuple[int, ...]):
 class Trainer:
     def __init__(self, spec: TrainSpec, target, progress: bool = True):
         self.spec, self.target, self.progress = spec, target, progress
-        self.device = target.embed.weight.device
+        self.device = target.device
         self.out = Path(spec.out)
         torch.manual_seed(spec.seed)
         meta = json.loads((Path(spec.data[0]) / "meta.json").read_text())
