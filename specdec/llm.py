@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.config import SpeculativeConfig
+from specdec.model.cuda_graph import GraphedModel
 from specdec.model.loader import DEFAULT_MODEL, load_model, resolve_device, resolve_dtype, resolve_model
 from specdec.model.tokenizer import Tokenizer
 from specdec.sampling_params import SamplingParams
@@ -50,9 +51,12 @@ def load_target(model: str, dtype, max_model_len: int | None, progress: bool = T
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, speculative_config: dict | SpeculativeConfig | None = None,
                  dtype: str | torch.dtype = "auto", max_model_len: int | None = None,
-                 num_threads: int | None = None, progress: bool = True, device: str = "auto"):
+                 num_threads: int | None = None, progress: bool = True, device: str = "auto",
+                 enforce_eager: bool = False):
         torch.set_num_threads(num_threads or os.cpu_count() or 1)
         self.source, self.model, self.tokenizer = load_target(model, dtype, max_model_len, progress, device)
+        if self.model.device.type == "cuda" and not enforce_eager and hasattr(self.model, "forward_static"):
+            self.model = GraphedModel(self.model)  # decode/verify passes replay CUDA graphs
         self.dtype = self.model.dtype  # the activations' (bf16 on a CPU stores weights in bf16, computes in fp32)
         self.load_dtype = resolve_dtype(dtype, str(self.model.device))  # what the weights were asked in
         self.speculative_config = SpeculativeConfig.from_dict(speculative_config)
@@ -123,7 +127,7 @@ class LLM:
 
 def _rounds_inputs(model) -> bool:
     """Whether the model's bf16 weights round their matmul inputs to bf16 (specdec/quant/bf16.py)."""
-    return any(getattr(m, "round_inputs", False) for m in model.modules())
+    return any(getattr(m, "round_inputs", False) for m in getattr(model, "model", model).modules())
 
 
 def _combined_metrics(runs: list) -> dict:

@@ -53,10 +53,22 @@ def test_gpu_speed_on_the_cpu(tiny_dir, tmp_path):
     prompts.write_text(json.dumps(["the the the the the", "one two one two one two"]))
     out = tmp_path / "out"
     assert speed(["--model", str(tiny_dir("llama")), "--device", "cpu", "--dtype", "float32", "--prompts",
-                  str(prompts), "--max-tokens", "12", "--profile", "6", "--out", str(out)]) == 0
+                  str(prompts), "--max-tokens", "12", "--profile", "6", "--eager-prompts", "1", "--out", str(out)]) == 0
     report = json.loads((out / "gpu_speed.json").read_text())
-    assert set(report["results"]) == {"plain", "ngram k4"}  # no head given: no eagle3 rows
-    for r in report["results"].values():
-        assert r["equal_to_plain"] == "2/2" and r["decode_tokens"] > 0 and r["decode_tokens_per_s"] > 0
+    # no head given: no eagle3 rows; on the CPU both modes run eagerly, the "(eager)" rows on one prompt
+    assert set(report["results"]) == {"plain", "ngram k4", "plain (eager)", "ngram k4 (eager)"}
+    for name, r in report["results"].items():
+        assert r["equal_to_plain"] == ("1/1" if "eager" in name else "2/2")
+        assert r["decode_tokens"] > 0 and r["decode_tokens_per_s"] > 0 and r["cuda_graphs"] is None
     assert "| ngram k4 |" in (out / "gpu_speed.md").read_text()
-    assert "plain decoding, 6 tokens" in (out / "gpu_profile.txt").read_text()
+    assert "plain decoding, eager: 6 tokens" in (out / "gpu_profile.txt").read_text()
+
+
+def test_gpu_host_probe_on_the_cpu(tmp_path):
+    """The host-cost probe runs anywhere; without CUDA it has only the launch row, a positive time."""
+    from specdec.bench.gpu_host import main as host
+
+    report = host(["--out", str(tmp_path), "--device", "cpu", "--repeats", "10"])
+    (name, row), = report["rows"].items()
+    assert name.startswith("launch") and 0 < row["us_min"] <= row["us_median"] <= row["us_max"]
+    assert "| launch" in (tmp_path / "gpu_host.md").read_text()

@@ -115,7 +115,8 @@ def test_init_from_a_trained_head_fine_tunes_it(dataset, tmp_path):
     for k, v in base.head.state_dict().items():
         assert torch.equal(v, tuned.head.state_dict()[k]), k
     assert tuned.step == 0 and tuned.history == []  # a new run: the schedule starts afresh
-    tuned.run()
+    tuned.run(evaluate=lambda t: {"probe": t.step})
+    assert tuned.history[0] == {"step": 0, "probe": 0}  # the head it starts from is measured first
     assert any(not torch.equal(v, tuned.head.state_dict()[k]) for k, v in base.head.state_dict().items())
     with pytest.raises(ConfigError, match="draft_vocab_size"):
         Trainer(TrainSpec(**{**spec.__dict__, "draft_vocab_size": 50, "init_from": str(head_dir)}), target,

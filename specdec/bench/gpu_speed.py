@@ -4,15 +4,18 @@
 
 One target at one dtype, greedy, batch 1, MT-bench first turns (or `--prompts FILE`, a JSON list of
 strings, for a machine without the MT-bench package). Methods run one after the other with a warm-up
-request each; every method decodes the same prompts. Speculation is not adaptive here (fixed k, fixed
-tree), so the figures are the methods' own. Reported per method: decode tokens per second (all
-prompts' tokens over all their decode time), its ratio to plain, tokens per target pass, and how many
+request each, in two modes on a GPU: eager (`enforce_eager`, the first `--eager-prompts` prompts, as
+eager decoding is slow there) and with CUDA graphs (model/cuda_graph.py, all prompts); each row is
+compared with plain decoding of its mode on the same prompts. Speculation is not adaptive here (fixed
+k, fixed tree), so the figures are the methods' own. Reported per method: decode tokens per second
+(all prompts' tokens over all their decode time), its ratio to plain, tokens per target pass, how many
 outputs equal plain decoding's token for token (on a GPU in bf16 a verify pass over k tokens need not
-sum in the order of a one-token pass, so an early tie can flip: the count says how often it did).
-Results are rewritten after every method (`gpu_speed.json`, `gpu_speed.md`), so a time box that ends
-the run early still leaves what was measured. `--profile N` first profiles N tokens of plain decoding
-(`gpu_profile.txt`: the Python functions by cumulative time, then torch's operators by CPU and device
-time), to find where a step goes besides the model's kernels.
+sum in the order of a one-token pass, so an early tie can flip: the count says how often it did), and
+the graphs' replay counts. Results are rewritten after every method (`gpu_speed.json`, `gpu_speed.md`),
+so a time box that ends the run early still leaves what was measured. `--profile N` first profiles N
+tokens of plain decoding, eager and graphed (`gpu_profile.txt`: the Python functions by cumulative and
+own time, then torch's operators by CPU and device time), to find where a step goes besides the
+model's kernels.
 """
 from __future__ import annotations
 
@@ -28,16 +31,28 @@ import torch
 from specdec.config import ConfigError
 
 
-def methods(head: str | None) -> dict[str, dict | None]:
-    """name -> speculative_config (None: plain decoding)."""
-    table: dict[str, dict | None] = {"plain": None,
-                                     "ngram k4": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}}
+def methods(head: str | None) -> dict[str, tuple[dict | None, bool]]:
+    """name -> (speculative_config (None: plain decoding), eager). Eager rows run without CUDA graphs
+    (on a CPU every row is eager: the graphs apply to CUDA only)."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}
+    chain = {"method": "eagle3", "model": head, "num_steps": 5, "eagle_topk": 1, "adaptive": False}
+    tree = {"method": "eagle3", "model": head, "num_steps": 5, "eagle_topk": 4, "num_draft_tokens": 16,
+            "adaptive": False}
+    # graphed rows first (the eager ones are slow on a GPU): a time box cuts the eager comparisons
+    table: dict[str, tuple[dict | None, bool]] = {"plain (eager)": (None, True), "plain": (None, False),
+                                                  "ngram k4": (ngram, False)}
     if head:
-        table["eagle3 chain 5"] = {"method": "eagle3", "model": head, "num_steps": 5, "eagle_topk": 1,
-                                   "adaptive": False}
-        table["eagle3 tree 5x4 (16)"] = {"method": "eagle3", "model": head, "num_steps": 5, "eagle_topk": 4,
-                                         "num_draft_tokens": 16, "adaptive": False}
+        table.update({"eagle3 chain 5": (chain, False), "eagle3 tree 5x4 (16)": (tree, False),
+                      "eagle3 chain 3": ({**chain, "num_steps": 3}, False)})
+    table["ngram k4 (eager)"] = (ngram, True)
+    if head:
+        table["eagle3 tree 5x4 (16) (eager)"] = (tree, True)
     return table
+
+
+def baseline(name: str) -> str:
+    """The plain row a method is compared with: the one of its own mode."""
+    return "plain (eager)" if name.endswith("(eager)") else "plain"
 
 
 def load_prompts(path: Path | None, n: int) -> list[str]:
@@ -49,11 +64,11 @@ def load_prompts(path: Path | None, n: int) -> list[str]:
 
 
 def run_method(model: str, config: dict | None, prompts: list[str], max_tokens: int, dtype: str,
-               device: str) -> dict:
+               device: str, eager: bool = False) -> dict:
     from specdec.llm import LLM
     from specdec.sampling_params import SamplingParams
 
-    llm = LLM(model, speculative_config=config, dtype=dtype, device=device, progress=False)
+    llm = LLM(model, speculative_config=config, dtype=dtype, device=device, progress=False, enforce_eager=eager)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=False)
     llm.chat([{"role": "user", "content": "Say hello."}], params)  # warm-up (kernels, allocator)
     outputs, tokens, seconds, passes, per_prompt = [], 0, 0.0, 0, []
@@ -64,6 +79,7 @@ def run_method(model: str, config: dict | None, prompts: list[str], max_tokens: 
         outputs.append(out.token_ids)
         tokens, seconds, passes = tokens + n, seconds + m["decode_time_s"], passes + m["target_forward_passes"] - 1
         per_prompt.append(m["decode_tokens_per_s"])
+    graphs = llm.model.stats() if hasattr(llm.model, "stats") else None
     del llm
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -71,11 +87,13 @@ def run_method(model: str, config: dict | None, prompts: list[str], max_tokens: 
             "decode_tokens_per_s": round(tokens / seconds, 2) if seconds else 0.0,
             "per_prompt_tokens_per_s": {"median": round(statistics.median(per_prompt), 2), "min": min(per_prompt),
                                         "max": max(per_prompt)},
-            "tokens_per_target_pass": round(tokens / passes, 3) if passes else 1.0, "outputs": outputs}
+            "tokens_per_target_pass": round(tokens / passes, 3) if passes else 1.0, "cuda_graphs": graphs,
+            "outputs": outputs}
 
 
 def profile_plain(model: str, prompt: str, max_tokens: int, dtype: str, device: str, path: Path) -> None:
-    """cProfile and torch.profiler over one plain request (after a warm-up one); top rows of each."""
+    """cProfile and torch.profiler over one plain request (after a warm-up one), eager and (on CUDA) with
+    graphs: the top rows of each, to find where a step goes besides the model's kernels."""
     import cProfile
     import io
     import pstats
@@ -83,40 +101,45 @@ def profile_plain(model: str, prompt: str, max_tokens: int, dtype: str, device: 
     from specdec.llm import LLM
     from specdec.sampling_params import SamplingParams
 
-    llm = LLM(model, dtype=dtype, device=device, progress=False)
+    text = io.StringIO()
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     chat = [{"role": "user", "content": prompt}]
-    llm.chat(chat, params)
-    prof = cProfile.Profile()
-    prof.enable()
-    out = llm.chat(chat, params)[0].outputs[0]
-    prof.disable()
-    text = io.StringIO()
-    text.write(f"plain decoding, {len(out.token_ids)} tokens, {out.metrics['decode_tokens_per_s']} tok/s\n\n")
-    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(30)
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.startswith("cuda"):
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as tp:
+    for eager in (True, False) if device.startswith("cuda") else (True,):
+        llm = LLM(model, dtype=dtype, device=device, progress=False, enforce_eager=eager)
         llm.chat(chat, params)
-    sort = "cuda_time_total" if device.startswith("cuda") else "cpu_time_total"
-    text.write(tp.key_averages().table(sort_by="cpu_time_total", row_limit=30) + "\n")
-    if sort != "cpu_time_total":
-        text.write(tp.key_averages().table(sort_by=sort, row_limit=20) + "\n")
+        prof = cProfile.Profile()
+        prof.enable()
+        out = llm.chat(chat, params)[0].outputs[0]
+        prof.disable()
+        text.write(f"## plain decoding, {'eager' if eager else 'CUDA graphs'}: {len(out.token_ids)} tokens, "
+                   f"{out.metrics['decode_tokens_per_s']} tok/s\n\n")
+        for order in ("cumulative", "tottime"):
+            pstats.Stats(prof, stream=text).sort_stats(order).print_stats(25)
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.startswith("cuda"):
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as tp:
+            llm.chat(chat, params)
+        text.write(tp.key_averages().table(sort_by="cpu_time_total", row_limit=25) + "\n")
+        if device.startswith("cuda"):
+            text.write(tp.key_averages().table(sort_by="cuda_time_total", row_limit=15) + "\n")
+        del llm
     path.write_text(text.getvalue())
 
 
 def render(report: dict) -> str:
     lines = [f"# Decode speed at batch 1 on {report['device_name']} ({report['date']})", "",
-             f"Model `{report['model']}`, {report['dtype']}, greedy, {report['num_prompts']} prompts, "
-             f"up to {report['max_tokens']} new tokens; torch {report['torch']}.", "",
+             f"Model `{report['model']}`, {report['dtype']}, greedy, {report['num_prompts']} prompts "
+             f"({report.get('eager_prompts', report['num_prompts'])} for the eager rows), up to "
+             f"{report['max_tokens']} new tokens; torch {report['torch']}. Each row is compared with plain "
+             f"decoding of its own mode (eager, or CUDA graphs where the device has them).", "",
              "| method | decode tok/s | vs plain | per-prompt tok/s median (min-max) | tokens/target pass | "
              "outputs equal to plain |", "|---|---|---|---|---|---|"]
-    base = report["results"].get("plain", {}).get("decode_tokens_per_s")
     for name, r in report["results"].items():
         if "error" in r:
             lines.append(f"| {name} | error: {r['error']} | | | | |")
             continue
+        base = report["results"].get(baseline(name), {}).get("decode_tokens_per_s")
         pp = r["per_prompt_tokens_per_s"]
         ratio = f"{r['decode_tokens_per_s'] / base:.2f}x" if base else "-"
         lines.append(f"| {name} | {r['decode_tokens_per_s']:.1f} | {ratio} | {pp['median']:.1f} "
@@ -133,7 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=Path, default=None)
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--eager-prompts", type=int, default=4, help="prompts for the eager rows (slow on a GPU)")
     ap.add_argument("--budget-s", type=float, default=120.0, help="start no method after this long")
+    ap.add_argument("--methods", default=None, help="comma-separated row names (default: all; plain rows first "
+                    "where speculative rows are to be compared)")
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="first profile N tokens of plain decoding")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
@@ -144,23 +170,33 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     report = {"model": args.model, "dtype": args.dtype, "device": device, "date": date.today().isoformat(),
               "device_name": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
-              "torch": torch.__version__, "num_prompts": len(prompts), "max_tokens": args.max_tokens, "results": {}}
+              "torch": torch.__version__, "num_prompts": len(prompts), "eager_prompts": min(args.eager_prompts, len(prompts)),
+              "max_tokens": args.max_tokens, "results": {}}
     if args.profile:
         profile_plain(args.model, prompts[0], args.profile, args.dtype, device, args.out / "gpu_profile.txt")
-    t0, plain = time.perf_counter(), None
-    for name, config in methods(args.head).items():
+    t0, plain = time.perf_counter(), {}
+    table = methods(args.head)
+    wanted = args.methods.split(",") if args.methods else list(table)
+    unknown = [m for m in wanted if m not in table]
+    if unknown:
+        raise SystemExit(f"gpu_speed: unknown methods {unknown}; choose from {list(table)}")
+    for name in wanted:
+        config, eager = table[name]
         if time.perf_counter() - t0 > args.budget_s:
             report["results"][name] = {"error": "skipped: over the time budget"}
             continue
+        subset = prompts[:args.eager_prompts] if eager else prompts
         try:
-            r = run_method(args.model, config, prompts, args.max_tokens, args.dtype, device)
+            r = run_method(args.model, config, subset, args.max_tokens, args.dtype, device, eager)
         except (RuntimeError, ConfigError, ValueError) as e:  # one method failing leaves the others' figures
             report["results"][name] = {"error": f"{type(e).__name__}: {e}"[:300]}
         else:
             outputs = r.pop("outputs")
-            plain = outputs if name == "plain" else plain
-            r["equal_to_plain"] = (f"{sum(a == b for a, b in zip(outputs, plain))}/{len(outputs)}"
-                                   if plain is not None else "-")
+            if name == baseline(name):
+                plain[name] = outputs
+            ref = plain.get(baseline(name))
+            r["equal_to_plain"] = (f"{sum(a == b for a, b in zip(outputs, ref))}/{len(outputs)}"
+                                   if ref is not None else "-")
             report["results"][name] = r
         print(name, json.dumps(report["results"][name]), flush=True)
         (args.out / "gpu_speed.json").write_text(json.dumps(report, indent=2))

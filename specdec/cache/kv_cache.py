@@ -62,11 +62,12 @@ class KVCache:
         E.g. a tree verified at slots [10..17] whose accepted path is nodes 0, 2, 5 calls
         keep([10, 12, 15], start=10): positions 10, 11, 12 then hold those entries, length = 13.
         """
-        idx = torch.as_tensor(slots, dtype=torch.long, device=self.k.device)
-        n = idx.numel()
-        if n and (int(idx.min()) < start or int(idx.max()) >= self.length):
+        slots = slots.tolist() if isinstance(slots, torch.Tensor) else list(slots)
+        n = len(slots)
+        if n and (min(slots) < start or max(slots) >= self.length):
             raise ValueError("keep(): slot outside the written range")
-        if n:
+        if slots != list(range(start, start + n)):  # already packed (a chain-shaped path): nothing moves
+            idx = torch.tensor(slots, dtype=torch.long).to(self.k.device)
             self.k[:, :, :, start:start + n] = self.k[:, :, :, idx]
             self.v[:, :, :, start:start + n] = self.v[:, :, :, idx]
         self.length = start + n

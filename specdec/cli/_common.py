@@ -15,6 +15,8 @@ def add_model_args(p: argparse.ArgumentParser, positional: bool = True) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: model's, capped at 8192)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--device", default="auto", help="auto|cpu|cuda (auto: CUDA when available)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run every pass eagerly (default: generate/chat replay CUDA graphs for decode and verify; the serving engine is eager)")
 
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
@@ -51,4 +53,5 @@ def spec_config_from_args(args) -> dict | None:
 def make_llm(args, speculative: bool = True):
     from specdec.llm import LLM
     return LLM(args.model, speculative_config=spec_config_from_args(args) if speculative else None,
-               dtype=args.dtype, max_model_len=args.max_model_len, num_threads=args.threads, device=args.device)
+               dtype=args.dtype, max_model_len=args.max_model_len, num_threads=args.threads, device=args.device,
+               enforce_eager=getattr(args, "enforce_eager", False))

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from specdec.cache.kv_cache import KVCache
 from specdec.config import ConfigError, ModelConfig
 from specdec.kernels import linear
-from specdec.model.layers import RMSNorm, Rotary, apply_rotary, rounded_linear
+from specdec.model.layers import RMSNorm, Rotary, apply_rotary, rounded_linear, sdpa
 from specdec.model.llama import ForwardOutput
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -61,7 +61,7 @@ class Gemma3Layer(torch.nn.Module):
         v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         k_all, v_all = cache.write(layer_idx, k, v)  # [B, Hkv, past+T, D]
-        attn = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=self.scale, enable_gqa=True)
+        attn = sdpa(q, k_all, v_all, mask, scale=self.scale, enable_gqa=True)
         attn = attn.transpose(1, 2).reshape(B, T, -1)  # [B, T, Hq D]
         x = x + self.post_attn_norm(rounded_linear(attn, self.o_proj.weight, None, dt))
         gate, up = rounded_linear(self.pre_ffn_norm(x), self.gate_up.weight, None, dt).chunk(2, dim=-1)  # [B, T, I]

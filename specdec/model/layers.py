@@ -4,8 +4,15 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specdec.kernels import linear, rms_norm
+
+# SDPA's backends on CUDA, cuDNN's left out: it builds an execution plan for every new shape, and a decode
+# step brings a new key length every time (H200, torch 2.11: eager decoding at ~15 tok/s where the same
+# steps ran at ~80 once their shapes had been seen; session 25)
+_CUDA_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class RMSNorm(torch.nn.Module):
@@ -62,6 +69,25 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     # x: [B, H, T, D]; rotate_half layout (HF), the GGUF loader un-permutes llama.cpp's layout.
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((x2, x1), dim=-1) * sin
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+         is_causal: bool = False, enable_gqa: bool = False, scale: float | None = None) -> torch.Tensor:
+    """F.scaled_dot_product_attention, on CUDA through the backends of _CUDA_SDPA only."""
+    if not q.is_cuda:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=enable_gqa)
+    with sdpa_kernel(_CUDA_SDPA):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=enable_gqa)
+
+
+def expand_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """[B, Hkv, S, D] -> [B, num_heads, S, D], each kv head repeated for its query group (GQA) by views:
+    SDPA's kernels that take an arbitrary mask want as many kv heads as query heads."""
+    B, n_kv, S, D = x.shape
+    group = num_heads // n_kv
+    return x[:, :, None].expand(B, n_kv, group, S, D).reshape(B, num_heads, S, D)
 
 
 def build_attention_mask(past_len: int, block_mask: torch.Tensor | None, num_new: int,

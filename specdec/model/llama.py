@@ -14,14 +14,13 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from specdec.cache.kv_cache import KVCache
 from specdec.config import ModelConfig
 from specdec.kernels import linear, silu_mul
 from specdec.kernels.attention import FusedAttention, fused_attention
 from specdec.kernels.layer import decoder_layer, decoder_layers, packs, unpack
-from specdec.model.layers import RMSNorm, Rotary, apply_rotary, rounded_linear
+from specdec.model.layers import RMSNorm, Rotary, apply_rotary, expand_kv, rounded_linear, sdpa
 
 
 @dataclass
@@ -30,6 +29,7 @@ class ForwardOutput:
     hidden: torch.Tensor  # [B, T, H] final normed hidden state
     layer_hidden: dict[int, torch.Tensor] | None = None  # layer index -> [B, T, H] (output of that layer)
     packed: bool = False  # a padded paged batch whose linears ran on the real tokens alone (layer.c)
+    row_argmax: list[int] | None = None  # each logits row's argmax, already on the host (a CUDA graph's pass)
 
 
 class DecoderLayer(torch.nn.Module):
@@ -76,8 +76,26 @@ class DecoderLayer(torch.nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         k_all, v_all = cache.write(layer_idx, k, v)  # [B, Hkv, past+T, D]
         # mask None: one token (sees everything), or a prompt into an empty cache (causal, T == S)
-        attn = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, is_causal=mask is None and T > 1,
-                                              enable_gqa=True)
+        attn = sdpa(q, k_all, v_all, mask, is_causal=mask is None and T > 1, enable_gqa=True)
+        return attn.transpose(1, 2).reshape(B, T, -1)
+
+    def attention_static(self, qkv, cos, sin, cache: KVCache, layer_idx: int, slots, mask) -> torch.Tensor:
+        """attention() with no host-side shapes (a CUDA graph's): k/v go to `slots` [T] by index_copy_ and
+        every query attends over the cache's first S slots under `mask` [T, S], S = mask's width."""
+        B, T, _ = qkv.shape
+        S = mask.shape[-1]
+        q, k, v = qkv.split(self.split, dim=-1)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
+        k = k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+        v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        cache.k[layer_idx].index_copy_(2, slots, k)
+        cache.v[layer_idx].index_copy_(2, slots, v)
+        k_all = expand_kv(cache.k[layer_idx, :, :, :S], self.n_heads)  # [B, H, S, D]
+        v_all = expand_kv(cache.v[layer_idx, :, :, :S], self.n_heads)
+        attn = sdpa(q, k_all, v_all, mask)
         return attn.transpose(1, 2).reshape(B, T, -1)
 
 
@@ -152,6 +170,32 @@ class LlamaModel(torch.nn.Module):
             return ForwardOutput(unpack(rows, fused.real_index, B, T), h, kept, packed)
         h_logits = h if num_logits is None else h[:, -num_logits:]
         return ForwardOutput(linear(h_logits, self.lm_head.weight), h, kept, packed)
+
+    def forward_static(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                       start: torch.Tensor, block_mask: torch.Tensor, cache: KVCache, num_keys: int,
+                       output_layers: Sequence[int] = ()) -> ForwardOutput:
+        """forward() as pure tensor work, for capture in a CUDA graph (model/cuda_graph.py): no host-side
+        value decides a shape. input_ids, positions [1, T]; slots [T] the cache slots written (start + i);
+        start [] the first of them; block_mask [T, T] bool, the new tokens' mask among themselves. Each
+        token sees the slots before start, and block_mask's among [start, start + T); attention spans the
+        cache's first num_keys slots. cache.length is NOT advanced (the caller's job after a replay)."""
+        x = self.embed(input_ids)  # [1, T, H]
+        T = x.shape[1]
+        cos, sin = self.rotary(positions, x.dtype)
+        rel = torch.arange(num_keys, device=x.device) - start  # [S]: key slot relative to the block
+        in_block = (rel >= 0) & (rel < T)
+        mask = (rel < 0)[None, :] | (in_block[None, :] & block_mask[:, rel.clamp(0, T - 1)])  # [T, S]
+        kept = {}
+        for i, layer in enumerate(self.layers):
+            h = layer.input_norm(x)
+            qkv = linear(h, layer.qkv.weight, layer.qkv.bias)  # [1, T, (Hq + 2 Hkv) D]
+            x = x + linear(layer.attention_static(qkv, cos, sin, cache, i, slots, mask), layer.o_proj.weight)
+            gate_up = linear(layer.post_norm(x), layer.gate_up.weight)  # [1, T, 2 I]
+            x = x + linear(silu_mul(gate_up), layer.down.weight)
+            if i in output_layers:
+                kept[i] = x
+        h = self.norm(x)
+        return ForwardOutput(linear(h, self.lm_head.weight), h, kept if output_layers else None)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed(input_ids)

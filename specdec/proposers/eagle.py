@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 
 from specdec.config import ConfigError
+from specdec.model.cuda_graph import GraphedModel
+from specdec.proposers.eagle_graph import GraphedHead
 from specdec.proposers.heads import DraftKV, load_head
 from specdec.sampler import argmax, sample, warp
 from specdec.spec.proposer import EMPTY, Proposal, Proposer, RequestState, TargetOutput, register_proposer
@@ -78,6 +80,20 @@ class _EagleBase(Proposer):
         self.draft_ids = self.head.draft_ids  # [Vd] target id per draft id
         self.num_steps, self.topk = cfg.num_steps, cfg.eagle_topk
         self.budget = cfg.num_draft_tokens - 1  # drafted nodes (SGLang counts the root token too)
+        # a CUDA-graphed target (the single-request decoder on a GPU): the head's passes are graphed too
+        self.graphed = None
+        if isinstance(ctx.target, GraphedModel):
+            self.graphed = GraphedHead(self.head, ctx.max_len + self._speculative_rows(), ctx.dtype, self.device)
+
+    def _speculative_rows(self) -> int:
+        """Draft cache rows one proposal may add: a chain's, or the tree's frontier forwards (<= topk a depth)."""
+        return max(self.budget, self.num_steps * self.topk) + 2
+
+    def _layer(self, emb, hidden, positions, cache, mask=None) -> torch.Tensor:
+        """One request's head pass (forward_layer), through the head's graphs where it has them."""
+        if self.graphed is not None:
+            return self.graphed.forward(emb, hidden, positions, cache, mask)
+        return self.head.forward_layer(emb, hidden, positions, cache, None if mask is None else mask.to(emb.device))
 
     # -- target features -> committed draft rows -------------------------------------------------
     def _features(self, fwd, rows: list[int]) -> torch.Tensor:
@@ -101,7 +117,10 @@ class _EagleBase(Proposer):
         sizes = [len(t) for _, _, t in work]
         emb = self.embed(torch.tensor([t for _, _, toks in work for t in toks], device=self.device))[None]  # [1, N, H]
         feats = torch.cat([f for _, f, _ in work])[None].to(emb.dtype)  # [1, N, H or 3H]
-        out = self.head.forward_rows(emb, self.head.fuse(feats, emb), torch.cat(positions)[None], caches, sizes)
+        if self.graphed is not None and len(work) == 1:
+            out = self._layer(emb, self.head.fuse(feats, emb), positions[0][None], caches[0])
+        else:
+            out = self.head.forward_rows(emb, self.head.fuse(feats, emb), torch.cat(positions)[None], caches, sizes)
         end = 0
         for (state, _, _), cache, n in zip(work, caches, sizes):
             end += n
@@ -114,8 +133,8 @@ class _EagleBase(Proposer):
         # committed rows (at most the request's prompt + output) and one proposal's speculative rows:
         # a chain's, or the tree's frontier forwards (<= topk per depth); sized by the request, not the context
         committed = min(n + state.params.max_tokens, self.ctx.max_len)
-        speculative = max(self.budget, self.num_steps * self.topk) + 2
-        st["cache"] = DraftKV(self.head.cfg, committed + speculative, self.ctx.dtype, self.device)
+        st["cache"] = (self.graphed.new_cache() if self.graphed is not None else
+                       DraftKV(self.head.cfg, committed + self._speculative_rows(), self.ctx.dtype, self.device))
         feats = self._features(prefill.forward, prefill.accepted_rows)  # [m, .]: the prompt's last m positions
         m = feats.shape[0]  # m < n where the serving engine's prefix cache held the first n - m (not computed)
         st["len"] = 0
@@ -161,7 +180,7 @@ class _EagleBase(Proposer):
         emb = self.embed(torch.tensor(tokens, device=self.device))[None]  # [1, m, H]
         hidden = self.head.step_input(emb, parent_out[None])
         pos = (state.draft["offset"] + state.draft["len"] + torch.tensor(depths, device=self.device) - 1)[None]
-        return self.head.forward_layer(emb, hidden, pos, state.draft["cache"], mask)[0]
+        return self._layer(emb, hidden, pos, state.draft["cache"], mask)[0]
 
     @torch.inference_mode()
     def propose(self, state: RequestState, k: int) -> Proposal:
@@ -201,8 +220,8 @@ class _EagleBase(Proposer):
         live = list(range(len(states)))
         for d in range(1, max(ks) + 1):
             best = argmax(self.head.logits(g, self.lm_head).float())  # [len(live)] draft ids
-            for j, i in enumerate(live):
-                tokens[i].append(int(self.draft_ids[int(best[j])]))
+            for j, tok in enumerate(self.draft_ids[best].tolist()):  # one copy to the host a depth
+                tokens[live[j]].append(tok)
             keep = [j for j, i in enumerate(live) if d < ks[i]]
             if not keep:
                 break
@@ -210,8 +229,11 @@ class _EagleBase(Proposer):
             emb = self.embed(torch.tensor([tokens[i][-1] for i in live], device=self.device))[None]  # [1, m, H]
             pos = torch.tensor([states[i].draft["offset"] + states[i].draft["len"] + d - 1 for i in live],
                                device=self.device)[None]
-            g = self.head.forward_rows(emb, self.head.step_input(emb, g[keep][None]), pos,
-                                       [states[i].draft["cache"] for i in live], [1] * len(live))[0]
+            if self.graphed is not None and len(live) == 1:
+                g = self._layer(emb, self.head.step_input(emb, g[keep][None]), pos, states[live[0]].draft["cache"])[0]
+            else:
+                g = self.head.forward_rows(emb, self.head.step_input(emb, g[keep][None]), pos,
+                                           [states[i].draft["cache"] for i in live], [1] * len(live))[0]
         return [Proposal(t, None) for t in tokens]
 
     def _sampled_chain(self, state: RequestState, k: int) -> Proposal:
@@ -237,13 +259,13 @@ class _EagleBase(Proposer):
         lp = self._logprobs(state.draft["g"][0])[0]  # [Vd]
         top = lp.topk(K)
         # node lists: target token, parent node (-1 root), cumulative log-prob, depth
-        tok = [int(self.draft_ids[i]) for i in top.indices]
+        tok = self.draft_ids[top.indices].tolist()
         par, val, dep = [-1] * K, top.values.tolist(), [1] * K
         frontier, outs, slot = list(range(K)), {-1: state.draft["g"][0, 0]}, {}
         for depth in range(2, self.num_steps + 1):
             # forward the frontier: each row sees the prefix, its forwarded ancestors and itself
             m, base = len(frontier), state.draft["cache"].length
-            mask = torch.zeros(m, base + m, dtype=torch.bool, device=self.device)
+            mask = torch.zeros(m, base + m, dtype=torch.bool)  # built on the host, one copy (a GPU's)
             mask[:, :c] = True
             for i, nd in enumerate(frontier):
                 a = par[nd]
@@ -259,10 +281,11 @@ class _EagleBase(Proposer):
             lp = self._logprobs(out)  # [m, Vd]
             scores = torch.tensor([val[n] for n in frontier], device=self.device)[:, None] + lp
             cand = scores.topk(K, dim=-1)  # [m, K]
+            values, children = cand.values.tolist(), self.draft_ids[cand.indices].tolist()
             new = []
             for i, nd in enumerate(frontier):
-                for v, j in zip(cand.values[i].tolist(), cand.indices[i].tolist()):
-                    tok.append(int(self.draft_ids[j]))
+                for v, child in zip(values[i], children[i]):
+                    tok.append(child)
                     par.append(nd)
                     val.append(v)
                     dep.append(depth)

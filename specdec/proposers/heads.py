@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from specdec.config import ConfigError
 from specdec.kernels import linear, rms_norm, silu_mul
-from specdec.model.layers import Rotary, apply_rotary
+from specdec.model.layers import Rotary, apply_rotary, expand_kv, sdpa
 from specdec.quant.bf16 import Bf16Weight
 
 HEAD_KINDS = ("medusa", "eagle", "eagle3")
@@ -88,7 +88,7 @@ class _Attention(torch.nn.Module):
 
     def attend(self, q, k, v, mask):
         # k, v: [B, Hkv, S, D]; mask [T, S] bool -> [B, T, H]
-        return self.project(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True))
+        return self.project(sdpa(q, k, v, mask, enable_gqa=True))
 
     def project(self, out):
         # out [B, Hq, T, D] -> o_proj -> [B, T, H]
@@ -261,6 +261,20 @@ class EagleHead(torch.nn.Module):
             mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
         return layer.finish(residual, layer.self_attn.attend(q, k, v, mask))
 
+    def forward_static(self, embeds, hidden, positions, cache: "DraftKV", slots, mask):
+        """forward_layer with no host-side shapes, for a CUDA graph: embeds, hidden [1, T, H]; positions
+        [1, T]; the new k/v go to `slots` [T] (index_copy_); the queries attend over the cache's first S
+        slots under mask [T, S]. cache.length is the caller's to advance. -> [1, T, H]"""
+        layer = self.layer
+        x, residual = layer.attn_input(embeds, hidden)
+        cos, sin = self.rotary(positions, x.dtype)
+        q, k, v = layer.self_attn.qkv(x, cos, sin)
+        cache.k.index_copy_(2, slots, k)
+        cache.v.index_copy_(2, slots, v)
+        S, heads = mask.shape[-1], layer.self_attn.n_heads
+        out = sdpa(q, expand_kv(cache.k[:, :, :S], heads), expand_kv(cache.v[:, :, :S], heads), mask)
+        return layer.finish(residual, layer.self_attn.project(out))
+
     def forward_rows(self, embeds, hidden, positions, caches: list["DraftKV"], sizes: list[int]):
         """Several requests' new tokens in one pass (the serving engine's rows): embeds, hidden [1, N, H]
         with row i's sizes[i] tokens back to back, positions [1, N]. The linears run over all N at once,
@@ -276,7 +290,7 @@ class EagleHead(torch.nn.Module):
             kc, vc = cache.append(k[:, :, rows], v[:, :, rows])
             S = kc.shape[2]
             mask = None if n == 1 else torch.ones(n, S, dtype=torch.bool, device=q.device).tril(S - n)
-            outs.append(F.scaled_dot_product_attention(q[:, :, rows], kc, vc, attn_mask=mask, enable_gqa=True))
+            outs.append(sdpa(q[:, :, rows], kc, vc, mask, enable_gqa=True))
             start += n
         return layer.finish(residual, layer.self_attn.project(torch.cat(outs, dim=2)))
 

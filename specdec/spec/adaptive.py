@@ -60,6 +60,8 @@ from typing import NamedTuple
 
 import torch
 
+from specdec.model.cuda_graph import synchronize
+
 PRIOR_ACCEPTANCE = 0.6
 EMA = 0.3
 PLAIN_REFRESH = 32  # one plain step in this many keeps o_plain measured
@@ -148,15 +150,18 @@ class CostModel:
         self.seconds: list[float | None] = [None] * (max_tokens + 1)
 
     def profile(self, target, prefix_len: int = 64, repeats: int = 3) -> None:
+        dev = target.device
         cache = target.new_cache(prefix_len + self.max_tokens + 1)
-        ids = torch.zeros(1, prefix_len, dtype=torch.long)
-        target(ids, torch.arange(prefix_len)[None], cache, num_logits=1)
+        ids = torch.zeros(1, prefix_len, dtype=torch.long, device=dev)
+        target(ids, torch.arange(prefix_len, device=dev)[None], cache, num_logits=1)
         for T in range(1, self.max_tokens + 1):
             times = []
             for _ in range(repeats):
                 cache.rollback(prefix_len)
                 t0 = time.perf_counter()
-                target(torch.zeros(1, T, dtype=torch.long), torch.arange(prefix_len, prefix_len + T)[None], cache)
+                target(torch.zeros(1, T, dtype=torch.long, device=dev),
+                       torch.arange(prefix_len, prefix_len + T, device=dev)[None], cache)
+                synchronize(dev)
                 times.append(time.perf_counter() - t0)
             self.seconds[T] = sorted(times)[len(times) // 2]
 

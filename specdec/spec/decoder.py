@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from specdec.model.cuda_graph import synchronize
 from specdec.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from specdec.sampler import argmax, logprobs_of, make_generator, sample, warp
 from specdec.sampling_params import SamplingParams
@@ -163,9 +164,10 @@ class SpeculativeDecoder:
             return _cut(found, k)
         return _cut(self.proposer.propose_model(state, k), k)
 
-    def _verify(self, proposal: Proposal, logits: torch.Tensor, params: SamplingParams, gen) -> Verdict:
+    def _verify(self, proposal: Proposal, logits: torch.Tensor, params: SamplingParams, gen,
+                row_argmax: list[int] | None = None) -> Verdict:
         if params.greedy:
-            return verify_greedy(proposal.tokens, argmax(logits).tolist())
+            return verify_greedy(proposal.tokens, row_argmax if row_argmax is not None else argmax(logits).tolist())
         p = warp(logits, params)  # [k+1, V]
         q = None if proposal.probs is None else proposal.probs
         return verify_sampling(proposal.tokens, p, q, gen)
@@ -179,11 +181,9 @@ class SpeculativeDecoder:
         out = _Output(params, self.tokenizer.eos_token_ids, IncrementalDetokenizer(
             self.tokenizer, params.skip_special_tokens), on_delta, self.max_len)
         metrics = SpecMetrics()
-        cache = self.target.new_cache(min(self.max_len, len(prompt_ids) + params.max_tokens + self.k_max + 1))
-        state.draft["target_cache"] = cache  # self-speculation (layerskip) drafts into the target's own cache
         adaptive = None
         if self.proposer is not None and not self.config.fixed_k and self.config.adaptive:
-            if not self.cost.profiled:
+            if not self.cost.profiled:  # before this request's cache: a CUDA-graphed target has only one
                 self.cost.profile(self.target)
             # a draft model starts from the previous request's estimates; a lookup drafter (no per-token
             # cost: a miss costs one verify column) and a learned head start fresh, as their acceptance
@@ -194,6 +194,8 @@ class SpeculativeDecoder:
                                  tree_shares=self.proposer.tree_shares(), prompt_len=len(prompt_ids))
             self.last_adaptive = adaptive
 
+        cache = self.target.new_cache(min(self.max_len, len(prompt_ids) + params.max_tokens + self.k_max + 1))
+        state.draft["target_cache"] = cache  # self-speculation (layerskip) drafts into the target's own cache
         t0 = time.perf_counter()
         n = len(prompt_ids)
         dev = self.target.device
@@ -231,19 +233,22 @@ class SpeculativeDecoder:
         else:
             positions, block_mask = torch.arange(start, start + T), None
         dev = self.target.device
-        fwd = self.target(torch.tensor([tokens], device=dev), positions.to(dev)[None], cache, block_mask=block_mask,
-                          output_layers=self._feature_layers())
+        ids = torch.tensor([tokens])  # [1, T]; on the host where the target takes them so (one copy a pass)
+        if not getattr(self.target, "takes_host_inputs", False):
+            ids, positions = ids.to(dev), positions.to(dev)
+        fwd = self.target(ids, positions[None], cache, block_mask=block_mask, output_layers=self._feature_layers())
         logits = fwd.logits[0]  # [T, V]: row 0 predicts after the last token, row i after node i-1
+        synchronize(dev)  # the verify time is the device's (verification reads the logits next anyway)
         t2 = time.perf_counter()
         if proposal.is_tree:
             from specdec.spec.tree import verify_tree
-            verdict, rows = verify_tree(proposal, logits, state.params, state.generator)
+            verdict, rows = verify_tree(proposal, logits, state.params, state.generator, fwd.row_argmax)
             cache.keep([start + r for r in rows], start)  # the accepted path, packed after the prefix
         else:
-            verdict = self._verify(proposal, logits, state.params, state.generator)
+            verdict = self._verify(proposal, logits, state.params, state.generator, fwd.row_argmax)
             rows = list(range(1 + verdict.num_accepted))
             cache.rollback(start + 1 + verdict.num_accepted)
-        out.emit(state, verdict.tokens, logits[rows])
+        out.emit(state, verdict.tokens, logits[rows] if state.params.logprobs is not None else None)
         if self.proposer is not None:
             self.proposer.on_verified(state, proposal, verdict.num_accepted, TargetOutput(fwd, rows))
         t3 = time.perf_counter()

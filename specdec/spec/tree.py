@@ -62,15 +62,16 @@ def chain_parents(k: int) -> list[int]:
 
 
 def verify_tree(proposal: Proposal, logits: torch.Tensor, params: SamplingParams,
-                generator: torch.Generator | None) -> tuple[Verdict, list[int]]:
-    """logits: [T, V] target logits per row. Returns the verdict and the accepted path's rows
-    (starting with 0); verdict.tokens = the accepted nodes' tokens + one recovered/bonus token."""
+                generator: torch.Generator | None, row_argmax: list[int] | None = None) -> tuple[Verdict, list[int]]:
+    """logits: [T, V] target logits per row (row_argmax: their argmax, where the pass computed it).
+    Returns the verdict and the accepted path's rows (starting with 0); verdict.tokens = the accepted
+    nodes' tokens + one recovered/bonus token."""
     parents = proposal.parents if proposal.parents is not None else chain_parents(len(proposal))
     kids = children_of(parents)
     tokens = proposal.tokens
     rows, cur = [0], 0
     if params.greedy:
-        best = argmax(logits).tolist()  # [T]
+        best = row_argmax if row_argmax is not None else argmax(logits).tolist()  # [T]
         while True:
             nxt = next((r for r in kids[cur] if tokens[r - 1] == best[cur]), None)
             if nxt is None:

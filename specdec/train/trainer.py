@@ -255,8 +255,12 @@ class Trainer:
         batches = self._batches()
         for _ in range(self.step):  # skip what a previous run already trained on
             next(batches)
-        t0, seen, start_step = time.perf_counter(), 0, self.step
         bar = tqdm(total=self.total_steps, initial=self.step, desc=f"train {self.spec.kind}", disable=not self.progress)
+        if self.step == 0 and self.spec.init_from and evaluate is not None:  # the head it starts from
+            self.head.eval()
+            self.history.append({"step": 0, **evaluate(self)})
+            bar.write(json.dumps(self.history[-1]))
+        t0, seen, start_step = time.perf_counter(), 0, self.step
         self.head.train()
         while self.step < self.total_steps:
             seqs = next(batches)

@@ -1,0 +1,204 @@
+"""CUDA graphs for the target's decode and verify passes, one request at a time.
+
+At batch 1 a GPU forward is bound by kernel launches, not by math: the 135M model takes ~11 ms eager
+for ~1.6 ms of kernels replayed as a graph (docs/benchmarks/gpu-s24.md). GraphedModel wraps a
+LlamaModel: the first pass of each shape bucket (T new tokens rounded up to one of TOKEN_BUCKETS, the
+keys attended rounded up to a power of two, the hidden layers kept) captures LlamaModel.forward_static
+into a graph; every later pass of that bucket copies its inputs into the graph's static buffers and
+replays it. Padding rows write cache slots past the block, which no query sees and the next block
+overwrites. Outputs are cloned out of the static buffers, so nothing a caller keeps (EAGLE's queued
+features) is overwritten by the next replay.
+
+Graphs bake in addresses, so the wrapper owns one KV cache, handed (reset) to each request by
+new_cache. Everything else runs the model eagerly on the same cache: prompt passes, layer subsets
+(self-speculation), blocks over the largest bucket, any other cache. Without CUDA (or graphs=False)
+the same static pass runs uncaptured, which is how CPU tests check the wrapper's bookkeeping.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from specdec.cache.kv_cache import KVCache
+
+TOKEN_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32)
+MIN_KEYS = 256  # the narrowest key span a graph attends over
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU): host timers around GPU work need it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def key_span(end: int, capacity: int) -> int | None:
+    """The keys a static pass attends over: a power of two >= end (MIN_KEYS at least) within the cache's
+    capacity; None when end does not fit."""
+    span = min(max(MIN_KEYS, 1 << max(end - 1, 0).bit_length()), capacity)
+    return span if end <= span else None
+
+
+def bucket_of(num_tokens: int) -> int | None:
+    """The smallest TOKEN_BUCKETS entry >= num_tokens (None: wider than every bucket)."""
+    return next((b for b in TOKEN_BUCKETS if b >= num_tokens), None)
+
+
+@dataclass
+class _Entry:
+    bufs: tuple  # the static inputs (device tensors)
+    graph: "torch.cuda.CUDAGraph | None" = None
+    out: object = None  # what a replay overwrites
+
+
+class CapturedCalls:
+    """Graphs of functions of device buffers, keyed by shape: the first call of a key allocates its input
+    buffers (alloc), fills them with this call's inputs (fill), captures fn(*buffers) after a warm-up run
+    and replays it; later calls fill and replay. The warm-up runs on this call's real inputs, so side
+    effects it has (a KV cache write) are the call's own. Without CUDA (or enabled=False) fn runs on the
+    buffers uncaptured: the same bookkeeping, testable on a CPU. A failed capture disables every key
+    (call returns None: the caller runs its eager path), with one warning."""
+
+    def __init__(self, device: torch.device, enabled: bool = True):
+        self.device = device
+        self.enabled = enabled and device.type == "cuda"
+        self.entries: dict[tuple, _Entry] = {}
+        self.pool = None  # one memory pool for all graphs (they never run at once)
+        self.disabled: str | None = None
+        self.replays = 0
+
+    def __call__(self, key: tuple, alloc: Callable[[], tuple], fill: Callable[[tuple], None],
+                 fn: Callable[..., object]):
+        if self.disabled is not None:
+            return None
+        entry = self.entries.get(key)
+        new = entry is None
+        if new:
+            entry = _Entry(alloc())
+        fill(entry.bufs)
+        if new:
+            if self.enabled and not self._capture(entry, fn):
+                return None
+            self.entries[key] = entry
+        self.replays += 1
+        if entry.graph is None:
+            return fn(*entry.bufs)
+        entry.graph.replay()
+        return entry.out
+
+    def _capture(self, entry: _Entry, fn) -> bool:
+        try:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                fn(*entry.bufs)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                entry.out = fn(*entry.bufs)
+        except RuntimeError as e:
+            self.disabled = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            warnings.warn(f"CUDA graph capture failed, running eagerly: {self.disabled}", stacklevel=4)
+            return False
+        self.pool = graph.pool()
+        entry.graph = graph
+        return True
+
+    @property
+    def num_graphs(self) -> int:
+        return sum(e.graph is not None for e in self.entries.values())
+
+
+class GraphedModel:
+    """A LlamaModel whose single-request decode/verify passes replay CUDA graphs (see module doc)."""
+
+    def __init__(self, model, graphs: bool = True):
+        if not hasattr(model, "forward_static"):
+            raise TypeError(f"{type(model).__name__} has no static forward to capture")
+        self.model = model
+        self.calls = CapturedCalls(model.device, graphs)
+        self.cache: KVCache | None = None  # allocated on the first new_cache
+        self.hosts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bucket -> host input block, argmax
+        self.eager_passes = 0
+
+    # the decoder may hand this pass's ids and positions on the host: they go over in the one copy
+    takes_host_inputs = True
+
+    def __getattr__(self, name: str):  # config, device, dtype, max_len, embed, lm_head, ... are the model's
+        return getattr(self.__dict__["model"], name)
+
+    def new_cache(self, max_len: int | None = None, batch_size: int = 1) -> KVCache:
+        """The wrapper's own cache, emptied (one request at a time); a batch gets a fresh eager cache."""
+        if batch_size != 1:
+            return self.model.new_cache(max_len, batch_size)
+        if self.cache is None:  # room for the widest bucket's padding past the context's last slot
+            self.cache = KVCache.for_model(self.model.config, self.model.max_len + TOKEN_BUCKETS[-1],
+                                           self.model.dtype, 1, self.model.device)
+        self.cache.reset()
+        return self.cache
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                 block_mask: torch.Tensor | None = None, num_logits: int | None = None,
+                 layers: Sequence[int] | None = None, output_layers: Sequence[int] = (),
+                 input_embeds: torch.Tensor | None = None, prefill: bool = False):
+        B, T = input_ids.shape
+        bucket = bucket_of(T)
+        keys = None if bucket is None or cache is not self.cache else key_span(cache.length + bucket, cache.max_len)
+        if not (B != 1 or keys is None or prefill or layers is not None or num_logits is not None
+                or input_embeds is not None):
+            with torch.inference_mode():
+                out = self._replay(input_ids, positions, block_mask, bucket, keys, tuple(output_layers))
+            if out is not None:
+                return out
+        self.eager_passes += 1
+        dev = self.model.device
+        return self.model(input_ids.to(dev), positions.to(dev), cache, block_mask=block_mask, num_logits=num_logits,
+                          layers=layers, output_layers=output_layers, input_embeds=input_embeds, prefill=prefill)
+
+    def _replay(self, input_ids, positions, block_mask, bucket: int, keys: int, output_layers: tuple):
+        """One pass through the bucket's graph (None: capture failed, run eagerly)."""
+        T = input_ids.shape[1]
+        if bucket not in self.hosts:
+            pin = self.model.device.type == "cuda"
+            self.hosts[bucket] = (torch.zeros(4 + bucket, bucket, dtype=torch.long, pin_memory=pin),
+                                  torch.zeros(bucket, dtype=torch.long, pin_memory=pin))
+        host, argmax_host = self.hosts[bucket]
+        self._fill(host, input_ids, positions, block_mask, self.cache.length)
+
+        def run(d):  # d: the device copy of the input block
+            out = self.model.forward_static(d[0:1], d[1:2], d[2], d[3, 0], d[4:] != 0, self.cache, keys, output_layers)
+            return out, out.logits[0].argmax(-1)  # [T]
+
+        dev = self.model.device
+        got = self.calls((bucket, keys, output_layers),
+                         lambda: (torch.zeros(4 + bucket, bucket, dtype=torch.long, device=dev),),
+                         lambda bufs: bufs[0].copy_(host, non_blocking=True), run)
+        if got is None:
+            return None
+        out, argmax = got
+        argmax_host.copy_(argmax, non_blocking=True)
+        synchronize(dev)  # the one wait of a pass: its argmax is on the host after it
+        self.cache.advance(T)
+        layer_hidden = None if out.layer_hidden is None else {i: h[:, :T].clone() for i, h in out.layer_hidden.items()}
+        return type(out)(out.logits[:, :T].clone(), out.hidden[:, :T].clone(), layer_hidden,
+                         row_argmax=argmax_host[:T].tolist())
+
+    @staticmethod
+    def _fill(host: torch.Tensor, input_ids, positions, block_mask, start: int) -> None:
+        """Write one pass's inputs into the bucket's host block (one copy to the device): row 0 input ids,
+        1 positions, 2 cache slots, [3, 0] the first slot, rows 4.. the block mask as 0/1. Padding rows
+        see only themselves and write slots past the block."""
+        T, bucket = input_ids.shape[1], host.shape[1]
+        host[0, :T], host[0, T:] = input_ids[0], 0
+        host[1, :T], host[1, T:] = positions[0], positions[0, -1]
+        host[2] = torch.arange(start, start + bucket)
+        host[3, 0] = start
+        block = host[4:]
+        block.copy_(torch.eye(bucket, dtype=torch.long))
+        block[:T, :T] = torch.ones(T, T, dtype=torch.long).tril() if block_mask is None else block_mask
+
+    def stats(self) -> dict:
+        return {"graphs": self.calls.num_graphs, "replays": self.calls.replays, "eager_passes": self.eager_passes,
+                "disabled": self.calls.disabled}

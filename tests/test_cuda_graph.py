@@ -1,0 +1,155 @@
+"""The CUDA-graph wrapper (model/cuda_graph.py): its static pass against the eager forward, and its
+bookkeeping (buckets, padding, the owned cache, fallbacks) through whole requests. On the CPU the same
+static pass runs uncaptured; the capture itself is tested only where a GPU exists."""
+import pytest
+import torch
+
+from specdec.model.cuda_graph import MIN_KEYS, TOKEN_BUCKETS, GraphedModel, bucket_of, key_span
+from specdec.model.loader import load_model
+from specdec.spec.tree import tree_mask, tree_positions
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+PROMPT = [1, 504, 3458, 282, 4649, 314, 1345, 30, 216, 378, 901, 77, 5000, 3, 17]
+
+
+def _prefilled(model, prompt=PROMPT):
+    graphed = GraphedModel(model)
+    cache = graphed.new_cache(64)
+    n = len(prompt)
+    graphed(torch.tensor([prompt]), torch.arange(n)[None], cache, num_logits=1, prefill=True)
+    return graphed, cache
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_static_pass_equals_eager_forward_chain_and_tree(tiny_dir, arch):
+    model = load_model(tiny_dir(arch), torch.float32)
+    graphed, cache = _prefilled(model)
+    n = len(PROMPT)
+    parents = [-1, 0, 0, 1, 2]  # root, then 5 drafted nodes: 1 -> (2, 3), 2 -> 4, 3 -> 5
+    blocks = {"chain": (torch.arange(n, n + 7), None, [7, 8, 9, 10, 11, 12, 13]),  # padded to 8
+              "tree": (n + tree_positions(parents), tree_mask(parents), [7, 8, 9, 10, 11, 12])}
+    for name, (positions, block, tokens) in blocks.items():
+        ids = torch.tensor([tokens])
+        eager = model(ids, positions[None], cache, block_mask=block, output_layers=(1, 2))
+        cache.rollback(n)
+        static = graphed(ids, positions[None], cache, block_mask=block, output_layers=(1, 2))
+        assert cache.length == n + len(tokens), name
+        torch.testing.assert_close(static.logits, eager.logits, atol=2e-5, rtol=1e-4)
+        assert static.row_argmax == eager.logits[0].argmax(-1).tolist()
+        for i in (1, 2):
+            torch.testing.assert_close(static.layer_hidden[i], eager.layer_hidden[i], atol=2e-5, rtol=1e-4)
+        # the k/v it wrote are the eager pass's: the next token's logits agree too
+        nxt = model(torch.tensor([[5]]), torch.tensor([[n + len(tokens)]]), cache)
+        cache.rollback(n)
+        model(ids, positions[None], cache, block_mask=block)
+        ref = model(torch.tensor([[5]]), torch.tensor([[n + len(tokens)]]), cache)
+        torch.testing.assert_close(nxt.logits, ref.logits, atol=2e-5, rtol=1e-4)
+        cache.rollback(n)
+    assert graphed.stats()["replays"] == 2 and set(k[0] for k in graphed.calls.entries) == {8, 6}
+
+
+def test_a_wrong_mask_is_caught(tiny_dir):
+    """Negative control: the comparison above sees a block that attends one slot too far."""
+    model = load_model(tiny_dir("llama"), torch.float32)
+    graphed, cache = _prefilled(model)
+    n = len(PROMPT)
+    ids, positions = torch.tensor([[7, 8, 9]]), torch.arange(n, n + 3)[None]
+    eager = model(ids, positions, cache)
+    cache.rollback(n)
+    leaky = torch.ones(3, 3, dtype=torch.bool)  # every token sees the later ones
+    static = graphed(ids, positions, cache, block_mask=leaky)
+    assert not torch.allclose(static.logits[0, :2], eager.logits[0, :2], atol=1e-3)
+
+
+def test_eager_fallbacks_and_buckets(tiny_dir):
+    model = load_model(tiny_dir("llama"), torch.float32)
+    graphed, cache = _prefilled(model)
+    assert graphed.stats()["eager_passes"] == 1  # the prompt
+    other = model.new_cache(64)
+    graphed(torch.tensor([[1]]), torch.tensor([[0]]), other)  # another cache: eager
+    wide = TOKEN_BUCKETS[-1] + 1
+    n = cache.length
+    graphed(torch.ones(1, wide, dtype=torch.long), torch.arange(n, n + wide)[None], cache)  # over the buckets
+    graphed(torch.ones(1, 1, dtype=torch.long), torch.tensor([[cache.length]]), cache, layers=[0, 1])
+    assert graphed.stats()["eager_passes"] == 4 and graphed.stats()["replays"] == 0
+    assert key_span(1, 4096) == MIN_KEYS and key_span(MIN_KEYS + 1, 4096) == 2 * MIN_KEYS
+    assert key_span(600, 700) == 700 and key_span(701, 700) is None
+    assert bucket_of(7) == 8 and bucket_of(TOKEN_BUCKETS[-1] + 1) is None
+    assert graphed.new_cache(8) is cache and cache.length == 0  # one owned cache, emptied per request
+    assert graphed.config is model.config and graphed.max_len == model.max_len
+
+
+def _graphed_llm(method: dict | None):
+    """The real model behind a GraphedModel, built as LLM builds it on a GPU (proposer included), on the CPU."""
+    from specdec import LLM
+    from specdec.config import SpeculativeConfig
+    from specdec.spec.decoder import SpeculativeDecoder
+    from specdec.spec.proposer import ProposerContext, make_proposer
+
+    llm = LLM("smollm2-135m", dtype="float32", progress=False)
+    graphed = GraphedModel(llm.model)
+    config = SpeculativeConfig.from_dict(method)
+    proposer = None if config is None else make_proposer(ProposerContext(
+        graphed, llm.tokenizer, config, llm.source.directory, llm.dtype, llm.model.max_len, llm._load_aux))
+    llm.decoder = SpeculativeDecoder(graphed, llm.tokenizer, proposer, config)
+    return llm, graphed, proposer
+
+
+@pytest.mark.parametrize("method", [None, {"method": "ngram", "num_speculative_tokens": 4},
+                                    {"method": "eagle3", "num_steps": 4, "adaptive": False},
+                                    {"method": "eagle3", "num_steps": 4, "eagle_topk": 2, "num_draft_tokens": 8,
+                                     "adaptive": False}])
+def test_requests_through_the_wrapper_equal_eager(method):
+    """Whole requests on the real model (fp32): greedy outputs token for token, speculation included; the
+    EAGLE head's own passes go through its GraphedHead, and draft what the eager head drafts."""
+    from specdec import LLM, SamplingParams
+    from tests.conftest import CHAT_PROMPTS
+
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    chat = [[{"role": "user", "content": p}] for p in CHAT_PROMPTS]
+    eager_llm = LLM("smollm2-135m", dtype="float32", progress=False, speculative_config=method)
+    eager = [eager_llm.chat(c, params)[0].outputs[0] for c in chat]
+    llm, graphed, proposer = _graphed_llm(method)
+    outs = [llm.chat(c, params)[0].outputs[0] for c in chat]
+    assert [o.token_ids for o in outs] == [o.token_ids for o in eager]
+    # every decode and verify pass replayed (and adaptive k's cost profile), the prompts alone ran eagerly
+    stats = graphed.stats()
+    assert stats["replays"] >= sum(o.metrics["target_forward_passes"] - 1 for o in outs) > 0
+    assert stats["eager_passes"] == len(CHAT_PROMPTS)
+    if method is not None and method["method"] == "eagle3":
+        assert proposer.graphed is not None and proposer.graphed.stats()["replays"] > 0
+        # eager: each prompt's first digest alone (up to PROMPT_WINDOW rows, wider than every bucket)
+        assert proposer.graphed.stats()["eager_passes"] == len(CHAT_PROMPTS)
+        for a, b in zip(outs, eager):  # the same drafts, so the same acceptance
+            spec_a, spec_b = a.metrics["speculative"], b.metrics["speculative"]
+            assert (spec_a["num_draft_tokens"], spec_a["num_accepted_tokens"]) == \
+                (spec_b["num_draft_tokens"], spec_b["num_accepted_tokens"])
+
+
+def test_cost_profile_through_the_wrapper(tiny_dir):
+    """Adaptive k's cost profile runs through the graphs (host inputs, the owned cache) before a request's
+    cache is handed out, so a request after it starts from an empty cache."""
+    from specdec.spec.adaptive import CostModel
+
+    graphed = GraphedModel(load_model(tiny_dir("llama"), torch.float32))
+    cost = CostModel(5)
+    cost.profile(graphed)
+    assert cost.profiled and all(cost.seconds[T] > 0 for T in range(1, 6))
+    assert graphed.stats()["replays"] == 3 * 5 and graphed.new_cache(8).length == 0
+
+
+@cuda
+def test_cuda_graph_replays_equal_eager(tiny_dir):
+    from specdec import LLM, SamplingParams
+    d = str(tiny_dir("llama"))
+    params = SamplingParams(temperature=0, max_tokens=32)
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}
+    eager = LLM(d, device="cuda", dtype="float32", progress=False, enforce_eager=True, speculative_config=spec)
+    graphed = LLM(d, device="cuda", dtype="float32", progress=False, speculative_config=spec)
+    assert isinstance(graphed.model, GraphedModel)
+    prompt = "one two three one two three one two"
+    assert graphed.generate(prompt, params)[0].outputs[0].token_ids == \
+        eager.generate(prompt, params)[0].outputs[0].token_ids
+    stats = graphed.model.stats()
+    assert stats["disabled"] is None and stats["graphs"] >= 1 and stats["replays"] > 0
