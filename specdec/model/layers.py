@@ -1,6 +1,7 @@
 """Building blocks of a Llama-family decoder: RMSNorm, rotary embeddings (incl. llama3 scaling), masks."""
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -71,13 +72,17 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + torch.cat((x2, x1), dim=-1) * sin
 
 
+def sdpa_backends(device: torch.device):
+    """A context in which SDPA on `device` (CUDA) uses _CUDA_SDPA's backends (e.g. around a transformers
+    model's decode loop); a no-op elsewhere."""
+    return sdpa_kernel(_CUDA_SDPA) if torch.device(device).type == "cuda" else contextlib.nullcontext()
+
+
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
          is_causal: bool = False, enable_gqa: bool = False, scale: float | None = None) -> torch.Tensor:
-    """F.scaled_dot_product_attention, on CUDA through the backends of _CUDA_SDPA only."""
-    if not q.is_cuda:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
-                                              enable_gqa=enable_gqa)
-    with sdpa_kernel(_CUDA_SDPA):
+    """F.scaled_dot_product_attention, on CUDA through the backends of _CUDA_SDPA only (inference: training's
+    shapes repeat, and its backward keeps torch's choice, which trained the shipped head)."""
+    with sdpa_backends(q.device) if not torch.is_grad_enabled() else contextlib.nullcontext():
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
                                               enable_gqa=enable_gqa)
 

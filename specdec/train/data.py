@@ -31,6 +31,7 @@ import torch
 
 from specdec.config import ConfigError
 from specdec.jsonstream import iter_json_array
+from specdec.model.layers import sdpa_backends
 from specdec.train.features import Shard, write_shard
 
 
@@ -149,8 +150,9 @@ def generate_batch(hf_model, prompts: list[list[int]], max_new_tokens: int, eos_
     past, done = None, torch.zeros(B, dtype=torch.bool, device=device)
     step_ids, step_pos = ids, pos
     for _ in range(max_new_tokens):
-        out = hf_model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos, past_key_values=past,
-                       use_cache=True, output_hidden_states=features, logits_to_keep=1)
+        with sdpa_backends(device):  # a new key length every step: no cuDNN plan per shape (model/layers.py)
+            out = hf_model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos, past_key_values=past,
+                           use_cache=True, output_hidden_states=features, logits_to_keep=1)
         if features:
             hs = out.hidden_states
             feats.append([hs[-1].half()] + [hs[i].half() for i in keep])
