@@ -121,6 +121,8 @@ def test_requests_through_the_wrapper_equal_eager(method):
         assert proposer.graphed is not None and proposer.graphed.stats()["replays"] > 0
         # eager: each prompt's first digest alone (up to PROMPT_WINDOW rows, wider than every bucket)
         assert proposer.graphed.stats()["eager_passes"] == len(CHAT_PROMPTS)
+        chains = [k for k in proposer.graphed.calls.entries if k[0] == "chain"]
+        assert bool(chains) == (method.get("eagle_topk", 1) == 1)  # a greedy chain: one replay a proposal
         for a, b in zip(outs, eager):  # the same drafts, so the same acceptance
             spec_a, spec_b = a.metrics["speculative"], b.metrics["speculative"]
             assert (spec_a["num_draft_tokens"], spec_a["num_accepted_tokens"]) == \

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from specdec.bench.gpu_cost import main
@@ -56,11 +57,13 @@ def test_gpu_speed_on_the_cpu(tiny_dir, tmp_path):
                   str(prompts), "--max-tokens", "12", "--profile", "6", "--eager-prompts", "1", "--out", str(out)]) == 0
     report = json.loads((out / "gpu_speed.json").read_text())
     # no head given: no eagle3 rows; on the CPU both modes run eagerly, the "(eager)" rows on one prompt
-    assert set(report["results"]) == {"plain", "ngram k4", "plain (eager)", "ngram k4 (eager)"}
+    assert set(report["results"]) == {"plain", "ngram k4", "ngram (adaptive)", "plain (eager)", "ngram k4 (eager)"}
     for name, r in report["results"].items():
         assert r["equal_to_plain"] == ("1/1" if "eager" in name else "2/2")
         assert r["decode_tokens"] > 0 and r["decode_tokens_per_s"] > 0 and r["cuda_graphs"] is None
     assert "| ngram k4 |" in (out / "gpu_speed.md").read_text()
+    with pytest.raises(SystemExit, match="unknown methods"):
+        speed(["--model", str(tiny_dir("llama")), "--device", "cpu", "--methods", "plain,warp", "--out", str(out)])
     assert "plain decoding, eager: 6 tokens" in (out / "gpu_profile.txt").read_text()
 
 

@@ -16,6 +16,7 @@ the same static pass runs uncaptured, which is how CPU tests check the wrapper's
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -32,6 +33,16 @@ def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (a no-op on the CPU): host timers around GPU work need it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+@functools.lru_cache(maxsize=64)
+def _eye(n: int) -> torch.Tensor:
+    return torch.eye(n, dtype=torch.long)  # kept: small host ops cost ~0.1 ms each on a slow VM
+
+
+@functools.lru_cache(maxsize=64)
+def _causal(n: int) -> torch.Tensor:
+    return torch.ones(n, n, dtype=torch.long).tril()
 
 
 def key_span(end: int, capacity: int) -> int | None:
@@ -196,8 +207,8 @@ class GraphedModel:
         host[2] = torch.arange(start, start + bucket)
         host[3, 0] = start
         block = host[4:]
-        block.copy_(torch.eye(bucket, dtype=torch.long))
-        block[:T, :T] = torch.ones(T, T, dtype=torch.long).tril() if block_mask is None else block_mask
+        block.copy_(_eye(bucket))
+        block[:T, :T] = _causal(T) if block_mask is None else block_mask
 
     def stats(self) -> dict:
         return {"graphs": self.calls.num_graphs, "replays": self.calls.replays, "eager_passes": self.eager_passes,

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from specdec.config import ConfigError
-from specdec.model.cuda_graph import GraphedModel
+from specdec.model.cuda_graph import TOKEN_BUCKETS, GraphedModel
 from specdec.proposers.eagle_graph import GraphedHead
 from specdec.proposers.heads import DraftKV, load_head
 from specdec.sampler import argmax, sample, warp
@@ -152,23 +152,46 @@ class _EagleBase(Proposer):
             return  # the request stopped inside the block: it ends here
         state.draft["pending"].append((self._features(target.forward, rows), nxt))
 
+    def _take_pending(self, state: RequestState) -> tuple[torch.Tensor, list[int]] | None:
+        """The rows the target accepted since the request last drafted (features [n, .], next tokens), taken
+        off its queue; None if there are none."""
+        pending = state.draft.get("pending")
+        if not pending:
+            return None
+        feats = torch.cat([f for f, _ in pending])  # [n, H] or [n, 3H]
+        tokens = [t for _, toks in pending for t in toks]
+        pending.clear()
+        skip = len(tokens) - PROMPT_WINDOW if state.draft["len"] == 0 else 0
+        if skip > 0:  # the first digest: only the newest PROMPT_WINDOW rows
+            feats, tokens = feats[skip:], tokens[skip:]
+            state.draft["offset"] += skip
+        return feats, tokens
+
     def _flush(self, states: list[RequestState]) -> None:
         """Digest the rows the target accepted since each request last drafted (one head pass for all)."""
-        work = []
-        for state in states:
-            pending = state.draft.get("pending")
-            if not pending:
-                continue
-            feats = torch.cat([f for f, _ in pending])  # [n, H] or [n, 3H]
-            tokens = [t for _, toks in pending for t in toks]
-            pending.clear()
-            skip = len(tokens) - PROMPT_WINDOW if state.draft["len"] == 0 else 0
-            if skip > 0:  # the first digest: only the newest PROMPT_WINDOW rows
-                feats, tokens = feats[skip:], tokens[skip:]
-                state.draft["offset"] += skip
-            work.append((state, feats, tokens))
+        work = [(state, *rows) for state in states if (rows := self._take_pending(state)) is not None]
         if work:
             self._commit(work)
+
+    def _graphed_chain(self, state: RequestState, k: int) -> Proposal | None:
+        """A greedy chain through the head's graphs: the digest and all num_steps drafts in one replay
+        (GraphedHead.digest_and_chain), cut to k; None where it does not apply (then the eager way)."""
+        st = state.draft
+        rows = self._take_pending(state)
+        if rows is not None and len(rows[1]) > TOKEN_BUCKETS[-1]:  # a prompt's first digest: its own pass
+            self._commit([(state, *rows)])
+            rows = None
+        st["cache"].length = st["len"]
+        feats, tokens = rows if rows is not None else (None, [])
+        got = self.graphed.digest_and_chain(feats, tokens, st["offset"], st["g"], self.num_steps, self.embed,
+                                            self.draft_ids, self.lm_head)
+        if got is None:
+            if rows is not None:
+                self._commit([(state, *rows)])
+            return None
+        drafted, st["g"] = got
+        st["len"] = st["cache"].length
+        return Proposal(drafted[:k], None)
 
     # -- drafting -------------------------------------------------------------------------------
     def _logprobs(self, out: torch.Tensor) -> torch.Tensor:
@@ -196,6 +219,11 @@ class _EagleBase(Proposer):
         the engine: c = 1 1.30x vs 1.36x, c = 4 1.10x vs 1.12x, 16 rows in bf16 1.28x vs 1.34x (session
         24); adaptive k's acceptance model, one rate for every position, underrates a head's chains."""
         ready = [i for i, s in enumerate(states) if "cache" in s.draft and ks[i] > 0]
+        if (self.graphed is not None and ready == [0] and states[0].params.greedy
+                and not (self.topk > 1 and min(ks[0], self.budget) > 1)):
+            chain = self._graphed_chain(states[0], min(ks[0], self.num_steps))
+            if chain is not None:
+                return [chain]
         self._flush([states[i] for i in ready])
         proposals, chains = [EMPTY] * len(states), []
         for i in ready:
