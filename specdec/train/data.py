@@ -21,6 +21,7 @@ selection, seed for seed.
 from __future__ import annotations
 
 import gzip
+import inspect
 import json
 import random
 import time
@@ -149,9 +150,11 @@ def generate_batch(hf_model, prompts: list[list[int]], max_new_tokens: int, eos_
     out_tokens: list[torch.Tensor] = []
     past, done = None, torch.zeros(B, dtype=torch.bool, device=device)
     step_ids, step_pos = ids, pos
+    # transformers renamed past_key_values to cache (5.24 warns, 5.40 drops it); the device images have older ones
+    cache_arg = "cache" if "cache" in inspect.signature(type(hf_model).forward).parameters else "past_key_values"
     for _ in range(max_new_tokens):
         with sdpa_backends(device):  # a new key length every step: no cuDNN plan per shape (model/layers.py)
-            out = hf_model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos, past_key_values=past,
+            out = hf_model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos, **{cache_arg: past},
                            use_cache=True, output_hidden_states=features, logits_to_keep=1)
         if features:
             hs = out.hidden_states
@@ -162,7 +165,7 @@ def generate_batch(hf_model, prompts: list[list[int]], max_new_tokens: int, eos_
         done |= torch.isin(nxt, eos)
         if bool(done.all()):
             break
-        past, step_ids = out.past_key_values, nxt[:, None]
+        past, step_ids = getattr(out, cache_arg), nxt[:, None]
         step_pos = step_pos[:, -1:] + 1
         attn = torch.cat([attn, torch.ones(B, 1, dtype=torch.long, device=device)], dim=1)
     gen = torch.stack(out_tokens, 1).cpu()  # [B, steps]
