@@ -64,16 +64,21 @@ class DecoderLayer(torch.nn.Module):
         gate_up = rounded_linear(self.post_norm(x), self.gate_up.weight, None, dt)  # [B, T, 2 I]
         return x + rounded_linear(silu_mul(gate_up), self.down.weight, None, dt)
 
-    def attention(self, qkv, cos, sin, cache: KVCache, layer_idx: int, mask) -> torch.Tensor:
-        # cache.write stores this block's k/v and returns the visible keys/values
+    def heads(self, qkv, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[B, T, (Hq + 2 Hkv) D] -> q [B, Hq, T, D], k, v [B, Hkv, T, D]; q/k-normed (Qwen3), rotated."""
         B, T, _ = qkv.shape
         q, k, v = qkv.split(self.split, dim=-1)
-        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
-        k = k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def attention(self, qkv, cos, sin, cache: KVCache, layer_idx: int, mask) -> torch.Tensor:
+        # cache.write stores this block's k/v and returns the visible keys/values
+        B, T, _ = qkv.shape
+        q, k, v = self.heads(qkv, cos, sin)
         k_all, v_all = cache.write(layer_idx, k, v)  # [B, Hkv, past+T, D]
         # mask None: one token (sees everything), or a prompt into an empty cache (causal, T == S)
         attn = sdpa(q, k_all, v_all, mask, is_causal=mask is None and T > 1, enable_gqa=True)
@@ -84,13 +89,7 @@ class DecoderLayer(torch.nn.Module):
         every query attends over the cache's first S slots under `mask` [T, S], S = mask's width."""
         B, T, _ = qkv.shape
         S = mask.shape[-1]
-        q, k, v = qkv.split(self.split, dim=-1)
-        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
-        k = k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
-        v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = self.heads(qkv, cos, sin)
         cache.k[layer_idx].index_copy_(2, slots, k)
         cache.v[layer_idx].index_copy_(2, slots, v)
         k_all = expand_kv(cache.k[layer_idx, :, :, :S], self.n_heads)  # [B, H, S, D]
