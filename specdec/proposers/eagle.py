@@ -55,6 +55,14 @@ def default_head(kind: str, target_cfg) -> Path:
                       f"its directory as the speculative model")
 
 
+def _rerank(tok: list[int], par: list[int], val: list[float], budget: int) -> Proposal:
+    """EAGLE-2's final cut: the `budget` nodes of highest cumulative log-probability, in node order. A stable
+    sort keeps a parent ahead of an equal-valued child, so the cut is a tree."""
+    keep = sorted(sorted(range(len(tok)), key=lambda n: -val[n])[:budget])
+    index = {n: i for i, n in enumerate(keep)}
+    return Proposal([tok[n] for n in keep], None, [index[par[n]] if par[n] != -1 else -1 for n in keep])
+
+
 class _EagleBase(Proposer):
     kind = "eagle"
     deterministic = False
@@ -173,9 +181,10 @@ class _EagleBase(Proposer):
         if work:
             self._commit(work)
 
-    def _graphed_chain(self, state: RequestState, k: int) -> Proposal | None:
-        """A greedy chain through the head's graphs: the digest and all num_steps drafts in one replay
-        (GraphedHead.digest_and_chain), cut to k; None where it does not apply (then the eager way)."""
+    def _graphed_proposal(self, state: RequestState, k: int, tree: bool) -> Proposal | None:
+        """This step's proposal through the head's graphs: the digest and the whole chain (k of num_steps
+        tokens kept) or tree (cut to k nodes) in one replay (GraphedHead.digest_and_draft); None where it
+        does not apply (then the eager way)."""
         st = state.draft
         rows = self._take_pending(state)
         if rows is not None and len(rows[1]) > TOKEN_BUCKETS[-1]:  # a prompt's first digest: its own pass
@@ -183,15 +192,19 @@ class _EagleBase(Proposer):
             rows = None
         st["cache"].length = st["len"]
         feats, tokens = rows if rows is not None else (None, [])
-        got = self.graphed.digest_and_chain(feats, tokens, st["offset"], st["g"], self.num_steps, self.embed,
-                                            self.draft_ids, self.lm_head)
+        got = self.graphed.digest_and_draft("tree" if tree else "chain", feats, tokens, st["offset"], st["g"],
+                                            self.num_steps, self.topk if tree else 1, self.embed, self.draft_ids,
+                                            self.lm_head)
         if got is None:
             if rows is not None:
                 self._commit([(state, *rows)])
             return None
         drafted, st["g"] = got
         st["len"] = st["cache"].length
-        return Proposal(drafted[:k], None)
+        if not tree:
+            return Proposal(drafted[:k], None)
+        tok, par, val = drafted
+        return _rerank([int(t) for t in tok], [int(p) for p in par], val, k)
 
     # -- drafting -------------------------------------------------------------------------------
     def _logprobs(self, out: torch.Tensor) -> torch.Tensor:
@@ -219,11 +232,13 @@ class _EagleBase(Proposer):
         the engine: c = 1 1.30x vs 1.36x, c = 4 1.10x vs 1.12x, 16 rows in bf16 1.28x vs 1.34x (session
         24); adaptive k's acceptance model, one rate for every position, underrates a head's chains."""
         ready = [i for i, s in enumerate(states) if "cache" in s.draft and ks[i] > 0]
-        if (self.graphed is not None and ready == [0] and states[0].params.greedy
-                and not (self.topk > 1 and min(ks[0], self.budget) > 1)):
-            chain = self._graphed_chain(states[0], min(ks[0], self.num_steps))
-            if chain is not None:
-                return [chain]
+        if self.graphed is not None and ready == [0]:  # the single-request decoder on a GPU
+            tree = self.topk > 1 and min(ks[0], self.budget) > 1
+            if tree or states[0].params.greedy:
+                k = min(ks[0], self.budget if tree else self.num_steps)
+                proposal = self._graphed_proposal(states[0], k, tree)
+                if proposal is not None:
+                    return [proposal]
         self._flush([states[i] for i in ready])
         proposals, chains = [EMPTY] * len(states), []
         for i in ready:
@@ -319,10 +334,7 @@ class _EagleBase(Proposer):
                     dep.append(depth)
                     new.append(len(tok) - 1)
             frontier = sorted(new, key=lambda n: -val[n])[:K]
-        # rerank: stable sort keeps a parent ahead of an equal-valued child, so the cut is a tree
-        keep = sorted(sorted(range(len(tok)), key=lambda n: -val[n])[:budget])
-        index = {n: i for i, n in enumerate(keep)}
-        return Proposal([tok[n] for n in keep], None, [index[par[n]] if par[n] != -1 else -1 for n in keep])
+        return _rerank(tok, par, val, budget)
 
     def end(self, state: RequestState) -> None:
         state.draft.clear()

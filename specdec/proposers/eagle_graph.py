@@ -89,20 +89,24 @@ class GraphedHead:
         return None if out is None else out[:, :T].clone()
 
     @torch.inference_mode()
-    def digest_and_chain(self, feats: torch.Tensor | None, tokens: list[int], offset: int, g: torch.Tensor,
-                         num_steps: int, embed, draft_ids: torch.Tensor, lm_head) -> tuple[list[int], torch.Tensor]:
-        """A greedy chain's whole proposal in one replay: digest the n accepted rows (feats [n, F], their next
-        tokens) at cache rows [length, length + n), then draft num_steps tokens from the last row's output
-        (g [1, 1, H] when n = 0). Returns the drafted target ids and the last committed row's output
-        [1, 1, H]; cache.length ends at length + n (the chain's rows are speculative)."""
+    def digest_and_draft(self, kind: str, feats: torch.Tensor | None, tokens: list[int], offset: int,
+                         g: torch.Tensor, num_steps: int, topk: int, embed, draft_ids: torch.Tensor, lm_head):
+        """A whole proposal in one replay: digest the n accepted rows (feats [n, F], their next tokens) at
+        cache rows [length, length + n), then draft from the last row's output (g [1, 1, H] when n = 0):
+        kind "chain", num_steps greedy tokens (-> their target ids); kind "tree", EAGLE-2's dynamic tree
+        of num_steps depths, topk expanded a depth (-> every node's target id, parent node (-1: the root)
+        and cumulative log-probability, for the host's rerank). Also returns the last committed row's
+        output [1, 1, H]; cache.length ends at length + n (the draft's rows are speculative). None where
+        no graph applies (too many rows, no room)."""
         n, start = len(tokens), self.cache.length
         nb = bucket_of(n) if n else 0
-        keys = key_span(start + nb + num_steps, self.cache.k.shape[2])
-        if nb is None or keys is None or start + n + num_steps > self.capacity:
+        spec_rows = num_steps if kind == "chain" else (num_steps - 1) * topk
+        keys = None if nb is None else key_span(start + nb + spec_rows, self.cache.k.shape[2])
+        if keys is None or start + n + spec_rows > self.capacity:
             return None
         dev, H = g.device, g.shape[-1]
         F = feats.shape[-1] if n else 1
-        # rows: tokens, positions, slots (nb each), then [last row, chain's first slot, its position]
+        # rows: tokens, positions, slots (nb each), then [last row, first speculative slot, its position]
         host = torch.zeros(4, max(nb, 3), dtype=torch.long)
         mask = torch.zeros(max(nb, 1), keys, dtype=torch.bool)
         if n:
@@ -113,7 +117,7 @@ class GraphedHead:
             mask[:n, start:start + n] = _causal(n)
             pad = torch.arange(n, nb)
             mask[pad, start + pad] = True
-        host[3, :3] = torch.tensor([max(n - 1, 0), start + n, offset + start + n])  # last row, chain's slot, position
+        host[3, :3] = torch.tensor([max(n - 1, 0), start + n, offset + start + n])
 
         def alloc():
             return (torch.zeros(1, max(nb, 1), F, dtype=g.dtype, device=dev), torch.zeros_like(host, device=dev),
@@ -128,26 +132,27 @@ class GraphedHead:
             g_in.copy_(g.reshape(1, H))
 
         def run(f, h, m, g_in):
-            return self._chain(f, h, m, g_in, nb, keys, num_steps, embed, draft_ids, lm_head)
+            committed = self._digest(f, h, m, nb, embed) if nb else g_in
+            draft = self._chain if kind == "chain" else self._tree
+            return committed, draft(committed, h, keys, num_steps, topk, embed, draft_ids, lm_head)
 
-        got = self.calls(("chain", nb, keys, num_steps), alloc, fill, run)
+        got = self.calls((kind, nb, keys, num_steps, topk), alloc, fill, run)
         if got is None:
             return None
         committed, drafted = got
         self.cache.length = start + n
         return drafted.tolist(), committed.clone()[None]
 
-    def _chain(self, feats, host, mask, g_in, nb: int, keys: int, num_steps: int, embed, draft_ids, lm_head):
-        """digest_and_chain's device work (captured): tensors only, shapes fixed by the bucket."""
-        head = self.head
-        if nb:
-            emb = embed(host[0:1, :nb])  # [1, nb, H]
-            out = head.forward_static(emb, head.fuse(feats.to(emb.dtype), emb), host[1:2, :nb], self.cache,
-                                      host[2, :nb], mask)  # [1, nb, H]
-            g = out[0].index_select(0, host[3, 0:1])  # [1, H]: the last real row's
-        else:
-            g = g_in
-        committed, drafted = g, []
+    def _digest(self, feats, host, mask, nb: int, embed) -> torch.Tensor:
+        """The accepted rows through the head (captured); the last real row's output [1, H]."""
+        emb = embed(host[0:1, :nb])  # [1, nb, H]
+        out = self.head.forward_static(emb, self.head.fuse(feats.to(emb.dtype), emb), host[1:2, :nb], self.cache,
+                                       host[2, :nb], mask)  # [1, nb, H]
+        return out[0].index_select(0, host[3, 0:1])
+
+    def _chain(self, g, host, keys: int, num_steps: int, topk: int, embed, draft_ids, lm_head) -> torch.Tensor:
+        """num_steps greedy drafts from g [1, H] (captured) -> [num_steps] target ids."""
+        head, drafted = self.head, []
         slots = torch.arange(keys, device=g.device)
         for d in range(num_steps):
             tok = draft_ids[head.logits(g, lm_head).float().argmax(-1)]  # [1] target id
@@ -157,7 +162,45 @@ class GraphedHead:
                 slot = host[3, 1:2] + d  # [1]: the chain's row d
                 g = head.forward_static(e, head.step_input(e, g[None]), (host[3, 2:3] + d)[None], self.cache, slot,
                                         (slots < slot + 1)[None])[0]  # [1, H]
-        return committed, torch.cat(drafted)
+        return torch.cat(drafted)
+
+    def _tree(self, g, host, keys: int, num_steps: int, K: int, embed, draft_ids, lm_head) -> torch.Tensor:
+        """EAGLE-2's dynamic tree from g [1, H] (captured; the eager _EagleBase._tree step for step): depth 1
+        is the top K; each further depth forwards the K best frontier nodes (each row seeing the committed
+        rows, its forwarded ancestors and itself) and scores their top-K children by cumulative
+        log-probability. -> [3, N] (target id, parent node, log-probability) as float64, N = K + (num_steps
+        - 1) K^2, nodes in the eager order."""
+        head, dev = self.head, g.device
+        F = (num_steps - 1) * K  # forwarded rows, at slots c .. c + F - 1
+        c, pos0 = host[3, 1], host[3, 2]
+        spec = c + torch.arange(F, device=dev)
+        committed = torch.arange(keys, device=dev) < c  # [S]
+        top = torch.log_softmax(head.logits(g, lm_head).float(), dim=-1)[0].topk(K)
+        toks, pars, vals = [draft_ids[top.indices]], [torch.full((K,), -1, device=dev)], [top.values]
+        f_ids, f_val, f_tok = torch.arange(K, device=dev), top.values, toks[0]
+        f_out, f_row = g.expand(K, -1), torch.full((K,), F, device=dev)  # row F of anc: the root's (none)
+        anc = torch.zeros(F + 1, F, dtype=torch.bool, device=dev)  # forwarded row -> its ancestors' rows
+        eye, count = torch.eye(K, dtype=torch.bool, device=dev), K
+        for depth in range(2, num_steps + 1):
+            r0 = (depth - 2) * K
+            rows = anc[f_row]  # [K, F]
+            rows[:, r0:r0 + K] |= eye
+            anc[r0:r0 + K] = rows
+            mask = committed[None].expand(K, keys).clone().scatter_(1, spec[None].expand(K, F), rows)  # [K, S]
+            e = embed(f_tok)[None]  # [1, K, H]
+            out = head.forward_static(e, head.step_input(e, f_out[None]), (pos0 + depth - 2).expand(1, K),
+                                      self.cache, spec[r0:r0 + K], mask)[0]  # [K, H]
+            cand = (f_val[:, None] + torch.log_softmax(head.logits(out, lm_head).float(), dim=-1)).topk(K, dim=-1)
+            n_val, n_tok = cand.values.reshape(-1), draft_ids[cand.indices].reshape(-1)  # [K * K]
+            src = torch.arange(K, device=dev).repeat_interleave(K)  # each child's parent: a row of `out`
+            toks.append(n_tok)
+            pars.append(f_ids.repeat_interleave(K))
+            vals.append(n_val)
+            best = torch.sort(n_val, descending=True, stable=True).indices[:K]  # the next frontier
+            f_ids, f_val, f_tok = count + best, n_val[best], n_tok[best]
+            f_out, f_row = out[src[best]], r0 + src[best]
+            count += K * K
+        return torch.stack([torch.cat(toks).double(), torch.cat(pars).double(), torch.cat(vals).double()])
 
     def stats(self) -> dict:
         return {"graphs": self.calls.num_graphs, "replays": self.calls.replays, "eager_passes": self.eager_passes,
