@@ -87,12 +87,15 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
                                               enable_gqa=enable_gqa)
 
 
-def expand_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """[B, Hkv, S, D] -> [B, num_heads, S, D], each kv head repeated for its query group (GQA) by views:
-    SDPA's kernels that take an arbitrary mask want as many kv heads as query heads."""
-    B, n_kv, S, D = x.shape
-    group = num_heads // n_kv
-    return x[:, :, None].expand(B, n_kv, group, S, D).reshape(B, num_heads, S, D)
+def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Attention of q [B, Hq, T, D] over k, v [B, Hkv, S, D] (grouped-query: query head h reads kv head
+    h // (Hq / Hkv)) under a bool mask [T, S]. Each kv head's query group is folded into the query rows,
+    [B, Hkv, G T, D], so no kv head is copied (SDPA's kernels that take a mask want equal head counts, and
+    expanding the cache would copy it G times a layer). -> [B, Hq, T, D]"""
+    B, Hq, T, D = q.shape
+    G = Hq // k.shape[1]
+    out = sdpa(q.reshape(B, k.shape[1], G * T, D), k, v, mask.repeat(G, 1))  # [B, Hkv, G T, D]
+    return out.reshape(B, Hq, T, D)
 
 
 def build_attention_mask(past_len: int, block_mask: torch.Tensor | None, num_new: int,

@@ -20,7 +20,7 @@ from specdec.config import ModelConfig
 from specdec.kernels import linear, silu_mul
 from specdec.kernels.attention import FusedAttention, fused_attention
 from specdec.kernels.layer import decoder_layer, decoder_layers, packs, unpack
-from specdec.model.layers import RMSNorm, Rotary, apply_rotary, expand_kv, rounded_linear, sdpa
+from specdec.model.layers import RMSNorm, Rotary, apply_rotary, grouped_sdpa, rounded_linear, sdpa
 
 
 @dataclass
@@ -92,9 +92,7 @@ class DecoderLayer(torch.nn.Module):
         q, k, v = self.heads(qkv, cos, sin)
         cache.k[layer_idx].index_copy_(2, slots, k)
         cache.v[layer_idx].index_copy_(2, slots, v)
-        k_all = expand_kv(cache.k[layer_idx, :, :, :S], self.n_heads)  # [B, H, S, D]
-        v_all = expand_kv(cache.v[layer_idx, :, :, :S], self.n_heads)
-        attn = sdpa(q, k_all, v_all, mask)
+        attn = grouped_sdpa(q, cache.k[layer_idx, :, :, :S], cache.v[layer_idx, :, :, :S], mask)  # [B, H, T, D]
         return attn.transpose(1, 2).reshape(B, T, -1)
 
 

@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from specdec.config import ConfigError
 from specdec.kernels import linear, rms_norm, silu_mul
-from specdec.model.layers import Rotary, apply_rotary, expand_kv, sdpa
+from specdec.model.layers import Rotary, apply_rotary, grouped_sdpa, sdpa
 from specdec.quant.bf16 import Bf16Weight
 
 HEAD_KINDS = ("medusa", "eagle", "eagle3")
@@ -271,8 +271,8 @@ class EagleHead(torch.nn.Module):
         q, k, v = layer.self_attn.qkv(x, cos, sin)
         cache.k.index_copy_(2, slots, k)
         cache.v.index_copy_(2, slots, v)
-        S, heads = mask.shape[-1], layer.self_attn.n_heads
-        out = sdpa(q, expand_kv(cache.k[:, :, :S], heads), expand_kv(cache.v[:, :, :S], heads), mask)
+        S = mask.shape[-1]
+        out = grouped_sdpa(q, cache.k[:, :, :S], cache.v[:, :, :S], mask)  # [1, Hq, T, D]
         return layer.finish(residual, layer.self_attn.project(out))
 
     def forward_rows(self, embeds, hidden, positions, caches: list["DraftKV"], sizes: list[int]):
