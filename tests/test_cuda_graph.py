@@ -170,3 +170,17 @@ def test_cuda_graph_replays_equal_eager(tiny_dir):
         eager.generate(prompt, params)[0].outputs[0].token_ids
     stats = graphed.model.stats()
     assert stats["disabled"] is None and stats["graphs"] >= 1 and stats["replays"] > 0
+
+
+@cuda
+def test_cuda_graph_data_generation_equals_uncaptured(tiny_dir):
+    from specdec.train.generate import StaticGenerator
+
+    model = load_model(tiny_dir("llama"), torch.float32, 512, "cuda")
+    prompts = [[1, 504, 3458, 282], list(range(100, 130)), [7, 8, 9, 10, 11, 12]]
+    graphed, plain = StaticGenerator(model), StaticGenerator(model, graphs=False)
+    got = graphed.generate(prompts, 24, {2}, (0, 2))
+    ref = plain.generate(prompts, 24, {2}, (0, 2))
+    assert [s.tokens for s in got] == [s.tokens for s in ref] and graphed.calls.num_graphs >= 1
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a.hidden, b.hidden)

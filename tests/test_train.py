@@ -251,3 +251,49 @@ def test_max_seconds_fits_the_schedule_to_the_budget(dataset, tmp_path):
     assert fit.total_steps == 33
     fit._fit_budget(0, 0.02, Bar())  # a pace that would allow thousands: the planned steps
     assert fit.total_steps == planned
+
+
+@pytest.mark.parametrize("features", [True, False])
+def test_static_generator_matches_transformers(tiny_dir, features):
+    """`--generator specdec` (our runtime in lock step, left padding masked per row) regenerates what
+    transformers' loop does: the same tokens, EOS cuts included, and the same features; a second batch of
+    another shape reuses nothing stale."""
+    import transformers as tf
+
+    from specdec.model.loader import load_model
+    from specdec.train.data import generate_batch
+    from specdec.train.generate import StaticGenerator
+
+    d = tiny_dir("llama")
+    hf = tf.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    gen = StaticGenerator(load_model(d, torch.float32, 512))
+    rng = torch.Generator().manual_seed(0)
+    aux = (0, 2)
+    for lengths in ((5, 9, 17), (3, 70)):
+        prompts = [torch.randint(3, 49152, (n,), generator=rng).tolist() for n in lengths]
+        eos = {2, int(prompts[0][-1])}  # a token the model may well emit: EOS inside the block
+        ref = generate_batch(hf, prompts, 12, eos, aux, features=features)
+        got = gen.generate(prompts, 12, eos, aux, features=features)
+        assert [s.tokens for s in got] == [s.tokens for s in ref]
+        for a, b in zip(got, ref):
+            assert a.prompt_len == b.prompt_len
+            if features:
+                torch.testing.assert_close(a.hidden.float(), b.hidden.float(), atol=2e-3, rtol=1e-2)
+                for l in aux:
+                    torch.testing.assert_close(a.aux[l].float(), b.aux[l].float(), atol=2e-3, rtol=1e-2)
+            else:
+                assert a.hidden is None
+
+
+def test_build_dataset_with_our_generator_equals_transformers(dataset, tmp_path):
+    from specdec.config import ConfigError
+
+    d, out = dataset
+    ours = tmp_path / "ours"
+    build_dataset(str(d), ours, DataSpec(num_prompts=6, num_heldout=3, max_new_tokens=10, batch_size=3, scan=300,
+                                         generator="specdec"), progress=False)
+    for split in ("train", "heldout"):
+        assert [s.tokens for s in read_split(ours / split)] == [s.tokens for s in read_split(out / split)]
+    assert json.loads((ours / "meta.json").read_text())["spec"]["generator"] == "specdec"
+    with pytest.raises(ConfigError, match="generator"):
+        DataSpec(generator="vllm")

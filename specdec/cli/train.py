@@ -41,6 +41,8 @@ def register(sub) -> None:
     d.add_argument("--write-prompts", type=Path, default=None, metavar="FILE",
                    help="only save the candidate prompts (for a machine without the ShareGPT package)")
     d.add_argument("--max-seconds", type=float, default=None, help="start no train batch after this long")
+    d.add_argument("--generator", choices=("transformers", "specdec"), default="transformers",
+                   help="who regenerates the answers (specdec: our runtime, CUDA graphs on a GPU)")
     _device(d)
     d.set_defaults(func=run_data)
     for kind in KINDS:
@@ -106,7 +108,8 @@ def run_data(args) -> int:
 
     spec = DataSpec(args.num_prompts, args.num_heldout, args.max_prompt_tokens, args.max_new_tokens,
                     args.batch_size, args.seed, scan=args.scan, max_batches=args.max_batches, online=args.online,
-                    prompts_file=str(args.prompts) if args.prompts else None, max_seconds=args.max_seconds)
+                    prompts_file=str(args.prompts) if args.prompts else None, max_seconds=args.max_seconds,
+                    generator=args.generator)
     if args.write_prompts:
         from specdec.model.loader import resolve_model
         from specdec.model.tokenizer import Tokenizer

@@ -89,12 +89,13 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
 
 def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Attention of q [B, Hq, T, D] over k, v [B, Hkv, S, D] (grouped-query: query head h reads kv head
-    h // (Hq / Hkv)) under a bool mask [T, S]. Each kv head's query group is folded into the query rows,
-    [B, Hkv, G T, D], so no kv head is copied (SDPA's kernels that take a mask want equal head counts, and
-    expanding the cache would copy it G times a layer). -> [B, Hq, T, D]"""
+    h // (Hq / Hkv)) under a bool mask [T, S] (or per row, [B, T, S]). Each kv head's query group is folded
+    into the query rows, [B, Hkv, G T, D], so no kv head is copied (SDPA's kernels that take a mask want
+    equal head counts, and expanding the cache would copy it G times a layer). -> [B, Hq, T, D]"""
     B, Hq, T, D = q.shape
     G = Hq // k.shape[1]
-    out = sdpa(q.reshape(B, k.shape[1], G * T, D), k, v, mask.repeat(G, 1))  # [B, Hkv, G T, D]
+    mask = mask.repeat(G, 1) if mask.dim() == 2 else mask.repeat(1, G, 1)[:, None]  # [G T, S] / [B, 1, G T, S]
+    out = sdpa(q.reshape(B, k.shape[1], G * T, D), k, v, mask)  # [B, Hkv, G T, D]
     return out.reshape(B, Hq, T, D)
 
 

@@ -170,18 +170,24 @@ class LlamaModel(torch.nn.Module):
 
     def forward_static(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                        start: torch.Tensor, block_mask: torch.Tensor, cache: KVCache, num_keys: int,
-                       output_layers: Sequence[int] = ()) -> ForwardOutput:
+                       output_layers: Sequence[int] = (), key_valid: torch.Tensor | None = None,
+                       last_logits: bool = False) -> ForwardOutput:
         """forward() as pure tensor work, for capture in a CUDA graph (model/cuda_graph.py): no host-side
-        value decides a shape. input_ids, positions [1, T]; slots [T] the cache slots written (start + i);
+        value decides a shape. input_ids, positions [B, T]; slots [T] the cache slots written (start + i);
         start [] the first of them; block_mask [T, T] bool, the new tokens' mask among themselves. Each
         token sees the slots before start, and block_mask's among [start, start + T); attention spans the
-        cache's first num_keys slots. cache.length is NOT advanced (the caller's job after a replay)."""
-        x = self.embed(input_ids)  # [1, T, H]
+        cache's first num_keys slots. key_valid [B, >= num_keys] bool: a left-padded batch's keys per row
+        (each token still sees itself). last_logits: the last position's logits only. cache.length is NOT
+        advanced (the caller's job after a replay)."""
+        x = self.embed(input_ids)  # [B, T, H]
         T = x.shape[1]
         cos, sin = self.rotary(positions, x.dtype)
-        rel = torch.arange(num_keys, device=x.device) - start  # [S]: key slot relative to the block
+        keys = torch.arange(num_keys, device=x.device)
+        rel = keys - start  # [S]: key slot relative to the block
         in_block = (rel >= 0) & (rel < T)
         mask = (rel < 0)[None, :] | (in_block[None, :] & block_mask[:, rel.clamp(0, T - 1)])  # [T, S]
+        if key_valid is not None:
+            mask = (mask[None] & key_valid[:, None, :num_keys]) | (slots[:, None] == keys[None, :])[None]  # [B, T, S]
         kept = {}
         for i, layer in enumerate(self.layers):
             h = layer.input_norm(x)
@@ -192,7 +198,8 @@ class LlamaModel(torch.nn.Module):
             if i in output_layers:
                 kept[i] = x
         h = self.norm(x)
-        return ForwardOutput(linear(h, self.lm_head.weight), h, kept if output_layers else None)
+        return ForwardOutput(linear(h[:, -1:] if last_logits else h, self.lm_head.weight), h,
+                             kept if output_layers else None)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed(input_ids)

@@ -20,6 +20,7 @@ selection, seed for seed.
 """
 from __future__ import annotations
 
+import functools
 import gzip
 import inspect
 import json
@@ -74,6 +75,13 @@ class DataSpec:
     online: bool = False  # store tokens only; the trainer computes the features (specdec.train.features)
     prompts_file: str | None = None  # candidate prompts from `--write-prompts` instead of the ShareGPT package
     max_seconds: float | None = None  # start no train batch after this long (a budget cut; rerun to extend)
+    # who regenerates the answers: "transformers" (the reference), or "specdec" (our runtime in lock step,
+    # its decode steps CUDA graphs on a GPU: train/generate.py)
+    generator: str = "transformers"
+
+    def __post_init__(self):
+        if self.generator not in ("transformers", "specdec"):
+            raise ConfigError(f"unknown generator {self.generator!r}; choose transformers or specdec")
 
 
 def candidate_prompts(tokenizer, spec: DataSpec) -> list[str]:
@@ -211,7 +219,15 @@ def build_dataset(model: str, out: Path, spec: DataSpec, progress: bool = True, 
     tok = Tokenizer(src)
     aux = default_aux_layers(cfg.num_hidden_layers)
     train, held = select_prompts(tok, spec)
-    hf = tf.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).to(device).eval()
+    if spec.generator == "specdec":
+        from specdec.model.loader import load_model
+        from specdec.train.generate import PROMPT_ROUND, StaticGenerator
+
+        context = spec.max_prompt_tokens + PROMPT_ROUND + spec.max_new_tokens
+        generate = StaticGenerator(load_model(src, torch.float32, context, device)).generate
+    else:
+        hf = tf.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).to(device).eval()
+        generate = functools.partial(generate_batch, hf)
     meta = {"model": model, "model_dir": str(src), "spec": spec.__dict__, "aux_layers": list(aux),
             "hidden_size": cfg.hidden_size, "num_layers": cfg.num_hidden_layers, "feature_dtype": "float16",
             "features": "online" if spec.online else "offline"}
@@ -230,13 +246,13 @@ def build_dataset(model: str, out: Path, spec: DataSpec, progress: bool = True, 
                 continue
             if split == "train" and spec.max_seconds is not None and time.perf_counter() - t0 > spec.max_seconds:
                 break
-            seqs = generate_batch(hf, [prompts[i] for i in batch], spec.max_new_tokens, set(tok.eos_token_ids), aux,
-                                  features=not spec.online)
+            seqs = generate([prompts[i] for i in batch], spec.max_new_tokens, set(tok.eos_token_ids), aux,
+                            features=not spec.online)
             new_tokens += sum(len(s.tokens) - s.prompt_len for s in seqs)
             write_shard(path, seqs)
     elapsed = time.perf_counter() - t0
     stats = {"generated_tokens_this_run": new_tokens, "seconds_this_run": round(elapsed, 1),
-             "threads": torch.get_num_threads(), "device": str(hf.device)}
+             "threads": torch.get_num_threads(), "device": str(device)}
     (out / f"generation-{int(time.time())}.json").write_text(json.dumps(stats, indent=2))
     return {**meta, **stats}
 

@@ -1,0 +1,109 @@
+"""Batched greedy generation on our own runtime, for training data (`specdec train data --generator specdec`).
+
+transformers' loop (train/data.py, generate_batch) regenerated ~7k tokens/s at batch 512 on a lent H200
+(sessions 24-25): ~66 ms a step for a few ms of work, which capped a 15-minute lease at ~2 M tokens of
+training data. Here a batch of left-padded prompts goes through LlamaModel.forward_static in lock step
+over a static KV cache: the prompts in one uncaptured pass, then every decode step one CUDA-graph replay
+per key span (a power of two; model/cuda_graph.py), each row's padding masked (key_valid). The
+features are those our engine computes at inference (the final normed state and the aux layers'
+outputs), as fp16. Without CUDA the same passes run uncaptured (the tests compare them with
+transformers' generate_batch).
+"""
+from __future__ import annotations
+
+import torch
+
+from specdec.cache.kv_cache import KVCache
+from specdec.model.cuda_graph import CapturedCalls, key_span
+from specdec.train.features import Shard
+
+
+PROMPT_ROUND = 64  # padded prompt lengths are multiples of this: a few cache shapes, a few graphs
+
+
+class StaticGenerator:
+    """generate_batch's contract (tokens; features of every position but the last, or None when not
+    `features`) on a LlamaModel. Graphs bake in the KV cache's address, so the caches (one per batch size
+    and padded length) and the step graphs are kept across batches."""
+
+    def __init__(self, model, graphs: bool = True):
+        self.model = model
+        self.calls = CapturedCalls(model.device, graphs)
+        self.caches: dict[tuple[int, int], KVCache] = {}
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int],
+                 aux_layers: tuple[int, ...], features: bool = True) -> list[Shard.Sequence]:
+        model, B = self.model, len(prompts)
+        L = -(-max(len(p) for p in prompts) // PROMPT_ROUND) * PROMPT_ROUND
+        dev, total = model.device, L + max_new_tokens
+        pad = torch.tensor([L - len(p) for p in prompts])
+        ids = torch.zeros(B, L, dtype=torch.long)
+        for b, p in enumerate(prompts):  # left padding
+            ids[b, L - len(p):] = torch.tensor(p)
+        cache = self.caches.get((B, total))
+        if cache is None:
+            cache = self.caches[(B, total)] = KVCache.for_model(model.config, total, model.dtype, B, dev)
+        key_valid = (torch.arange(total)[None] >= pad[:, None]).to(dev)  # [B, total]: no row sees its padding
+        out = model.forward_static(ids.to(dev), (torch.arange(L)[None] - pad[:, None]).clamp_min(0).to(dev),
+                                   torch.arange(L, device=dev), torch.zeros((), dtype=torch.long, device=dev),
+                                   torch.ones(L, L, dtype=torch.bool, device=dev).tril(), cache, L, aux_layers,
+                                   key_valid, last_logits=True)
+        feats = [_features(out, aux_layers)] if features else []  # per pass: [B, T, H] final, then aux
+        nxt = out.logits[:, -1].argmax(-1)  # [B]
+        eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=dev)
+        done = torch.isin(nxt, eos)
+        tokens = [nxt]
+        step = torch.zeros(3, B, dtype=torch.long, device=dev)  # the pass's input ids, positions, [slot, ...]
+        for i in range(max_new_tokens - 1):
+            if bool(done.all()):
+                break
+            keys = key_span(L + i + 1, total)
+            step[0], step[1], step[2, 0] = nxt, (L - pad).to(dev) + i, L + i
+            got = self.calls(
+                ("step", B, total, keys, aux_layers), lambda: (torch.zeros_like(step), key_valid.clone()),
+                lambda bufs: (bufs[0].copy_(step), bufs[1].copy_(key_valid)),
+                lambda s, valid: _decode_step(model, cache, s, valid, keys, aux_layers))
+            out, nxt = got if got is not None else _decode_step(model, cache, step, key_valid, keys, aux_layers)
+            if features:
+                feats.append(_features(out, aux_layers))
+            nxt = torch.where(done, torch.zeros_like(nxt), nxt)
+            tokens.append(nxt)
+            done |= torch.isin(nxt, eos)
+        gen = torch.stack(tokens, 1).cpu()  # [B, steps]
+        cat = [torch.cat([f[j] for f in feats], dim=1).cpu() for j in range(1 + len(aux_layers))] if features else []
+        return _sequences(prompts, gen, cat, eos_ids, L, aux_layers)
+
+
+def _decode_step(model, cache, step, key_valid, keys: int, aux_layers):
+    """One lock-step decode pass (captured): each row's next token at its own position, cache slot
+    step[2, 0] (shared) -> (the pass's output, each row's argmax [B])."""
+    block = torch.ones(1, 1, dtype=torch.bool, device=step.device)
+    out = model.forward_static(step[0][:, None], step[1][:, None], step[2, :1], step[2, 0], block, cache, keys,
+                               aux_layers, key_valid)
+    return out, out.logits[:, -1].argmax(-1)
+
+
+def _features(out, aux_layers) -> list[torch.Tensor]:
+    return [out.hidden.half()] + [out.layer_hidden[l].half() for l in aux_layers]
+
+
+def _sequences(prompts, gen: torch.Tensor, cat: list[torch.Tensor], eos_ids: set[int], L: int,
+               aux_layers) -> list[Shard.Sequence]:
+    """Each row's prompt + response (cut after its first EOS) and, with features, those of positions
+    0..n-2 out of the left-padded [B, L + steps - 1, H] blocks."""
+    seqs = []
+    for b, p in enumerate(prompts):
+        resp = gen[b].tolist()
+        for j, t in enumerate(resp):
+            if t in eos_ids:
+                resp = resp[:j + 1]
+                break
+        n = len(p) + len(resp)
+        if not cat:
+            seqs.append(Shard.Sequence(p + resp, len(p), None))
+            continue
+        rows = slice(L - len(p), L - len(p) + n - 1)
+        seqs.append(Shard.Sequence(p + resp, len(p), cat[0][b, rows].clone(),
+                                   {l: cat[1 + j][b, rows].clone() for j, l in enumerate(aux_layers)}))
+    return seqs
