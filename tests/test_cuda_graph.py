@@ -114,7 +114,8 @@ def _recorded(proposer) -> list:
 @pytest.mark.parametrize("method", [None, {"method": "ngram", "num_speculative_tokens": 4},
                                     {"method": "eagle3", "num_steps": 4, "adaptive": False},
                                     {"method": "eagle3", "num_steps": 4, "eagle_topk": 2, "num_draft_tokens": 8,
-                                     "adaptive": False}])
+                                     "adaptive": False},
+                                    {"method": "eagle3", "num_steps": 3, "lookup": "ngram", "adaptive": False}])
 def test_requests_through_the_wrapper_equal_eager(method):
     """Whole requests on the real model (fp32): greedy outputs token for token, speculation included; the
     EAGLE head's own passes go through its GraphedHead, and draft what the eager head drafts."""
@@ -135,6 +136,7 @@ def test_requests_through_the_wrapper_equal_eager(method):
     stats = graphed.stats()
     assert stats["replays"] >= sum(o.metrics["target_forward_passes"] - 1 for o in outs) > 0
     assert stats["eager_passes"] == len(CHAT_PROMPTS)
+    proposer = getattr(proposer, "model", proposer)  # a pairing's head
     if method is not None and method["method"] == "eagle3":
         assert proposer.graphed is not None and proposer.graphed.stats()["replays"] > 0
         # eager: each prompt's first digest alone (up to PROMPT_WINDOW rows, wider than every bucket)

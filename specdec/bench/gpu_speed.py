@@ -44,7 +44,9 @@ def methods(head: str | None) -> dict[str, tuple[dict | None, bool]]:
     if head:
         table.update({"eagle3 chain 5": (chain, False), "eagle3 tree 5x4 (16)": (tree, False),
                       "eagle3 chain 3": ({**chain, "num_steps": 3}, False),
-                      "eagle3 tree 4x2 (8)": ({**tree, "num_steps": 4, "eagle_topk": 2, "num_draft_tokens": 8}, False)})
+                      "eagle3 tree 4x2 (8)": ({**tree, "num_steps": 4, "eagle_topk": 2, "num_draft_tokens": 8}, False),
+                      # the n-gram lookup first (free), the head's chain where it finds no match
+                      "eagle3+ngram chain 3": ({**chain, "num_steps": 3, "lookup": "ngram"}, False)})
     table["ngram (adaptive)"] = ({"method": "ngram"}, False)  # what a user gets without flags
     if head:
         table["eagle3 (adaptive)"] = ({"method": "eagle3", "model": head}, False)
