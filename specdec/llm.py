@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.config import SpeculativeConfig
-from specdec.model.cuda_graph import GraphedModel
+from specdec.model.cuda_graph import GraphedModel, check_pass_width
 from specdec.model.loader import DEFAULT_MODEL, load_model, resolve_device, resolve_dtype, resolve_model
 from specdec.model.tokenizer import Tokenizer
 from specdec.sampling_params import SamplingParams
@@ -52,11 +52,12 @@ class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, speculative_config: dict | SpeculativeConfig | None = None,
                  dtype: str | torch.dtype = "auto", max_model_len: int | None = None,
                  num_threads: int | None = None, progress: bool = True, device: str = "auto",
-                 enforce_eager: bool = False):
+                 enforce_eager: bool = False, pass_width: int = 1):
         torch.set_num_threads(num_threads or os.cpu_count() or 1)
+        check_pass_width(pass_width)  # a no-op on the CPU, whose kernels are batch-invariant at any width
         self.source, self.model, self.tokenizer = load_target(model, dtype, max_model_len, progress, device)
         if self.model.device.type == "cuda" and not enforce_eager and hasattr(self.model, "forward_static"):
-            self.model = GraphedModel(self.model)  # decode/verify passes replay CUDA graphs
+            self.model = GraphedModel(self.model, pass_width=pass_width)  # decode/verify passes replay CUDA graphs
         self.dtype = self.model.dtype  # the activations' (bf16 on a CPU stores weights in bf16, computes in fp32)
         self.load_dtype = resolve_dtype(dtype, str(self.model.device))  # what the weights were asked in
         self.speculative_config = SpeculativeConfig.from_dict(speculative_config)

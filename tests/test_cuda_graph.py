@@ -146,6 +146,27 @@ def test_requests_through_the_wrapper_equal_eager(method):
         assert kinds == {"chain" if method.get("eagle_topk", 1) == 1 else "tree"}
 
 
+def test_pass_width_pads_every_pass(tiny_dir):
+    """pass_width: a one-token step runs in the same bucket as a wide verify (the same kernels on a GPU),
+    with the same logits as eager; an out-of-range width is a clear error before anything loads."""
+    from specdec import LLM
+    from specdec.config import ConfigError
+
+    model = load_model(tiny_dir("llama"), torch.float32)
+    graphed = GraphedModel(model, pass_width=8)
+    cache = graphed.new_cache(64)
+    n = len(PROMPT)
+    graphed(torch.tensor([PROMPT]), torch.arange(n)[None], cache, num_logits=1, prefill=True)
+    eager = model(torch.tensor([[7]]), torch.tensor([[n]]), cache)
+    cache.rollback(n)
+    padded = graphed(torch.tensor([[7]]), torch.tensor([[n]]), cache)
+    torch.testing.assert_close(padded.logits, eager.logits, atol=2e-5, rtol=1e-4)
+    assert [k[0] for k in graphed.calls.entries] == [8] and padded.logits.shape[1] == 1
+    for width in (0, TOKEN_BUCKETS[-1] + 1):
+        with pytest.raises(ConfigError, match="pass_width"):
+            LLM(str(tiny_dir("llama")), pass_width=width, progress=False)
+
+
 def test_cost_profile_through_the_wrapper(tiny_dir):
     """Adaptive k's cost profile runs through the graphs (host inputs, the owned cache) before a request's
     cache is handed out, so a request after it starts from an empty cache."""

@@ -6,7 +6,8 @@ One target at one dtype, greedy, batch 1, MT-bench first turns (or `--prompts FI
 strings, for a machine without the MT-bench package). Methods run one after the other with a warm-up
 request each, in two modes on a GPU: eager (`enforce_eager`, the first `--eager-prompts` prompts, as
 eager decoding is slow there) and with CUDA graphs (model/cuda_graph.py, all prompts); each row is
-compared with plain decoding of its mode on the same prompts. Speculation is not adaptive here (fixed
+compared with plain decoding of its mode on the same prompts; the "(width 16)" rows compute every pass 16 rows
+wide (`pass_width`), so a 16-node tree's verify and the plain steps run the same kernels. Speculation is not adaptive here (fixed
 k, fixed tree), so the figures are the methods' own. Reported per method: decode tokens per second
 (all prompts' tokens over all their decode time), its ratio to plain, tokens per target pass, how many
 outputs equal plain decoding's token for token (on a GPU in bf16 a verify pass over k tokens need not
@@ -25,40 +26,52 @@ import statistics
 import time
 from datetime import date
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from specdec.config import ConfigError
 
 
-def methods(head: str | None) -> dict[str, tuple[dict | None, bool]]:
-    """name -> (speculative_config (None: plain decoding), eager). Eager rows run without CUDA graphs
-    (on a CPU every row is eager: the graphs apply to CUDA only)."""
+WIDE = 16  # the pass width of the "(width 16)" rows: a 16-node tree's verify
+
+
+class Row(NamedTuple):
+    config: dict | None  # speculative_config (None: plain decoding)
+    eager: bool = False  # no CUDA graphs (on a CPU every row is eager: the graphs apply to CUDA only)
+    pass_width: int = 1  # LLM(pass_width=): every pass at least this many rows wide
+
+
+def methods(head: str | None) -> dict[str, Row]:
+    """name -> how the row runs; graphed rows first (the eager ones are slow on a GPU)."""
     ngram = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}
     chain = {"method": "eagle3", "model": head, "num_steps": 5, "eagle_topk": 1, "adaptive": False}
     tree = {"method": "eagle3", "model": head, "num_steps": 5, "eagle_topk": 4, "num_draft_tokens": 16,
             "adaptive": False}
-    # graphed rows first (the eager ones are slow on a GPU): a time box cuts the eager comparisons
-    table: dict[str, tuple[dict | None, bool]] = {"plain (eager)": (None, True), "plain": (None, False),
-                                                  "ngram k4": (ngram, False)}
+    table = {"plain (eager)": Row(None, True), "plain": Row(None), "ngram k4": Row(ngram)}
     if head:
-        table.update({"eagle3 chain 5": (chain, False), "eagle3 tree 5x4 (16)": (tree, False),
-                      "eagle3 chain 3": ({**chain, "num_steps": 3}, False),
-                      "eagle3 tree 4x2 (8)": ({**tree, "num_steps": 4, "eagle_topk": 2, "num_draft_tokens": 8}, False),
+        table.update({"eagle3 chain 5": Row(chain), "eagle3 tree 5x4 (16)": Row(tree),
+                      "eagle3 chain 3": Row({**chain, "num_steps": 3}),
+                      "eagle3 tree 4x2 (8)": Row({**tree, "num_steps": 4, "eagle_topk": 2, "num_draft_tokens": 8}),
                       # the n-gram lookup first (free), the head's chain where it finds no match
-                      "eagle3+ngram chain 3": ({**chain, "num_steps": 3, "lookup": "ngram"}, False)})
-    table["ngram (adaptive)"] = ({"method": "ngram"}, False)  # what a user gets without flags
+                      "eagle3+ngram chain 3": Row({**chain, "num_steps": 3, "lookup": "ngram"})})
+    table["ngram (adaptive)"] = Row({"method": "ngram"})  # what a user gets without flags
     if head:
-        table["eagle3 (adaptive)"] = ({"method": "eagle3", "model": head}, False)
-    table["ngram k4 (eager)"] = (ngram, True)
+        table["eagle3 (adaptive)"] = Row({"method": "eagle3", "model": head})
+        # every pass as wide as the tree's verify: the same kernels for plain and speculative passes
+        table[f"plain (width {WIDE})"] = Row(None, pass_width=WIDE)
+        table[f"eagle3 tree 5x4 (16) (width {WIDE})"] = Row(tree, pass_width=WIDE)
+    table["ngram k4 (eager)"] = Row(ngram, True)
     if head:
-        table["eagle3 tree 5x4 (16) (eager)"] = (tree, True)
+        table["eagle3 tree 5x4 (16) (eager)"] = Row(tree, True)
     return table
 
 
 def baseline(name: str) -> str:
     """The plain row a method is compared with: the one of its own mode."""
-    return "plain (eager)" if name.endswith("(eager)") else "plain"
+    if name.endswith("(eager)"):
+        return "plain (eager)"
+    return f"plain (width {WIDE})" if name.endswith(f"(width {WIDE})") else "plain"
 
 
 def load_prompts(path: Path | None, n: int) -> list[str]:
@@ -70,11 +83,12 @@ def load_prompts(path: Path | None, n: int) -> list[str]:
 
 
 def run_method(model: str, config: dict | None, prompts: list[str], max_tokens: int, dtype: str,
-               device: str, eager: bool = False) -> dict:
+               device: str, eager: bool = False, pass_width: int = 1) -> dict:
     from specdec.llm import LLM
     from specdec.sampling_params import SamplingParams
 
-    llm = LLM(model, speculative_config=config, dtype=dtype, device=device, progress=False, enforce_eager=eager)
+    llm = LLM(model, speculative_config=config, dtype=dtype, device=device, progress=False, enforce_eager=eager,
+              pass_width=pass_width)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=False)
     llm.chat([{"role": "user", "content": "Say hello."}], params)  # warm-up (kernels, allocator)
     outputs, tokens, seconds, passes, per_prompt = [], 0, 0.0, 0, []
@@ -187,13 +201,13 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"gpu_speed: unknown methods {unknown}; choose from {list(table)}")
     for name in wanted:
-        config, eager = table[name]
+        config, eager, width = table[name]
         if time.perf_counter() - t0 > args.budget_s:
             report["results"][name] = {"error": "skipped: over the time budget"}
             continue
         subset = prompts[:args.eager_prompts] if eager else prompts
         try:
-            r = run_method(args.model, config, subset, args.max_tokens, args.dtype, device, eager)
+            r = run_method(args.model, config, subset, args.max_tokens, args.dtype, device, eager, width)
         except (RuntimeError, ConfigError, ValueError) as e:  # one method failing leaves the others' figures
             report["results"][name] = {"error": f"{type(e).__name__}: {e}"[:300]}
         else:

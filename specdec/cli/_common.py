@@ -17,6 +17,9 @@ def add_model_args(p: argparse.ArgumentParser, positional: bool = True) -> None:
     p.add_argument("--device", default="auto", help="auto|cpu|cuda (auto: CUDA when available)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run every pass eagerly (default: generate/chat replay CUDA graphs for decode and verify; the serving engine is eager)")
+    p.add_argument("--pass-width", type=int, default=1,
+                   help="CUDA graphs: compute every decode/verify pass at least this many rows wide; plain and "
+                        "speculative greedy decoding at the same width agree bitwise (the CPU kernels always do)")
 
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
@@ -54,4 +57,4 @@ def make_llm(args, speculative: bool = True):
     from specdec.llm import LLM
     return LLM(args.model, speculative_config=spec_config_from_args(args) if speculative else None,
                dtype=args.dtype, max_model_len=args.max_model_len, num_threads=args.threads, device=args.device,
-               enforce_eager=getattr(args, "enforce_eager", False))
+               enforce_eager=getattr(args, "enforce_eager", False), pass_width=getattr(args, "pass_width", 1))

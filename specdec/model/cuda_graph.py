@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 import torch
 
 from specdec.cache.kv_cache import KVCache
+from specdec.config import ConfigError
 
 TOKEN_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32)
 MIN_KEYS = 256  # the narrowest key span a graph attends over
@@ -43,6 +44,11 @@ def _eye(n: int) -> torch.Tensor:
 @functools.lru_cache(maxsize=64)
 def _causal(n: int) -> torch.Tensor:
     return torch.ones(n, n, dtype=torch.long).tril()
+
+
+def check_pass_width(width: int) -> None:
+    if not 1 <= width <= TOKEN_BUCKETS[-1]:
+        raise ConfigError(f"pass_width must be in [1, {TOKEN_BUCKETS[-1]}], got {width}")
 
 
 def key_span(end: int, capacity: int) -> int | None:
@@ -125,10 +131,16 @@ class CapturedCalls:
 class GraphedModel:
     """A LlamaModel whose single-request decode/verify passes replay CUDA graphs (see module doc)."""
 
-    def __init__(self, model, graphs: bool = True):
+    def __init__(self, model, graphs: bool = True, pass_width: int = 1):
         if not hasattr(model, "forward_static"):
             raise TypeError(f"{type(model).__name__} has no static forward to capture")
+        check_pass_width(pass_width)
         self.model = model
+        # every decode/verify pass at least this many rows wide: passes of one width run the same kernels,
+        # so plain and speculative decoding at the same width agree bitwise where kernels are not
+        # batch-invariant (cuBLAS: a 16-row tree verify vs one-row steps left 9 of 16 bf16 answers at
+        # near-ties, session 25)
+        self.pass_width = pass_width
         self.calls = CapturedCalls(model.device, graphs)
         self.cache: KVCache | None = None  # allocated on the first new_cache
         self.hosts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bucket -> host input block, argmax
@@ -155,7 +167,7 @@ class GraphedModel:
                  layers: Sequence[int] | None = None, output_layers: Sequence[int] = (),
                  input_embeds: torch.Tensor | None = None, prefill: bool = False):
         B, T = input_ids.shape
-        bucket = bucket_of(T)
+        bucket = bucket_of(max(T, self.pass_width))
         keys = None if bucket is None or cache is not self.cache else key_span(cache.length + bucket, cache.max_len)
         if not (B != 1 or keys is None or prefill or layers is not None or num_logits is not None
                 or input_embeds is not None):
