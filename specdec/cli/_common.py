@@ -18,8 +18,8 @@ def add_model_args(p: argparse.ArgumentParser, positional: bool = True) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run every pass eagerly (default: generate/chat replay CUDA graphs for decode and verify; the serving engine is eager)")
     p.add_argument("--pass-width", type=int, default=1,
-                   help="CUDA graphs: compute every decode/verify pass at least this many rows wide; plain and "
-                        "speculative greedy decoding at the same width agree bitwise (the CPU kernels always do)")
+                   help="CUDA graphs: compute every decode/verify pass at least this many rows wide, so plain and "
+                        "speculative passes run the same GPU kernels (the CPU kernels agree at any width)")
 
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:

@@ -136,10 +136,11 @@ class GraphedModel:
             raise TypeError(f"{type(model).__name__} has no static forward to capture")
         check_pass_width(pass_width)
         self.model = model
-        # every decode/verify pass at least this many rows wide: passes of one width run the same kernels,
-        # so plain and speculative decoding at the same width agree bitwise where kernels are not
-        # batch-invariant (cuBLAS: a 16-row tree verify vs one-row steps left 9 of 16 bf16 answers at
-        # near-ties, session 25)
+        # every decode/verify pass at least this many rows wide: passes of one width run the same GEMM
+        # kernels, whose rows do not depend on each other, where one-row and 16-row passes did not agree
+        # (a 16-node tree's verify left 9 of 16 bf16 answers at near-ties, session 25). A chain's keys lie
+        # where plain decoding's do; a tree's ancestors may fall in other attention blocks, so its sums
+        # can still differ in the last bits (not yet measured on a GPU)
         self.pass_width = pass_width
         self.calls = CapturedCalls(model.device, graphs)
         self.cache: KVCache | None = None  # allocated on the first new_cache
