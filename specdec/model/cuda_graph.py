@@ -13,6 +13,9 @@ Graphs bake in addresses, so the wrapper owns one KV cache, handed (reset) to ea
 new_cache. Everything else runs the model eagerly on the same cache: prompt passes, layer subsets
 (self-speculation), blocks over the largest bucket, any other cache. Without CUDA (or graphs=False)
 the same static pass runs uncaptured, which is how CPU tests check the wrapper's bookkeeping.
+CapturedCalls is the capture-and-replay bookkeeping itself, shared with the EAGLE head's graphs
+(proposers/eagle_graph.py) and the training-data generator (train/generate.py); pass_width pads every
+pass to one width, so plain and speculative passes run the same GEMM kernels.
 """
 from __future__ import annotations
 
