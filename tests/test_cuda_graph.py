@@ -167,6 +167,18 @@ def test_pass_width_pads_every_pass(tiny_dir):
             LLM(str(tiny_dir("llama")), pass_width=width, progress=False)
 
 
+def test_the_serving_engine_refuses_a_graphed_target(tiny_dir):
+    """The engine's rows would share the wrapper's one cache (and an EAGLE head's): a clear error instead."""
+    from specdec import LLM
+    from specdec.config import ConfigError
+    from specdec.engine.engine import Engine
+
+    llm = LLM(str(tiny_dir("llama")), progress=False)
+    llm.model = GraphedModel(llm.model)
+    with pytest.raises(ConfigError, match="enforce_eager"):
+        Engine(llm)
+
+
 def test_cost_profile_through_the_wrapper(tiny_dir):
     """Adaptive k's cost profile runs through the graphs (host inputs, the owned cache) before a request's
     cache is handed out, so a request after it starts from an empty cache."""

@@ -25,6 +25,7 @@ from specdec.engine.model_runner import ModelRunner, Row, pack_rows
 from specdec.engine.scheduler import Scheduler, SchedulerConfig
 from specdec.engine.sequence import Sequence, SpecChoice
 from specdec.engine.speculation import Speculation, profile_sizes, verify_rows
+from specdec.model.cuda_graph import GraphedModel
 from specdec.model.llama import ForwardOutput
 from specdec.sampler import argmax, make_generator, sample, warp
 from specdec.sampling_params import SamplingParams
@@ -103,6 +104,8 @@ def _adaptive(spec: SpecChoice) -> AdaptiveK:
 
 class Engine:
     def __init__(self, llm, config: EngineConfig = EngineConfig()):
+        if isinstance(llm.model, GraphedModel):  # one owned cache, one request at a time: not a batch's
+            raise ConfigError("the serving engine runs its batches eagerly: build its LLM with enforce_eager=True")
         self.llm, self.config = llm, config
         self.model, self.tokenizer = llm.model, llm.tokenizer
         self.max_model_len = self.model.max_len
