@@ -136,6 +136,48 @@ def test_first_digest_keeps_the_newest_prompt_rows_at_their_positions(tiny, tmp_
     assert all(off == len(ids) - 6 for off, _, _ in commits)  # later rows follow at offset + len
 
 
+def test_a_long_plain_stretch_restarts_the_head_from_its_newest_rows(tiny, tmp_path, monkeypatch):
+    """Rows queued while nothing is drafted (adaptive k held at 0 for steps 2-20) stay within
+    PROMPT_WINDOW; past it the head restarts from the newest rows at their true positions, and the output
+    is still plain decoding's. (Unbounded, a busy server's rows queued features for every step.)"""
+    from specdec.llm import LLM
+    from specdec.proposers import eagle
+    from specdec.spec.adaptive import AdaptiveK, Choice
+    monkeypatch.setattr(eagle, "PROMPT_WINDOW", 6)
+    choose = AdaptiveK.choose
+
+    def held(self, *args, **kwargs):
+        choice = choose(self, *args, **kwargs)
+        return Choice(0, False) if 2 <= self.steps <= 20 else Choice(max(choice.k, 2), False)
+
+    monkeypatch.setattr(AdaptiveK, "choose", held)
+    commits, queued = [], []
+    original_commit, original_trim = eagle._EagleBase._commit, eagle._EagleBase._trim_pending
+
+    def record(self, work):
+        commits.extend((state.draft["offset"], state.draft["len"], len(next_tokens)) for state, _, next_tokens in work)
+        original_commit(self, work)
+
+    def trim(st):
+        original_trim(st)
+        queued.append(sum(len(toks) for _, toks in st["pending"]))
+
+    monkeypatch.setattr(eagle._EagleBase, "_commit", record)
+    monkeypatch.setattr(eagle._EagleBase, "_trim_pending", staticmethod(trim))
+    d, plain = tiny
+    head = random_head(plain.model, "eagle3", tmp_path / "head", draft_vocab=512)
+    spec = LLM(str(d), dtype="float32", progress=False, speculative_config={"method": "eagle3", "model": str(head)})
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    ids = plain.tokenizer.encode("Hello there, 1 2 3 4 5 6 7 8 9 10 11 12, and again 1 2 3 4 5 6")
+    r = spec.generate_one(ids, params)
+    assert r.token_ids == plain.generate_one(ids, params).token_ids
+    assert max(queued) <= 6 and len(queued) > 20  # every queued step trimmed to the window
+    first, restart = commits[0], commits[1]  # the prompt's window; the first digest after the stretch
+    assert first == (len(ids) - 6, 0, 6) and restart[1] == 0 and restart[2] == 6
+    assert restart[0] >= first[0] + 6 + 19 - 6  # past the stretch's 19+ rows, keeping its newest 6
+    assert all(off == restart[0] for off, _, _ in commits[2:])  # then it continues from there
+
+
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 @pytest.mark.parametrize("saved", [torch.float32, torch.bfloat16])
 def test_drafting_path_equals_the_training_path(tiny, tmp_path, kind, saved):

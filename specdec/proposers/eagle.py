@@ -30,8 +30,9 @@ from specdec.sampler import argmax, sample, warp
 from specdec.spec.proposer import EMPTY, Proposal, Proposer, RequestState, TargetOutput, register_proposer
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
-# Before its first draft the head digests at most this many of the newest context rows (their features
-# and next tokens), at their true positions: a rag prompt of 464-867 tokens through the head cost ~10%
+# The head digests at most this many of the newest context rows (their features and next tokens) at
+# once, at their true positions; before its first draft, and after a long stretch of plain steps, it
+# restarts from them (_trim_pending): a rag prompt of 464-867 tokens through the head cost ~10%
 # of a 64-token bf16 answer, and adaptive k drafts that once per request to measure the head (run S16:
 # eagle3 0.87x on rag). The drafts may change; verification keeps the output exact.
 PROMPT_WINDOW = 128
@@ -148,6 +149,7 @@ class _EagleBase(Proposer):
         st["len"] = 0
         st["offset"] = n - m  # position of the cache's row 0 (rows before the first draft's window are skipped)
         st["pending"] = [(feats, state.token_ids[n - m + 1:n + 1])]
+        self._trim_pending(st)  # the first digest: only the prompt's newest PROMPT_WINDOW rows
 
     @torch.inference_mode()
     def on_verified(self, state: RequestState, proposal: Proposal, num_accepted: int,
@@ -159,6 +161,25 @@ class _EagleBase(Proposer):
         if len(nxt) < len(rows) or "cache" not in state.draft:
             return  # the request stopped inside the block: it ends here
         state.draft["pending"].append((self._features(target.forward, rows), nxt))
+        self._trim_pending(state.draft)
+
+    @staticmethod
+    def _trim_pending(st: dict) -> None:
+        """Keep at most PROMPT_WINDOW queued rows. A long stretch without drafts (a prompt, or the steps
+        adaptive k made plain: a busy server's rows for thousands of steps) keeps only its newest rows,
+        and the head restarts from them at their true positions: its committed rows would no longer be
+        followed by the next ones. Bounds the queue's memory and the digest that ends such a stretch."""
+        pending = st["pending"]
+        over = sum(len(toks) for _, toks in pending) - PROMPT_WINDOW
+        if over <= 0:
+            return
+        st["offset"] += st["len"] + over  # the position of the first kept row: the restarted cache's row 0
+        st["len"] = 0
+        while over >= len(pending[0][1]):
+            over -= len(pending.pop(0)[1])
+        if over:
+            feats, toks = pending[0]
+            pending[0] = (feats[over:], toks[over:])
 
     def _take_pending(self, state: RequestState) -> tuple[torch.Tensor, list[int]] | None:
         """The rows the target accepted since the request last drafted (features [n, .], next tokens), taken
@@ -166,13 +187,9 @@ class _EagleBase(Proposer):
         pending = state.draft.get("pending")
         if not pending:
             return None
-        feats = torch.cat([f for f, _ in pending])  # [n, H] or [n, 3H]
+        feats = torch.cat([f for f, _ in pending])  # [n, H] or [n, 3H]: n <= PROMPT_WINDOW (_trim_pending)
         tokens = [t for _, toks in pending for t in toks]
         pending.clear()
-        skip = len(tokens) - PROMPT_WINDOW if state.draft["len"] == 0 else 0
-        if skip > 0:  # the first digest: only the newest PROMPT_WINDOW rows
-            feats, tokens = feats[skip:], tokens[skip:]
-            state.draft["offset"] += skip
         return feats, tokens
 
     def _flush(self, states: list[RequestState]) -> None:
