@@ -149,6 +149,7 @@ class _EagleBase(Proposer):
         st["len"] = 0
         st["offset"] = n - m  # position of the cache's row 0 (rows before the first draft's window are skipped)
         st["pending"] = [(feats, state.token_ids[n - m + 1:n + 1])]
+        st["queued"] = m  # rows in pending
         self._trim_pending(st)  # the first digest: only the prompt's newest PROMPT_WINDOW rows
 
     @torch.inference_mode()
@@ -161,6 +162,7 @@ class _EagleBase(Proposer):
         if len(nxt) < len(rows) or "cache" not in state.draft:
             return  # the request stopped inside the block: it ends here
         state.draft["pending"].append((self._features(target.forward, rows), nxt))
+        state.draft["queued"] += len(nxt)
         self._trim_pending(state.draft)
 
     @staticmethod
@@ -170,11 +172,11 @@ class _EagleBase(Proposer):
         and the head restarts from them at their true positions: its committed rows would no longer be
         followed by the next ones. Bounds the queue's memory and the digest that ends such a stretch."""
         pending = st["pending"]
-        over = sum(len(toks) for _, toks in pending) - PROMPT_WINDOW
+        over = st["queued"] - PROMPT_WINDOW
         if over <= 0:
             return
         st["offset"] += st["len"] + over  # the position of the first kept row: the restarted cache's row 0
-        st["len"] = 0
+        st["len"], st["queued"] = 0, PROMPT_WINDOW
         while over >= len(pending[0][1]):
             over -= len(pending.pop(0)[1])
         if over:
@@ -190,6 +192,7 @@ class _EagleBase(Proposer):
         feats = torch.cat([f for f, _ in pending])  # [n, H] or [n, 3H]: n <= PROMPT_WINDOW (_trim_pending)
         tokens = [t for _, toks in pending for t in toks]
         pending.clear()
+        state.draft["queued"] = 0
         return feats, tokens
 
     def _flush(self, states: list[RequestState]) -> None:
