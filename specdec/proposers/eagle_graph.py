@@ -6,6 +6,9 @@ GraphedHead replays EagleHead.forward_static instead, one graph per bucket of ro
 and key span, over a draft KV cache it owns (graphs bake in its address) and hands to each request.
 Rows are padded up to the bucket: padding rows see only themselves and write slots past the block.
 Passes that fit no bucket, or on any other cache (the serving engine's rows), run forward_layer.
+digest_and_draft goes further: a whole proposal (the digest of the accepted rows, then a greedy
+chain's drafts or an EAGLE-2 tree's depths) is one replay, with one copy back (H200, session 25: a
+5-token chain's drafting 4.4 -> 0.85 ms a proposal).
 """
 from __future__ import annotations
 
@@ -24,6 +27,8 @@ def _causal(n: int) -> torch.Tensor:
 
 
 class GraphedHead:
+    """An EagleHead's passes, and whole proposals, as CUDA graphs over one owned draft KV cache."""
+
     def __init__(self, head, capacity: int, dtype: torch.dtype, device: torch.device, graphs: bool = True):
         self.head = head
         self.cache = DraftKV(head.cfg, capacity + TOKEN_BUCKETS[-1], dtype, device)
