@@ -288,12 +288,12 @@ def test_static_generator_matches_transformers(tiny_dir, features):
 def test_build_dataset_with_our_generator_equals_transformers(dataset, tmp_path):
     from specdec.config import ConfigError
 
-    d, out = dataset
-    ours = tmp_path / "ours"
-    build_dataset(str(d), ours, DataSpec(num_prompts=6, num_heldout=3, max_new_tokens=10, batch_size=3, scan=300,
-                                         generator="specdec"), progress=False)
+    d, ours = dataset  # the default generator: ours
+    ref = tmp_path / "transformers"
+    build_dataset(str(d), ref, DataSpec(num_prompts=6, num_heldout=3, max_new_tokens=10, batch_size=3, scan=300,
+                                        generator="transformers"), progress=False)
     for split in ("train", "heldout"):
-        assert [s.tokens for s in read_split(ours / split)] == [s.tokens for s in read_split(out / split)]
+        assert [s.tokens for s in read_split(ours / split)] == [s.tokens for s in read_split(ref / split)]
     assert json.loads((ours / "meta.json").read_text())["spec"]["generator"] == "specdec"
     with pytest.raises(ConfigError, match="generator"):
         DataSpec(generator="vllm")

@@ -41,8 +41,8 @@ def register(sub) -> None:
     d.add_argument("--write-prompts", type=Path, default=None, metavar="FILE",
                    help="only save the candidate prompts (for a machine without the ShareGPT package)")
     d.add_argument("--max-seconds", type=float, default=None, help="start no train batch after this long")
-    d.add_argument("--generator", choices=("transformers", "specdec"), default="transformers",
-                   help="who regenerates the answers (specdec: our runtime, CUDA graphs on a GPU)")
+    d.add_argument("--generator", choices=("specdec", "transformers"), default="specdec",
+                   help="who regenerates the answers: our runtime (CUDA graphs on a GPU) or transformers")
     _device(d)
     d.set_defaults(func=run_data)
     for kind in KINDS:
