@@ -177,9 +177,17 @@ def generate_batch(hf_model, prompts: list[list[int]], max_new_tokens: int, eos_
         past, step_ids = getattr(out, cache_arg), nxt[:, None]
         step_pos = step_pos[:, -1:] + 1
         attn = torch.cat([attn, torch.ones(B, 1, dtype=torch.long, device=device)], dim=1)
-    gen = torch.stack(out_tokens, 1).cpu()  # [B, steps]
+    return assemble_sequences(prompts, out_tokens, feats, eos_ids, L, aux_layers)
+
+
+def assemble_sequences(prompts: list[list[int]], tokens: list[torch.Tensor], feats: list[list[torch.Tensor]],
+                       eos_ids: set[int], L: int, aux_layers: tuple[int, ...]) -> list[Shard.Sequence]:
+    """A left-padded batch's generation as sequences: tokens, one [B] tensor per step; feats, per pass of
+    the target ([B, T, H] final normed state, then the aux layers'), or [] without features. Each row is
+    its prompt + response (cut after its first EOS) with the features of positions 0..n-2."""
+    gen = torch.stack(tokens, 1).cpu()  # [B, steps]
     # [B, L + steps - 1, H] per kept layer (final normed state first)
-    cat = [torch.cat([f[j] for f in feats], dim=1).cpu() for j in range(1 + len(keep))] if features else []
+    cat = [torch.cat([f[j] for f in feats], dim=1).cpu() for j in range(1 + len(aux_layers))] if feats else []
     seqs = []
     for b, p in enumerate(prompts):
         resp = gen[b].tolist()
@@ -188,7 +196,7 @@ def generate_batch(hf_model, prompts: list[list[int]], max_new_tokens: int, eos_
                 resp = resp[:j + 1]
                 break
         n = len(p) + len(resp)
-        if not features:
+        if not cat:
             seqs.append(Shard.Sequence(p + resp, len(p), None))
             continue
         rows = slice(L - len(p), L - len(p) + n - 1)  # features of positions 0..n-2

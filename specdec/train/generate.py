@@ -15,6 +15,7 @@ import torch
 
 from specdec.cache.kv_cache import KVCache
 from specdec.model.cuda_graph import CapturedCalls, key_span
+from specdec.train.data import assemble_sequences
 from specdec.train.features import Shard
 
 
@@ -70,9 +71,7 @@ class StaticGenerator:
             nxt = torch.where(done, torch.zeros_like(nxt), nxt)
             tokens.append(nxt)
             done |= torch.isin(nxt, eos)
-        gen = torch.stack(tokens, 1).cpu()  # [B, steps]
-        cat = [torch.cat([f[j] for f in feats], dim=1).cpu() for j in range(1 + len(aux_layers))] if features else []
-        return _sequences(prompts, gen, cat, eos_ids, L, aux_layers)
+        return assemble_sequences(prompts, tokens, feats, eos_ids, L, aux_layers)
 
 
 def _decode_step(model, cache, step, key_valid, keys: int, aux_layers):
@@ -86,24 +85,3 @@ def _decode_step(model, cache, step, key_valid, keys: int, aux_layers):
 
 def _features(out, aux_layers) -> list[torch.Tensor]:
     return [out.hidden.half()] + [out.layer_hidden[l].half() for l in aux_layers]
-
-
-def _sequences(prompts, gen: torch.Tensor, cat: list[torch.Tensor], eos_ids: set[int], L: int,
-               aux_layers) -> list[Shard.Sequence]:
-    """Each row's prompt + response (cut after its first EOS) and, with features, those of positions
-    0..n-2 out of the left-padded [B, L + steps - 1, H] blocks."""
-    seqs = []
-    for b, p in enumerate(prompts):
-        resp = gen[b].tolist()
-        for j, t in enumerate(resp):
-            if t in eos_ids:
-                resp = resp[:j + 1]
-                break
-        n = len(p) + len(resp)
-        if not cat:
-            seqs.append(Shard.Sequence(p + resp, len(p), None))
-            continue
-        rows = slice(L - len(p), L - len(p) + n - 1)
-        seqs.append(Shard.Sequence(p + resp, len(p), cat[0][b, rows].clone(),
-                                   {l: cat[1 + j][b, rows].clone() for j, l in enumerate(aux_layers)}))
-    return seqs
