@@ -54,13 +54,20 @@ class DecoderLayer(torch.nn.Module):
             out = decoder_layer(self, x, fused, layer_idx)
             if out is not None:
                 return out
+        if fused is not None:  # one C call: rotary, cache write, attention
+            return self.block(x, lambda qkv: fused(qkv, layer_idx, self.n_heads, self.n_kv, self.head_dim),
+                              matmul_dtype)
+        return self.block(x, lambda qkv: self.attention(qkv, cos, sin, cache, layer_idx, mask), matmul_dtype)
+
+    def forward_static(self, x, cos, sin, cache: KVCache, layer_idx: int, slots, mask):
+        """forward() through attention_static: no host-side shapes (LlamaModel.forward_static)."""
+        return self.block(x, lambda qkv: self.attention_static(qkv, cos, sin, cache, layer_idx, slots, mask))
+
+    def block(self, x, attend, matmul_dtype: torch.dtype | None = None):
+        """The layer around its attention: attend(qkv [B, T, (Hq + 2 Hkv) D]) -> [B, T, Hq D]."""
         dt = matmul_dtype
         qkv = rounded_linear(self.input_norm(x), self.qkv.weight, self.qkv.bias, dt)  # [B, T, (Hq + 2 Hkv) D]
-        if fused is not None:  # one C call: rotary, cache write, attention
-            attn = fused(qkv, layer_idx, self.n_heads, self.n_kv, self.head_dim)  # [B, T, Hq D]
-        else:
-            attn = self.attention(qkv, cos, sin, cache, layer_idx, mask)
-        x = x + rounded_linear(attn, self.o_proj.weight, None, dt)
+        x = x + rounded_linear(attend(qkv), self.o_proj.weight, None, dt)
         gate_up = rounded_linear(self.post_norm(x), self.gate_up.weight, None, dt)  # [B, T, 2 I]
         return x + rounded_linear(silu_mul(gate_up), self.down.weight, None, dt)
 
@@ -190,11 +197,7 @@ class LlamaModel(torch.nn.Module):
             mask = (mask[None] & key_valid[:, None, :num_keys]) | (slots[:, None] == keys[None, :])[None]  # [B, T, S]
         kept = {}
         for i, layer in enumerate(self.layers):
-            h = layer.input_norm(x)
-            qkv = linear(h, layer.qkv.weight, layer.qkv.bias)  # [1, T, (Hq + 2 Hkv) D]
-            x = x + linear(layer.attention_static(qkv, cos, sin, cache, i, slots, mask), layer.o_proj.weight)
-            gate_up = linear(layer.post_norm(x), layer.gate_up.weight)  # [1, T, 2 I]
-            x = x + linear(silu_mul(gate_up), layer.down.weight)
+            x = layer.forward_static(x, cos, sin, cache, i, slots, mask)
             if i in output_layers:
                 kept[i] = x
         h = self.norm(x)
