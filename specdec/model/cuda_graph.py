@@ -41,12 +41,13 @@ def synchronize(device: torch.device) -> None:
 
 @functools.lru_cache(maxsize=64)
 def _eye(n: int) -> torch.Tensor:
-    return torch.eye(n, dtype=torch.long)  # kept: small host ops cost ~0.1 ms each on a slow VM
+    return torch.eye(n, dtype=torch.bool)  # kept: small host ops cost ~0.1 ms each on a slow VM
 
 
 @functools.lru_cache(maxsize=64)
-def _causal(n: int) -> torch.Tensor:
-    return torch.ones(n, n, dtype=torch.long).tril()
+def causal(n: int) -> torch.Tensor:
+    """[n, n] lower-triangular bool on the host, kept (callers copy from it, never into it)."""
+    return torch.ones(n, n, dtype=torch.bool).tril()
 
 
 def check_pass_width(width: int) -> None:
@@ -224,7 +225,7 @@ class GraphedModel:
         host[3, 0] = start
         block = host[4:]
         block.copy_(_eye(bucket))
-        block[:T, :T] = _causal(T) if block_mask is None else block_mask
+        block[:T, :T] = causal(T) if block_mask is None else block_mask
 
     def stats(self) -> dict:
         return {"graphs": self.calls.num_graphs, "replays": self.calls.replays, "eager_passes": self.eager_passes,

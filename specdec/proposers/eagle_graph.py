@@ -12,18 +12,25 @@ chain's drafts or an EAGLE-2 tree's depths) is one replay, with one copy back (H
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from specdec.model.cuda_graph import TOKEN_BUCKETS, CapturedCalls, bucket_of, key_span
+from specdec.model.cuda_graph import TOKEN_BUCKETS, CapturedCalls, bucket_of, causal, key_span
 from specdec.proposers.heads import DraftKV
 
 
-@functools.lru_cache(maxsize=64)
-def _causal(n: int) -> torch.Tensor:
-    """[n, n] lower-triangular bool (kept: a host tril costs ~0.1 ms on a slow VM, once a pass)."""
-    return torch.ones(n, n, dtype=torch.bool).tril()
+def _block_mask(rows: int, n: int, start: int, keys: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """[rows, keys] bool on the host: each of n new rows at slots start.. sees the slots before start and,
+    among the new ones, what `mask` [n, start + n] allows (None: causal); padding rows (n..rows) see only
+    their own slot."""
+    full = torch.zeros(rows, keys, dtype=torch.bool)
+    if mask is None:
+        full[:n, :start] = True
+        full[:n, start:start + n] = causal(n)
+    else:
+        full[:n, :start + n] = mask.cpu()
+    pad = torch.arange(n, rows)
+    full[pad, start + pad] = True
+    return full
 
 
 class GraphedHead:
@@ -60,14 +67,7 @@ class GraphedHead:
 
     def _replay(self, embeds, hidden, positions, mask, bucket: int, keys: int) -> torch.Tensor | None:
         T, start, H = embeds.shape[1], self.cache.length, embeds.shape[-1]
-        full = torch.zeros(bucket, keys, dtype=torch.bool)  # [Tb, S]: each row's visible slots
-        if mask is None:
-            full[:T, :start] = True
-            full[:T, start:start + T] = _causal(T)
-        else:
-            full[:T, :start + T] = mask.cpu()
-        pad = torch.arange(T, bucket)
-        full[pad, start + pad] = True
+        full = _block_mask(bucket, T, start, keys, mask)  # [Tb, S]: each row's visible slots
         slots = torch.arange(start, start + bucket)
         dev = embeds.device
 
@@ -113,15 +113,11 @@ class GraphedHead:
         F = feats.shape[-1] if n else 1
         # rows: tokens, positions, slots (nb each), then [last row, first speculative slot, its position]
         host = torch.zeros(4, max(nb, 3), dtype=torch.long)
-        mask = torch.zeros(max(nb, 1), keys, dtype=torch.bool)
+        mask = _block_mask(nb, n, start, keys) if n else torch.zeros(1, keys, dtype=torch.bool)
         if n:
             host[0, :n] = torch.tensor(tokens)
             host[1, :nb] = offset + start + torch.arange(nb).clamp(max=n - 1)
             host[2, :nb] = start + torch.arange(nb)
-            mask[:n, :start] = True
-            mask[:n, start:start + n] = _causal(n)
-            pad = torch.arange(n, nb)
-            mask[pad, start + pad] = True
         host[3, :3] = torch.tensor([max(n - 1, 0), start + n, offset + start + n])
 
         def alloc():
