@@ -246,14 +246,18 @@ class EagleHead(torch.nn.Module):
             return hidden
         return linear(torch.cat([embeds, hidden], dim=-1), stacked_weight(self, ("fc",)))
 
+    def _attention_inputs(self, embeds, hidden, positions):
+        """The layer, its residual [B, T, H] and its rotated q [B, Hq, T, D], k, v [B, Hkv, T, D]."""
+        layer = self.layer
+        x, residual = layer.attn_input(embeds, hidden)
+        cos, sin = self.rotary(positions, x.dtype)
+        return layer, residual, layer.self_attn.qkv(x, cos, sin)
+
     def forward_layer(self, embeds, hidden, positions, cache: "DraftKV | None" = None, mask=None):
         """embeds, hidden: [B, T, H]; positions [B, T]; cache: the draft's KV cache (the new keys are
         appended) or None (attend among these T only); mask [T, S + T] bool (None: causal / T == 1).
         Returns the output [B, T, H] (pre-norm; the next step's hidden)."""
-        layer = self.layer
-        x, residual = layer.attn_input(embeds, hidden)
-        cos, sin = self.rotary(positions, x.dtype)
-        q, k, v = layer.self_attn.qkv(x, cos, sin)
+        layer, residual, (q, k, v) = self._attention_inputs(embeds, hidden, positions)
         if cache is not None:
             k, v = cache.append(k, v)
         if mask is None and q.shape[2] > 1:
@@ -265,10 +269,7 @@ class EagleHead(torch.nn.Module):
         """forward_layer with no host-side shapes, for a CUDA graph: embeds, hidden [1, T, H]; positions
         [1, T]; the new k/v go to `slots` [T] (index_copy_); the queries attend over the cache's first S
         slots under mask [T, S]. cache.length is the caller's to advance. -> [1, T, H]"""
-        layer = self.layer
-        x, residual = layer.attn_input(embeds, hidden)
-        cos, sin = self.rotary(positions, x.dtype)
-        q, k, v = layer.self_attn.qkv(x, cos, sin)
+        layer, residual, (q, k, v) = self._attention_inputs(embeds, hidden, positions)
         cache.k.index_copy_(2, slots, k)
         cache.v.index_copy_(2, slots, v)
         S = mask.shape[-1]
@@ -280,10 +281,7 @@ class EagleHead(torch.nn.Module):
         with row i's sizes[i] tokens back to back, positions [1, N]. The linears run over all N at once,
         attention row by row over each row's own cache (causal among its new tokens); with the
         batch-invariant kernels every row's output is what forward_layer gives it alone. -> [1, N, H]"""
-        layer = self.layer
-        x, residual = layer.attn_input(embeds, hidden)
-        cos, sin = self.rotary(positions, x.dtype)
-        q, k, v = layer.self_attn.qkv(x, cos, sin)  # [1, Hq|Hkv, N, D]
+        layer, residual, (q, k, v) = self._attention_inputs(embeds, hidden, positions)  # [1, Hq|Hkv, N, D]
         outs, start = [], 0
         for cache, n in zip(caches, sizes):
             rows = slice(start, start + n)
