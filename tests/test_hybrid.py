@@ -56,7 +56,13 @@ def test_lookup_steps_leave_the_model_drafters_estimate_alone(tiny, monkeypatch)
     # enough measurement adaptive k preferred it to every lookup (a CI run drafted no lookup chain):
     # priced at a second a token, it never pays, and the lookup's chains are what this test is about
     monkeypatch.setattr(HybridProposer, "draft_cost_per_token", property(lambda self: 1.0))
+    # and the target priced as memory-bound (a pass of k + 1 tokens costs one token's), with no measured
+    # step costs: a lookup's free chain pays whatever this machine's timings say
     from specdec.spec import adaptive
+    cost = spec.decoder.cost
+    cost.seconds = [None] + [cost.seconds[1]] * cost.max_tokens
+    monkeypatch.setattr(adaptive.CostModel, "observe", lambda self, T, seconds: None)
+    monkeypatch.setattr(adaptive.AdaptiveK, "observe_step", lambda self, *a, **kw: None)
     updates = []
     real = adaptive.AdaptiveK.update
     monkeypatch.setattr(adaptive.AdaptiveK, "update",
