@@ -239,6 +239,67 @@ def test_serving_engine_with_a_prefix_cache_hit(tiny, tmp_path, kind):
         assert res[(rid, 0)]["out"].metrics.num_drafts > 0
 
 
+def test_engine_rests_the_heads_features_while_nothing_drafts(tiny, tmp_path, monkeypatch):
+    """After REST_AFTER decode steps without drafts the engine's passes keep no EAGLE-3 features and the
+    rows queue none; once drafting resumes the head restarts from the first rows it is given, at their
+    true positions, and drafts again. Outputs stay plain decoding's, every block is freed."""
+    from specdec.engine.engine import Engine, EngineConfig, EngineRequest
+    from specdec.engine.speculation import REST_AFTER, Speculation
+    from specdec.llm import LLM
+    from specdec.proposers import eagle
+    from tests.test_engine_batching import reference, run
+
+    d, plain = tiny
+    head = random_head(plain.model, "eagle3", tmp_path / "head", draft_vocab=512)
+    spec = LLM(str(d), dtype="float32", progress=False, speculative_config={"method": "eagle3", "model": str(head)})
+    engine = Engine(spec, EngineConfig(max_num_seqs=2, max_num_batched_tokens=64, block_size=8))
+    step, passes, commits, drafted_after = [0], [], [], []
+
+    def held(self, seqs, caps, found=None):  # K = 2 on decode steps 1-3, 0 on 4-23, 2 from 24 on
+        step[0] += 1
+        k = 0 if 4 <= step[0] <= 23 else 2
+        self.probes.should_probe(k > 0)
+        return k
+
+    run_pass, commit, propose_batch = engine.runner.run, eagle._EagleBase._commit, eagle._EagleBase.propose_batch
+
+    def record_pass(rows, all_logits, output_layers=()):
+        if all_logits:
+            passes.append((step[0], tuple(output_layers)))
+        return run_pass(rows, all_logits, output_layers=output_layers)
+
+    def record_commit(self, work):
+        commits.extend((step[0], st.draft["offset"], st.draft["len"], len(toks), len(st.token_ids))
+                       for st, _, toks in work)
+        commit(self, work)
+
+    def record_drafts(self, states, ks):
+        out = propose_batch(self, states, ks)
+        drafted_after.extend(len(p.tokens) for p in out if step[0] >= 24)
+        return out
+
+    monkeypatch.setattr(Speculation, "choose_k", held)
+    monkeypatch.setattr(eagle._EagleBase, "_commit", record_commit)
+    monkeypatch.setattr(eagle._EagleBase, "propose_batch", record_drafts)
+    engine.runner.run = record_pass
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    prompts = [plain.tokenizer.encode(t) for t in ("Hello there, 1 2 3 4 5", "The cat sat on the mat, the cat")]
+    res = run(engine, [EngineRequest(str(i), ids, params) for i, ids in enumerate(prompts)])
+    for i, ids in enumerate(prompts):
+        assert res[(str(i), 0)]["ids"] == reference(plain, ids, params)[0].token_ids
+    resting = [s for s, layers in passes if not layers]
+    assert resting == list(range(3 + REST_AFTER, 24))  # from the REST_AFTER-th plain step to the last one
+    assert all(layers for s, layers in passes if s not in resting)
+    # each row's first digest after the rest: a fresh cache whose last row is the token before the newest
+    restarts = {}
+    for s, offset, length, n, tokens in commits:
+        if s >= 24:
+            restarts.setdefault(tokens, (offset, length, n))
+    assert len(restarts) >= 2 and all(length == 0 and offset + n == tokens - 1
+                                      for tokens, (offset, length, n) in list(restarts.items())[:2])
+    assert sum(drafted_after) > 0  # the head drafts again after its rest
+
+
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 def test_engine_rows_draft_together_as_each_would_alone(tiny, tmp_path, kind, monkeypatch):
     """The serving engine's greedy rows digest and draft in one head pass per depth (forward_rows over

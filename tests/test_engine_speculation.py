@@ -181,3 +181,22 @@ def test_lookup_chains_are_priced_by_their_match_length():
     nothing = [Proposal([])] * len(seqs)
     assert spec.choose_k(seqs, caps, nothing) == 0
     assert all(not p for p in spec.propose(seqs, 4, caps, nothing))
+
+
+def test_features_rest_after_plain_steps_and_wake_before_a_probe():
+    """REST_AFTER plain steps in a row rest the drafters' features; the last WAKE_BEFORE steps before a
+    probe keep them again (the probe drafts from fresh ones); a drafting step ends the rest."""
+    from specdec.engine.speculation import REST_AFTER, WAKE_BEFORE
+    probes = ProbeBackoff(PROBE_INTERVAL, MAX_PROBE_INTERVAL)
+    rests, probed_at = [], None
+    for step in range(1, PROBE_INTERVAL + 1):
+        if probes.should_probe(False):
+            probed_at = step
+        rests.append(probes.resting(REST_AFTER, WAKE_BEFORE))
+    assert probed_at == PROBE_INTERVAL
+    assert rests == [REST_AFTER <= s < PROBE_INTERVAL - WAKE_BEFORE for s in range(1, PROBE_INTERVAL)] + [False]
+    for _ in range(REST_AFTER):
+        probes.should_probe(False)
+    assert probes.resting(REST_AFTER, WAKE_BEFORE)
+    probes.should_probe(True)
+    assert not probes.resting(REST_AFTER, WAKE_BEFORE)

@@ -193,7 +193,8 @@ class Engine:
         decode_forward = 0.0
         for rows, decode in forwards:
             t0 = time.perf_counter()
-            fwd = self.runner.run(rows, all_logits=decode, output_layers=self._feature_layers(rows))
+            layers = () if decode and self.spec.resting() else self._feature_layers(rows)
+            fwd = self.runner.run(rows, all_logits=decode, output_layers=layers)
             if decode:
                 decode_forward = time.perf_counter() - t0
                 padded = len(rows) * max(len(r) for r in rows)

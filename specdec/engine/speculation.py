@@ -57,6 +57,12 @@ EMA = 0.3
 PROBE_INTERVAL = 32  # plain batches before the first probe
 MAX_PROBE_INTERVAL = 512
 PROFILE_SIZES = (1, 2, 4, 8, 16, 32, 64)
+# after this many decode steps in a row without drafts the model drafters' features rest: decode passes
+# stop keeping the target's hidden states for EAGLE-3 (and its rows queue none), until WAKE_BEFORE steps
+# before the next probe. At 16 rows in bf16, where adaptive K stays 0, keeping them cost ~1 ms of a
+# 37 ms step (the pass's copies of 3 layers, each row's slices and queue)
+REST_AFTER = 8
+WAKE_BEFORE = 4
 # passes wider than MAX_ROWS real tokens leave layer.c for the per-op path, which costs more per row than the
 # curve's slope up to 64 says (fp32, 135M model: c(80) 233 ms against 172 extrapolated from c(64) = 137);
 # a batch of 8+ rows can draft its way there, so its engine measures them too
@@ -197,6 +203,11 @@ class Speculation:
         remaining = seq.params.max_tokens - len(seq.output_ids)
         room = max_model_len - seq.num_tokens - 1  # a step emits up to k + 1 tokens
         return max(0, min(seq.spec.k_max, remaining - 1, room))
+
+    def resting(self) -> bool:
+        """Whether this step's decode pass may leave out the model drafters' features (after choose_k:
+        no row drafts on it, and none will on the next, a probe included)."""
+        return self.probes.resting(REST_AFTER, WAKE_BEFORE)
 
     def observe_overhead(self, rows: int, drafted: bool, seconds: float) -> None:
         """A pure decode step's time outside its target forward and its proposers, for `rows` rows.

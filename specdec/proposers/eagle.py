@@ -156,14 +156,23 @@ class _EagleBase(Proposer):
     def on_verified(self, state: RequestState, proposal: Proposal, num_accepted: int,
                     target: TargetOutput | None = None) -> None:
         """Queue the accepted rows' features; the head digests them when it next drafts, so the steps
-        that adaptive k makes plain cost the head nothing."""
+        that adaptive k makes plain cost the head nothing. A pass without them (the serving engine's
+        drafters resting, Speculation.resting) drops the queue: the head restarts from the next rows
+        it is given, at their true positions, and drafts nothing until then."""
         rows = target.accepted_rows
         nxt = state.token_ids[-len(rows):]  # accepted drafts + the recovered/bonus token
-        if len(nxt) < len(rows) or "cache" not in state.draft:
+        st = state.draft
+        if len(nxt) < len(rows) or "cache" not in st:
             return  # the request stopped inside the block: it ends here
-        state.draft["pending"].append((self._features(target.forward, rows), nxt))
-        state.draft["queued"] += len(nxt)
-        self._trim_pending(state.draft)
+        if self.feature_layers and target.forward.layer_hidden is None:
+            st["pending"].clear()
+            st["queued"], st["resting"] = 0, True
+            return
+        if st.pop("resting", False):  # row 0 of this pass sits at position len(tokens) - len(nxt) - 1
+            st["offset"], st["len"] = len(state.token_ids) - len(nxt) - 1, 0
+        st["pending"].append((self._features(target.forward, rows), nxt))
+        st["queued"] += len(nxt)
+        self._trim_pending(st)
 
     @staticmethod
     def _trim_pending(st: dict) -> None:
@@ -251,7 +260,7 @@ class _EagleBase(Proposer):
         measured ~0.9 ms a token (fp32), eagle3+ngram drafted less and gained less, interleaved A/B in
         the engine: c = 1 1.30x vs 1.36x, c = 4 1.10x vs 1.12x, 16 rows in bf16 1.28x vs 1.34x (session
         24); adaptive k's acceptance model, one rate for every position, underrates a head's chains."""
-        ready = [i for i, s in enumerate(states) if "cache" in s.draft and ks[i] > 0]
+        ready = [i for i, s in enumerate(states) if "cache" in s.draft and ks[i] > 0 and not s.draft.get("resting")]
         if self.graphed is not None and ready == [0]:  # the single-request decoder on a GPU
             tree = self.topk > 1 and min(ks[0], self.budget) > 1
             if tree or states[0].params.greedy:

@@ -141,6 +141,12 @@ class ProbeBackoff:
             return True
         return False
 
+    def resting(self, after: int, wake_before: int) -> bool:
+        """Whether speculation has been off for `after` plain steps and the next probe is more than
+        `wake_before` steps away: what only a drafting step needs may stop being kept (the serving
+        engine's EAGLE features), and is kept again for the last `wake_before` steps before a probe."""
+        return self.plain_steps >= after and self.plain_steps + wake_before < self.interval
+
 
 class CostModel:
     """Seconds per target forward over T new tokens, T = 1..max_tokens (shared by requests)."""
