@@ -137,3 +137,25 @@ def test_batch_kv_matches_contiguous_cache(tiny_dir):
     last = model(torch.tensor([[rows[0][0][-1]]]), torch.tensor([[len(rows[0][0]) - 1]]), view).logits[0, -1]
     torch.testing.assert_close(last, _contiguous_logits(model, rows[0][0], len(rows[0][0]) - 1)[-1],
                                atol=1e-4, rtol=1e-4)
+
+
+def test_text_pieces_cut_the_text_at_token_starts():
+    """Sequence.text_pieces (what the page colours by drafted / not drafted) against a character-by-character
+    reference, for every [start, end): it starts from the first token ending after `start` (a bisect) and
+    must give the pieces a scan from the text's start gives."""
+    from types import SimpleNamespace
+
+    from specdec.engine.sequence import Sequence
+    text = "Hello, world! How are you?"
+    ends = [5, 6, 12, 13, 17, 21, 26]  # token i covers [ends[i-1], ends[i])
+    seq = SimpleNamespace(out=SimpleNamespace(text=text), text_marks=[(e, i % 2 == 1) for i, e in enumerate(ends)])
+    owner = [next(i for i, e in enumerate(ends) if c < e) for c in range(len(text))]
+    for start in range(len(text) + 1):
+        for end in range(start, len(text) + 1):
+            want, prev = [], None
+            for c in range(start, end):
+                if owner[c] != prev:
+                    want.append(["", owner[c] % 2 == 1])
+                    prev = owner[c]
+                want[-1][0] += text[c]
+            assert Sequence.text_pieces(seq, start, end) == [tuple(w) for w in want], (start, end)

@@ -9,6 +9,9 @@ make that cheap) with its proposer state and generator kept, so the output is un
 """
 from __future__ import annotations
 
+import bisect
+from operator import itemgetter
+
 import enum
 import time
 from dataclasses import dataclass, field
@@ -125,8 +128,11 @@ class Sequence:
 
     def text_pieces(self, start: int, end: int) -> list[tuple[str, bool]]:
         """The text [start, end) cut where tokens begin, each piece with its token's from_draft flag."""
-        pieces, prev = [], 0
-        for mark, from_draft in self.text_marks:
+        marks = self.text_marks
+        first = bisect.bisect_right(marks, start, key=itemgetter(0))  # the first token ending after start
+        pieces, prev = [], marks[first - 1][0] if first else 0
+        for j in range(first, len(marks)):  # from there, not from the text's start: a step costs O(its tokens)
+            mark, from_draft = marks[j]
             lo, hi = max(prev, start), min(mark, end)
             if lo < hi:
                 pieces.append((self.out.text[lo:hi], from_draft))

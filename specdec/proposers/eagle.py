@@ -159,17 +159,20 @@ class _EagleBase(Proposer):
         that adaptive k makes plain cost the head nothing. A pass without them (the serving engine's
         drafters resting, Speculation.resting) drops the queue: the head restarts from the next rows
         it is given, at their true positions, and drafts nothing until then."""
-        rows = target.accepted_rows
-        nxt = state.token_ids[-len(rows):]  # accepted drafts + the recovered/bonus token
         st = state.draft
-        if len(nxt) < len(rows) or "cache" not in st:
-            return  # the request stopped inside the block: it ends here
-        if self.feature_layers and target.forward.layer_hidden is None:
-            st["pending"].clear()
-            st["queued"], st["resting"] = 0, True
+        if "cache" not in st:
             return
+        if self.feature_layers and target.forward.layer_hidden is None:
+            if st["queued"] or not st.get("resting"):
+                st["pending"].clear()
+                st["queued"], st["resting"] = 0, True
+            return
+        rows = target.accepted_rows
+        nxt = state.output_ids[-len(rows):]  # accepted drafts + the recovered/bonus token, all emitted this step
+        if len(nxt) < len(rows):
+            return  # the request stopped inside the block: it ends here
         if st.pop("resting", False):  # row 0 of this pass sits at position len(tokens) - len(nxt) - 1
-            st["offset"], st["len"] = len(state.token_ids) - len(nxt) - 1, 0
+            st["offset"], st["len"] = state.num_tokens - len(nxt) - 1, 0
         st["pending"].append((self._features(target.forward, rows), nxt))
         st["queued"] += len(nxt)
         self._trim_pending(st)
