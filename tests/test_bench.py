@@ -228,3 +228,12 @@ def test_prompts_for_a_model_without_chat_template(tiny_dir):
     prompts = build_prompts(tok, per_category=1, categories=("qa", "math"))
     assert len(prompts) == 2 and all(p.text.endswith("\n\n") and p.token_ids for p in prompts)
     assert [p.token_ids for p in prompts] == [tok.encode(p.text) for p in prompts]
+
+
+def test_serve_bench_reports_what_failed():
+    """A failed request is counted and its error kept (a crashed engine step once showed only as 'failed 16')."""
+    from specdec.bench.serve_bench import summarize
+    ok = {"ttft": 0.1, "e2e": 1.0, "tokens": 10, "itl": [0.1] * 9, "tpot": 0.1, "spec": None}
+    res = summarize([ok, {"error": "in stream: boom"}, {"error": "in stream: boom"}], 2.0)
+    assert res["failed"] == 2 and res["errors"] == ["in stream: boom"] and res["output_tokens"] == 10
+    assert summarize([ok], 1.0)["errors"] == []

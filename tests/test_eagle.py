@@ -300,6 +300,27 @@ def test_engine_rests_the_heads_features_while_nothing_drafts(tiny, tmp_path, mo
     assert sum(drafted_after) > 0  # the head drafts again after its rest
 
 
+def test_a_prompt_whose_last_token_is_left_to_a_decode_pass_begins_while_the_head_rests(tiny, tmp_path,
+                                                                                        monkeypatch):
+    """A prompt chunked so that its last token is left alone (17 tokens, 16 a step) is finished by a decode
+    pass, and its head starts from that pass's features: a resting engine keeps them for such a pass (it
+    crashed the server's engine on a ShareGPT prompt: the 16 requests in flight failed)."""
+    from specdec.engine.engine import Engine, EngineConfig, EngineRequest
+    from specdec.engine.speculation import Speculation
+    from specdec.llm import LLM
+    from tests.test_engine_batching import reference, run
+
+    d, plain = tiny
+    head = random_head(plain.model, "eagle3", tmp_path / "head", draft_vocab=512)
+    spec = LLM(str(d), dtype="float32", progress=False, speculative_config={"method": "eagle3", "model": str(head)})
+    engine = Engine(spec, EngineConfig(max_num_seqs=2, max_num_batched_tokens=16, block_size=8))
+    monkeypatch.setattr(Speculation, "resting", lambda self: True)
+    ids = plain.tokenizer.encode("1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20")[:17]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    got = run(engine, [EngineRequest("a", ids, params)])[("a", 0)]
+    assert got["ids"] == reference(plain, ids, params)[0].token_ids  # (a TypeError in the head before)
+
+
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 def test_engine_rows_draft_together_as_each_would_alone(tiny, tmp_path, kind, monkeypatch):
     """The serving engine's greedy rows digest and draft in one head pass per depth (forward_rows over

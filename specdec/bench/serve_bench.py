@@ -164,7 +164,8 @@ def summarize(results: list[dict], duration: float) -> dict:
             "requests_per_s": round(len(ok) / duration, 3),
             "ttft_ms": _pcts([r["ttft"] for r in ok]), "tpot_ms": _pcts([r["tpot"] for r in ok if r["tpot"]]),
             "itl_ms": _pcts([x for r in ok for x in r["itl"]]), "e2e_ms": _pcts([r["e2e"] for r in ok]),
-            "acceptance_rate": round(accepted / drafted, 3) if drafted else None}
+            "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
+            "errors": sorted({r["error"] for r in results if "error" in r})[:5]}  # what failed, not only how many
 
 
 def _free_port() -> int:
@@ -272,6 +273,8 @@ def run_serve_bench(args) -> int:
                     print(f"{setting:>6} c={c:<3} rate={row['rate']:<5} {res['output_tok_s']:7.1f} tok/s  "
                           f"TTFT p50 {res['ttft_ms']['p50']} ms  TPOT p50 {res['tpot_ms']['p50']} ms  "
                           f"e2e p50 {res['e2e_ms']['p50']} ms  failed {res['failed']}", flush=True)
+                    for error in res["errors"]:
+                        print(f"       error: {error}", flush=True)
     finally:
         for proc, _ in servers.values():
             if proc is not None:

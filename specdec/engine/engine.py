@@ -193,8 +193,7 @@ class Engine:
         decode_forward = 0.0
         for rows, decode in forwards:
             t0 = time.perf_counter()
-            layers = () if decode and self.spec.resting() else self._feature_layers(rows)
-            fwd = self.runner.run(rows, all_logits=decode, output_layers=layers)
+            fwd = self.runner.run(rows, all_logits=decode, output_layers=self._feature_layers(rows, decode))
             if decode:
                 decode_forward = time.perf_counter() - t0
                 padded = len(rows) * max(len(r) for r in rows)
@@ -216,8 +215,12 @@ class Engine:
                     self.seqs.pop(s.request_id, None)
         return outs
 
-    @staticmethod
-    def _feature_layers(rows: list[Row]) -> tuple[int, ...]:
+    def _feature_layers(self, rows: list[Row], decode: bool) -> tuple[int, ...]:
+        """The target layers whose hidden states the rows' proposers read from this pass: none for a
+        decode pass while the drafters rest, unless a row begins in it (a prompt found whole in the
+        prefix cache but its last token: its proposer starts from this pass)."""
+        if decode and self.spec.resting() and all(r.seq.begun or r.seq.spec.proposer is None for r in rows):
+            return ()
         layers = set()
         for r in rows:
             if r.seq.spec.proposer is not None:
