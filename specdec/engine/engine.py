@@ -217,8 +217,8 @@ class Engine:
 
     def _feature_layers(self, rows: list[Row], decode: bool) -> tuple[int, ...]:
         """The target layers whose hidden states the rows' proposers read from this pass: none for a
-        decode pass while the drafters rest, unless a row begins in it (a prompt found whole in the
-        prefix cache but its last token: its proposer starts from this pass)."""
+        decode pass while the drafters rest, unless a row begins in it (a prompt whose last token chunked
+        prefill left alone: its proposer starts from this pass)."""
         if decode and self.spec.resting() and all(r.seq.begun or r.seq.spec.proposer is None for r in rows):
             return ()
         layers = set()

@@ -10,11 +10,10 @@ make that cheap) with its proposer state and generator kept, so the output is un
 from __future__ import annotations
 
 import bisect
-from operator import itemgetter
-
 import enum
 import time
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any
 
 import torch
