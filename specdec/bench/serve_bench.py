@@ -13,18 +13,22 @@ setting is started and warmed up; then, for each concurrency (a semaphore) and -
 settings take turns per round in ABBA order, so a drift in the machine's load falls on both. Per request: TTFT, TPOT = (e2e - TTFT) / (tokens - 1), ITL =
 gaps between streamed chunks (a chunk may carry several tokens when drafts are accepted), e2e.
 Prints p50/p90/p99 and throughput; writes NAME.json, NAME.md and NAME.png (TPOT p50 and throughput
-vs concurrency) into --out.
+vs concurrency) into --out. With --repeats N each concurrency runs N times on prompts of its own, and the
+report adds the off / on TPOT p50 ratio of each run with its median and range (on a noisy 2-core machine
+one run of 48 prompts at c = 16 ranged 0.88-0.96x on the same code).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import platform
 import random
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -49,6 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", default="1,4,16")
     p.add_argument("--request-rate", default="inf", help="requests/s, comma-separated; inf = all at once")
     p.add_argument("--num-prompts", type=int, default=None, help="per run (default: max(8, 2 x concurrency))")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of each concurrency, each on prompts of its own (a repeat on the same prompts would "
+                        "find them in the prefix cache); the on/off TPOT ratio is reported per run, median and range")
     p.add_argument("--max-prompt-tokens", type=int, default=256)
     p.add_argument("--max-output-tokens", type=int, default=64)
     p.add_argument("--max-num-seqs", type=int, default=16)
@@ -220,7 +227,8 @@ def plot(rows: list[dict], path: Path) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     for setting in sorted({r["setting"] for r in rows}):
-        rs = sorted((r for r in rows if r["setting"] == setting and r["rate"] == "inf"), key=lambda r: r["concurrency"])
+        rs = sorted((r for r in rows if r["setting"] == setting and r["rate"] == "inf" and not r.get("repeat")),
+                    key=lambda r: r["concurrency"])  # the first repeat
         c = [r["concurrency"] for r in rs]
         a.plot(c, [r["tpot_ms"]["p50"] for r in rs], "o-", label=f"speculation {setting}")
         b.plot(c, [r["output_tok_s"] for r in rs], "o-", label=f"speculation {setting}")
@@ -245,6 +253,26 @@ def _table(rows: list[dict]) -> str:
     return "\n".join([head, *lines])
 
 
+def tpot_ratios(rows: list[dict]) -> list[dict]:
+    """Per concurrency and rate: off / on TPOT p50 of each repeat (both settings ran it), their median and range."""
+    by_run: dict[tuple, dict[str, float]] = {}
+    for r in rows:
+        if r["tpot_ms"]["p50"] is not None:
+            by_run.setdefault((r["concurrency"], r["rate"], r.get("repeat", 0)), {})[r["setting"]] = r["tpot_ms"]["p50"]
+    out: dict[tuple, list[float]] = {}
+    for (c, rate, _), tpot in sorted(by_run.items(), key=lambda kv: (kv[0][0], str(kv[0][1]), kv[0][2])):
+        if "off" in tpot and "on" in tpot:
+            out.setdefault((c, rate), []).append(round(tpot["off"] / tpot["on"], 3))
+    return [{"concurrency": c, "rate": rate, "ratios": xs, "median": statistics.median(xs), "min": min(xs),
+             "max": max(xs)} for (c, rate), xs in out.items()]
+
+
+def _ratio_table(ratios: list[dict]) -> str:
+    lines = [f"| {r['concurrency']} | {r['rate']} | {len(r['ratios'])} | **{r['median']:.3f}x** | "
+             f"{r['min']:.3f}-{r['max']:.3f}x | {', '.join(f'{x:.3f}' for x in r['ratios'])} |" for r in ratios]
+    return "\n".join(["| conc. | rate | runs | TPOT off / on, median | range | each run |", "|" + "---|" * 6, *lines])
+
+
 def run_serve_bench(args) -> int:
     from specdec.model.loader import resolve_model
     from specdec.model.tokenizer import Tokenizer
@@ -254,7 +282,8 @@ def run_serve_bench(args) -> int:
     concs = [int(x) for x in str(args.concurrency).split(",") if x]
     rates = [float(x) for x in str(args.request_rate).split(",") if x]
     tok = Tokenizer(resolve_model(args.model, progress=False).directory)
-    n_max = args.num_prompts or max(8, 2 * max(concs))
+    repeats = max(1, args.repeats)
+    n_max = (args.num_prompts or max(8, 2 * max(concs))) * repeats
     work_all = sharegpt_workload(tok, n_max, args.max_prompt_tokens, args.max_output_tokens, args.seed)
     settings = ["server"] if args.url else [s for s in args.settings.split(",") if s]
     servers: dict[str, tuple] = {}
@@ -264,17 +293,18 @@ def run_serve_bench(args) -> int:
             servers[setting] = (None, args.url) if args.url else start_server(args, speculative=setting == "on")
             asyncio.run(drive(servers[setting][1], work_all[:1], 1, float("inf"), args.seed))  # warm-up
         urls = {name: url for name, (_, url) in servers.items()}
-        for c in concs:
-            for rate in rates:
-                work = work_all[:args.num_prompts or max(8, 2 * c)]
-                for setting, res in paired_runs(urls, work, c, rate, args.seed).items():
-                    row = {"setting": setting, "concurrency": c, "rate": "inf" if rate == float("inf") else rate, **res}
-                    rows.append(row)
-                    print(f"{setting:>6} c={c:<3} rate={row['rate']:<5} {res['output_tok_s']:7.1f} tok/s  "
-                          f"TTFT p50 {res['ttft_ms']['p50']} ms  TPOT p50 {res['tpot_ms']['p50']} ms  "
-                          f"e2e p50 {res['e2e_ms']['p50']} ms  failed {res['failed']}", flush=True)
-                    for error in res["errors"]:
-                        print(f"       error: {error}", flush=True)
+        for c, rate, repeat in itertools.product(concs, rates, range(repeats)):
+            size = args.num_prompts or max(8, 2 * c)
+            work = work_all[repeat * size:(repeat + 1) * size]
+            for setting, res in paired_runs(urls, work, c, rate, args.seed).items():
+                row = {"setting": setting, "concurrency": c, "rate": "inf" if rate == float("inf") else rate,
+                       "repeat": repeat, **res}
+                rows.append(row)
+                print(f"{setting:>6} c={c:<3} rate={row['rate']:<5} {res['output_tok_s']:7.1f} tok/s  "
+                      f"TTFT p50 {res['ttft_ms']['p50']} ms  TPOT p50 {res['tpot_ms']['p50']} ms  "
+                      f"e2e p50 {res['e2e_ms']['p50']} ms  failed {res['failed']}", flush=True)
+                for error in res["errors"]:
+                    print(f"       error: {error}", flush=True)
     finally:
         for proc, _ in servers.values():
             if proc is not None:
@@ -285,9 +315,12 @@ def run_serve_bench(args) -> int:
             "method": args.speculative_method, "k": args.num_speculative_tokens or "adaptive",
             "load_avg_start_end": [round(load_start, 2), round(os.getloadavg()[0], 2)],
             "max_num_seqs": args.max_num_seqs}
-    (args.out / f"{args.name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    (args.out / f"{args.name}.md").write_text(_table(rows) + "\n")
-    print(_table(rows))
+    ratios = tpot_ratios(rows)
+    (args.out / f"{args.name}.json").write_text(json.dumps({"meta": meta, "rows": rows, "tpot_ratios": ratios},
+                                                           indent=1))
+    report = _table(rows) + ("\n\n" + _ratio_table(ratios) if ratios else "")
+    (args.out / f"{args.name}.md").write_text(report + "\n")
+    print(report)
     try:
         plot(rows, args.out / f"{args.name}.png")
     except ImportError:
