@@ -163,9 +163,8 @@ class _EagleBase(Proposer):
         if "cache" not in st:
             return
         if self.feature_layers and target.forward.layer_hidden is None:
-            if st["queued"] or not st.get("resting"):
-                st["pending"].clear()
-                st["queued"], st["resting"] = 0, True
+            st["pending"].clear()
+            st["queued"], st["resting"] = 0, True
             return
         rows = target.accepted_rows
         nxt = state.output_ids[-len(rows):]  # accepted drafts + the recovered/bonus token, all emitted this step
