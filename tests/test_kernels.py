@@ -92,14 +92,14 @@ def test_rmsnorm_and_silu_mul_match_torch():
     torch.testing.assert_close(kernels.silu_mul(gu), F.silu(gu[:, :100]) * gu[:, 100:], atol=1e-5, rtol=1e-5)
 
 
-def _layer_and_inputs(T, past, seed=0, dims=(9, 3, 64)):
+def _layer_and_inputs(T, past, seed=0, dims=(9, 3, 64), max_len=128):
     """A tiny attention layer (default 9 query heads, 3 kv heads, D 64), a filled cache, T new tokens."""
     from specdec.cache.kv_cache import KVCache
     from specdec.model.layers import Rotary
     torch.manual_seed(seed)
     Hq, Hkv, D = dims
-    rotary = Rotary(D, 10000.0, None, 512)
-    cache = KVCache(2, 1, Hkv, D, 128, torch.float32)
+    rotary = Rotary(D, 10000.0, None, max(512, max_len))
+    cache = KVCache(2, 1, Hkv, D, max_len, torch.float32)
     cache.k.normal_(), cache.v.normal_()
     cache.length = past
     qkv = torch.randn(1, T, (Hq + 2 * Hkv) * D)
@@ -120,21 +120,27 @@ def _torch_attention(rotary, cache, qkv, dims, positions, block_mask):
     return out.transpose(1, 2).reshape(1, T, -1)
 
 
+def _tree(T: int, past: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A token tree's mask and positions: node i's parent is (i - 1) // 2, positions are depths."""
+    parents = [-1] + [(i - 1) // 2 for i in range(1, T)]
+    block_mask = torch.eye(T, dtype=torch.bool)
+    depth = [0] * T
+    for i in range(1, T):
+        block_mask[i] |= block_mask[parents[i]]
+        depth[i] = depth[parents[i]] + 1
+    return block_mask, torch.tensor([[past + d for d in depth]])
+
+
+# past 37: one split of keys (attention.c's KEY_SPLIT, 128); past 300: three, folded
+@pytest.mark.parametrize("past", [37, 300])
 @pytest.mark.parametrize("T,tree", [(1, False), (5, False), (7, True)])
-def test_fused_attention_matches_torch(T, tree):
+def test_fused_attention_matches_torch(T, tree, past):
     from specdec.kernels.attention import FusedAttention
-    past = 37
     positions = torch.arange(past, past + T)[None]
     block_mask = None
-    if tree:  # a token tree: node i's parent is (i - 1) // 2, positions are depths
-        parents = [-1] + [(i - 1) // 2 for i in range(1, T)]
-        block_mask = torch.eye(T, dtype=torch.bool)
-        depth = [0] * T
-        for i in range(1, T):
-            block_mask[i] |= block_mask[parents[i]]
-            depth[i] = depth[parents[i]] + 1
-        positions = torch.tensor([[past + d for d in depth]])
-    rotary, cache, qkv, dims = _layer_and_inputs(T, past)
+    if tree:
+        block_mask, positions = _tree(T, past)
+    rotary, cache, qkv, dims = _layer_and_inputs(T, past, max_len=512)
     fused = FusedAttention.build(rotary, positions, block_mask, cache, qkv)
     assert fused is not None
     got = fused(qkv, 1, *dims)
@@ -162,12 +168,13 @@ def test_fused_attention_matches_torch_for_head_layouts(dims, T):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
+# past 30: one split of keys; 250 + 9 new tokens: the rows cross the split boundary at 256 (two splits, then three)
+@pytest.mark.parametrize("past,T", [(30, 6), (250, 9)])
 @pytest.mark.parametrize("dims", HEAD_LAYOUTS)
-def test_fused_attention_is_batch_invariant(dims):
+def test_fused_attention_is_batch_invariant(dims, past, T):
     """Row t of a pass over T tokens equals, bit for bit, a single-token pass at that position."""
     from specdec.kernels.attention import FusedAttention
-    past, T = 30, 6
-    rotary, cache, qkv, dims = _layer_and_inputs(T, past, dims=dims)
+    rotary, cache, qkv, dims = _layer_and_inputs(T, past, dims=dims, max_len=512)
     positions = torch.arange(past, past + T)[None]
     block = FusedAttention.build(rotary, positions, None, cache, qkv)(qkv, 1, *dims)
     rows = []

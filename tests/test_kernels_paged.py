@@ -27,8 +27,8 @@ def _batched(model, pool, tables, past, new_tokens, new_positions, row_masks):
     return model(ids, pos, kv).logits
 
 
-def _run(model, prompts, new, trees):
-    pool = PagedKVPool.for_model(model.config, 64, BLOCK, torch.float32)
+def _run(model, prompts, new, trees, num_blocks=64):
+    pool = PagedKVPool.for_model(model.config, num_blocks, BLOCK, torch.float32)
     tables, nxt = [], 0
     for p in prompts:  # disjoint blocks, in an order that is not the sequences' own
         n = (len(p) + 8 + BLOCK - 1) // BLOCK
@@ -50,10 +50,13 @@ def _run(model, prompts, new, trees):
     return logits, pool, tables, positions, masks
 
 
-def test_paged_kernel_rows_equal_single_sequence_static_decoding(tiny_dir, monkeypatch):
+# prompts of 3-12 tokens: one split of keys (attention.c's KEY_SPLIT, 128); of 300 and 140: three and two,
+# beside a short row whose later splits are all padding
+@pytest.mark.parametrize("lengths", [(7, 12, 3), (300, 140, 9)])
+def test_paged_kernel_rows_equal_single_sequence_static_decoding(tiny_dir, monkeypatch, lengths):
     model = load_model(tiny_dir("llama"), torch.float32)
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (7, 12, 3)]
+    prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in lengths]
     new = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (1, 3, 5)]
     trees = [False, False, True]
     calls, build = [], attention.PagedAttention.build
@@ -63,11 +66,13 @@ def test_paged_kernel_rows_equal_single_sequence_static_decoding(tiny_dir, monke
         return calls[-1]
 
     monkeypatch.setattr(attention.PagedAttention, "build", classmethod(counted))
-    logits, pool, tables, positions, masks = _run(model, prompts, new, trees)
-    assert calls and all(c is not None for c in calls)
+    logits, pool, tables, positions, masks = _run(model, prompts, new, trees, num_blocks=160)
+    # every pass ran the kernel, but for the prompts of over PAGED_ROWS tokens (SDPA's); the batched one did
+    assert calls and all((c is not None) == (len(p) <= attention.PAGED_ROWS) for c, p in zip(calls, prompts))
+    assert calls[-1] is not None
     T = logits.shape[1]
     for b, p in enumerate(prompts):
-        cache = model.new_cache(64)
+        cache = model.new_cache(320)
         model(torch.tensor([p]), torch.arange(len(p))[None], cache)
         want = model(torch.tensor([new[b]]), torch.tensor([positions[b]]), cache, block_mask=masks[b]).logits[0]
         got = logits[b, T - len(new[b]):]

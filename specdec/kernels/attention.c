@@ -4,11 +4,16 @@
  * For T <= 64 new tokens (MAX_ROWS) the work is small and a chain of ~25 torch ops per layer (split, views,
  * rotary, cache slices, SDPA, transposes) costs more in dispatch than in arithmetic; here it is
  * one loop nest. The queries that read the same kv head (its group of query heads, at every new
- * token) share each key and value load, two at a time, over key blocks that stay in L1; yet every
- * query row is the same sequence of operations whatever shares its loads (each score one dot product
- * with a fixed reduction tree, the softmax sum over aligned 8-lane chunks, each output element one
- * FMA chain over the visible keys, ascending), so a verify pass over k+1 tokens gives bitwise the
- * same rows as k+1 single-token passes (batch invariance, as gemv.c).
+ * token) share each key and value load, two at a time, over key blocks that stay in L1. Keys go in
+ * fixed splits of KEY_SPLIT columns whose partial softmaxes are folded in ascending order, so both
+ * cores share a long context's keys (flash-decoding's split-K, with a fixed order). Every query row
+ * is the same sequence of operations whatever shares its loads (each score one dot product with a
+ * fixed reduction tree, a split's softmax sum over aligned 8-lane chunks, each output element one FMA
+ * chain over the split's keys, ascending, the splits folded in order), so a verify pass over k+1
+ * tokens gives bitwise the same rows as k+1 single-token passes (batch invariance, as gemv.c).
+ * SmolLM2-135M, 30 layers of attention after 1024 cached tokens (2-vCPU AMD EPYC Zen 4, the kernels
+ * before and after interleaved in one process, medians of 25): T = 1 / 5 / 8 / 16 new tokens
+ * 3.42 / 6.49 / 9.61 / 15.18 ms unsplit, 2.66 / 5.06 / 7.17 / 12.43 ms split.
  *
  * qkv:   [T, (Hq + 2 Hkv) * D]  the fused projection (q heads, then k heads, then v heads)
  * cos, sin: [max_pos, D]        tables; sin has its first half negated (rotate_half layout)
@@ -75,28 +80,36 @@ static inline void dots_1x4(const float *q, const float *const k[4], int64_t D, 
     store4(hsum4(a[0], a[1], a[2], a[3]), out);
 }
 
-/* o_m[c, c + 8 NR) += s_m[j] v_j for the keys j in [j0, j1), ascending: one FMA per element and key,
- * in registers (NR x 8 lanes per query), for two queries (s1 NULL: one) sharing each v load. Keys
- * with a zero weight (masked) are skipped, so o is what one unblocked pass over the keys gives. */
+/* o_m[c, c + 8 NR) += s_m[j - base] v_j for the keys j in [j0, j1), ascending: one FMA per element and
+ * key, in registers (NR x 8 lanes per query), for two queries (s1 NULL: one) sharing each v load. A
+ * masked key's weight is 0 and adds an exact zero (a + 0 * v = a for a finite v; an accumulator that
+ * starts at +0 never becomes -0), so o is what skipping the masked keys would give, without a branch
+ * per key (those branches were ~10% of a verify pass's attention over a long context). */
 static inline __attribute__((always_inline)) void pv_chunk(const float *s0, const float *s1, const float *vc,
-                                                            const int64_t *gather, int64_t stride, int64_t j0,
-                                                            int64_t j1, int64_t c, const int NR, float *o0, float *o1) {
+                                                            const int64_t *gather, int64_t stride, int64_t base,
+                                                            int64_t j0, int64_t j1, int64_t c, const int NR,
+                                                            float *o0, float *o1) {
     __m256 a[2][4];
     for (int r = 0; r < NR; r++) {
         a[0][r] = _mm256_loadu_ps(o0 + c + 8 * r);
         a[1][r] = s1 ? _mm256_loadu_ps(o1 + c + 8 * r) : _mm256_setzero_ps();
     }
-    for (int64_t j = j0; j < j1; j++) {
-        const float w0 = s0[j], w1 = s1 ? s1[j] : 0.f;
-        if (w0 == 0.f && w1 == 0.f) continue;
-        const float *v = vc + (gather ? gather[j] : j) * stride + c;
-        __m256 vv[4];
-        for (int r = 0; r < NR; r++) vv[r] = _mm256_loadu_ps(v + 8 * r);
-        if (w0 != 0.f)
-            for (int r = 0; r < NR; r++) a[0][r] = _mm256_fmadd_ps(_mm256_set1_ps(w0), vv[r], a[0][r]);
-        if (w1 != 0.f)
-            for (int r = 0; r < NR; r++) a[1][r] = _mm256_fmadd_ps(_mm256_set1_ps(w1), vv[r], a[1][r]);
-    }
+    if (s1)
+        for (int64_t j = j0; j < j1; j++) {
+            const float *v = vc + (gather ? gather[j] : j) * stride + c;
+            const __m256 w0 = _mm256_broadcast_ss(s0 + j - base), w1 = _mm256_broadcast_ss(s1 + j - base);
+            for (int r = 0; r < NR; r++) {
+                const __m256 vv = _mm256_loadu_ps(v + 8 * r);
+                a[0][r] = _mm256_fmadd_ps(w0, vv, a[0][r]);
+                a[1][r] = _mm256_fmadd_ps(w1, vv, a[1][r]);
+            }
+        }
+    else
+        for (int64_t j = j0; j < j1; j++) {
+            const float *v = vc + (gather ? gather[j] : j) * stride + c;
+            const __m256 w0 = _mm256_broadcast_ss(s0 + j - base);
+            for (int r = 0; r < NR; r++) a[0][r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v + 8 * r), a[0][r]);
+        }
     for (int r = 0; r < NR; r++) {
         _mm256_storeu_ps(o0 + c + 8 * r, a[0][r]);
         if (s1) _mm256_storeu_ps(o1 + c + 8 * r, a[1][r]);
@@ -126,9 +139,11 @@ static inline void axpy(float a, const float *x, float *y, int64_t D) {
 }
 
 /* s[j] = exp(s[j] * scale - max) over the visible keys j < n_keys, 0 elsewhere up to padded; returns
- * their sum. The sum runs over aligned chunks of 8 (lane j % 8, then a fixed tree), so keys a row does
- * not see, and the padding, add exact zeros: a row's sum does not depend on n_keys (batch invariance). */
-static float softmax_numerators(float *s, const uint8_t *vis, int64_t n_keys, int64_t padded, float scale) {
+ * their sum, and their max in *max_out (-inf, and a sum of 0, when no key is visible). The sum runs over
+ * aligned chunks of 8 (lane j % 8, then a fixed tree), so keys a row does not see, and the padding, add
+ * exact zeros: a row's sum does not depend on n_keys (batch invariance). */
+static float softmax_numerators(float *s, const uint8_t *vis, int64_t n_keys, int64_t padded, float scale,
+                                float *max_out) {
     float mx = -INFINITY, l = 0.f;
     int64_t j = 0;
 #ifdef __AVX2__
@@ -149,6 +164,8 @@ static float softmax_numerators(float *s, const uint8_t *vis, int64_t n_keys, in
         s[j] = vis[j] ? s[j] * scale : -INFINITY;
         if (s[j] > mx) mx = s[j];
     }
+    *max_out = mx;
+    if (mx == -INFINITY) return 0.f; /* nothing visible here: the caller skips these keys */
     for (j = n_keys; j < padded; j++) s[j] = -INFINITY;
 #ifdef __AVX2__
     __m256 acc = _mm256_setzero_ps(), z = acc;
@@ -166,75 +183,115 @@ static float softmax_numerators(float *s, const uint8_t *vis, int64_t n_keys, in
     return l;
 }
 
-/* Attention for nq queries q [nq, D] (already rotated) that share one kv head's keys: out[m] =
- * softmax(q[m] k^T * scale) v over the keys j < n_keys with vis[m][j]. Key j's row is kc + row_j *
- * stride (row_j = gather[j], or j when gather is NULL), likewise for v. Keys are visited in blocks of
- * KEY_BLOCK that stay in L1 while every pair of queries uses them; each query's result is bitwise
- * the same whichever queries share the call and however the keys are blocked (batch invariance).
- * scores: nq * padded floats of scratch, sums: nq. */
-#define KEY_BLOCK 64
-static void attend(const float *q, int64_t nq, const uint8_t *const *vis, float *const *out, const float *kc,
-                   const float *vc, const int64_t *gather, int64_t stride, int64_t n_keys, int64_t D, float scale,
-                   float *scores, float *sums, int64_t padded) {
+/* Keys are attended in fixed splits of KEY_SPLIT columns (column j: the sequence's key j, in the static
+ * cache and in the paged pool alike). Each split gives a partial per query (the max of its visible
+ * scores, the sum of their exponentials and the exponential-weighted sum of their values), and a query's
+ * partials are folded in ascending order (fold). A partial is a function of its split's keys alone and the
+ * fold's order is fixed, so a query's result depends on its own keys only: not on T, B, the work units or
+ * the threads (batch invariance). Splits let both cores share a kv head's keys (a decode step over a long
+ * context has 3 kv heads for 2 cores, and each thread reads only its splits), and a split's keys stay in
+ * cache while the head's query units use it. With one split a query's result is exactly the unsplit
+ * softmax (fold of one partial: acc / sum). */
+#define KEY_SPLIT 128
+#define KEY_BLOCK 64 /* keys a pair of queries passes over while they stay in L1 (KEY_SPLIT: a multiple) */
+#define PART(D) ((D) + 2) /* floats of one partial: max, sum, acc[D] */
+
+/* The partials of queries q [nq, D] (already rotated) that share one kv head's keys, over the key columns
+ * [j0, j1): part[m] = {max, sum, acc} of the keys j with vis[m][j] (scores softmax(q k^T * scale)'s
+ * numerators relative to the split's max; max -inf and sum 0 when none is visible). Key j's row is kc +
+ * row_j * stride (row_j = gather[j], or j when gather is NULL), likewise for v. scores: nq * KEY_SPLIT
+ * floats of scratch. */
+static void attend_split(const float *q, int64_t nq, const uint8_t *const *vis, float *const *part, const float *kc,
+                         const float *vc, const int64_t *gather, int64_t stride, int64_t j0, int64_t j1, int64_t D,
+                         float scale, float *scores) {
 #define ROW(base, j) ((base) + (gather ? gather[j] : (j)) * stride)
-    for (int64_t j0 = 0; j0 < n_keys; j0 += KEY_BLOCK) { /* 1. scores of the visible keys */
-        const int64_t j1 = j0 + KEY_BLOCK < n_keys ? j0 + KEY_BLOCK : n_keys;
+    const int64_t n = j1 - j0, padded = (n + 7) / 8 * 8;
+    for (int64_t b0 = j0; b0 < j1; b0 += KEY_BLOCK) { /* 1. scores of the visible keys */
+        const int64_t b1 = b0 + KEY_BLOCK < j1 ? b0 + KEY_BLOCK : j1;
         for (int64_t m = 0; m < nq; m += 2) {
             const int two = m + 1 < nq;
-            float *s0 = scores + m * padded, *s1 = s0 + padded;
-            int64_t j = j0;
+            float *s0 = scores + m * KEY_SPLIT - j0, *s1 = s0 + KEY_SPLIT; /* indexed by column */
+            int64_t j = b0;
 #ifdef __AVX2__
             if (D % 8 == 0)
-                for (; j + 4 <= j1; j += 4) {
+                for (; j + 4 <= b1; j += 4) {
                     if (!any4(vis[m] + j) && !(two && any4(vis[m + 1] + j))) continue; /* masked below */
                     const float *k[4] = {ROW(kc, j), ROW(kc, j + 1), ROW(kc, j + 2), ROW(kc, j + 3)};
+                    if (m == 0) /* the values these keys weigh, on their way while the scores are made */
+                        for (int i = 0; i < 4; i++)
+                            for (int64_t o = 0; o < D; o += 16) _mm_prefetch((const char *)(ROW(vc, j + i) + o), _MM_HINT_T0);
                     if (two) dots_2x4(q + m * D, q + (m + 1) * D, k, D, s0 + j, s1 + j);
                     else dots_1x4(q + m * D, k, D, s0 + j);
                 }
 #endif
-            for (; j < j1; j++) {
+            for (; j < b1; j++) {
                 if (vis[m][j]) s0[j] = dot(q + m * D, ROW(kc, j), D);
                 if (two && vis[m + 1][j]) s1[j] = dot(q + (m + 1) * D, ROW(kc, j), D);
             }
         }
     }
-    for (int64_t m = 0; m < nq; m++) { /* 2. softmax numerators in place, their sum in sums[m] */
-        sums[m] = softmax_numerators(scores + m * padded, vis[m], n_keys, padded, scale);
-        for (int64_t i = 0; i < D; i++) out[m][i] = 0.f;
+    for (int64_t m = 0; m < nq; m++) { /* 2. the numerators in place, their max and sum */
+        part[m][1] = softmax_numerators(scores + m * KEY_SPLIT, vis[m] + j0, n, padded, scale, &part[m][0]);
+        for (int64_t i = 0; i < D; i++) part[m][2 + i] = 0.f;
     }
-    for (int64_t j0 = 0; j0 < n_keys; j0 += KEY_BLOCK) { /* 3. the weighted values, block by block */
-        const int64_t j1 = j0 + KEY_BLOCK < n_keys ? j0 + KEY_BLOCK : n_keys;
+    for (int64_t b0 = j0; b0 < j1; b0 += KEY_BLOCK) { /* 3. the weighted values, block by block */
+        const int64_t b1 = b0 + KEY_BLOCK < j1 ? b0 + KEY_BLOCK : j1;
 #ifdef __AVX2__
         if (D % 8 == 0) {
             for (int64_t m = 0; m < nq; m += 2) {
-                const float *s0 = scores + m * padded, *s1 = m + 1 < nq ? s0 + padded : NULL;
-                float *o1 = m + 1 < nq ? out[m + 1] : NULL;
+                const int two = m + 1 < nq && part[m + 1][0] != -INFINITY;
+                if (part[m][0] == -INFINITY && !two) continue;
+                /* a query with nothing visible here has weights of 0 on no set key: it pairs as s1 = NULL */
+                const int first = part[m][0] != -INFINITY;
+                const int64_t a = first ? m : m + 1;
+                const float *s0 = scores + a * KEY_SPLIT, *s1 = first && two ? scores + (m + 1) * KEY_SPLIT : NULL;
+                float *o0 = part[a] + 2, *o1 = first && two ? part[m + 1] + 2 : NULL;
                 int64_t c = 0;
-                for (; c + 32 <= D; c += 32) pv_chunk(s0, s1, vc, gather, stride, j0, j1, c, 4, out[m], o1);
-                for (; c < D; c += 8) pv_chunk(s0, s1, vc, gather, stride, j0, j1, c, 1, out[m], o1);
+                for (; c + 32 <= D; c += 32) pv_chunk(s0, s1, vc, gather, stride, j0, b0, b1, c, 4, o0, o1);
+                for (; c < D; c += 8) pv_chunk(s0, s1, vc, gather, stride, j0, b0, b1, c, 1, o0, o1);
             }
             continue;
         }
 #endif
-        for (int64_t m = 0; m < nq; m++)
-            for (int64_t j = j0; j < j1; j++)
-                if (scores[m * padded + j] != 0.f) axpy(scores[m * padded + j], ROW(vc, j), out[m], D);
-    }
-    for (int64_t m = 0; m < nq; m++) {
-        const float inv = 1.0f / sums[m];
-        for (int64_t i = 0; i < D; i++) out[m][i] *= inv;
+        for (int64_t m = 0; m < nq; m++) {
+            if (part[m][0] == -INFINITY) continue;
+            for (int64_t j = b0; j < b1; j++)
+                if (scores[m * KEY_SPLIT + j - j0] != 0.f) axpy(scores[m * KEY_SPLIT + j - j0], ROW(vc, j), part[m] + 2, D);
+        }
     }
 #undef ROW
 }
 
+/* out[D] = a query's attention from its partials [nsplits, PART(D)], folded in ascending order (splits
+ * with nothing visible skipped): max' = max(max, max_s), sum = sum e^(max - max') + sum_s e^(max_s - max'),
+ * likewise acc; then out = acc / sum. One partial gives acc * (1 / sum), the unsplit kernel's result. */
+static void fold(const float *part, int64_t nsplits, int64_t D, float *out) {
+    float mx = -INFINITY, l = 0.f;
+    for (int64_t s = 0; s < nsplits; s++) {
+        const float *p = part + s * PART(D);
+        if (p[0] == -INFINITY) continue;
+        if (mx == -INFINITY) {
+            mx = p[0], l = p[1];
+            for (int64_t i = 0; i < D; i++) out[i] = p[2 + i];
+            continue;
+        }
+        const float top = p[0] > mx ? p[0] : mx, a = expf(mx - top), c = expf(p[0] - top);
+        l = l * a + p[1] * c;
+        for (int64_t i = 0; i < D; i++) out[i] = out[i] * a + p[2 + i] * c;
+        mx = top;
+    }
+    const float inv = 1.0f / l;
+    for (int64_t i = 0; i < D; i++) out[i] *= inv;
+}
+
 /* The queries that share one kv head's keys (a "set": every new token's group of query heads, of one
- * sequence) are split into work units of at most MAX_Q consecutive queries, and into two units at
- * least, so that both cores have work even at T = 1. */
+ * sequence) are split into work units of at most MAX_Q consecutive queries; with one key split, into two
+ * units at least, so that both cores have work even at T = 1 (with more, the splits give them work). */
 #define MAX_Q 8
 
-static int64_t units_per_set(int64_t n) {
+static int64_t units_per_set(int64_t n, int64_t nsplits) {
     const int64_t u = (n + MAX_Q - 1) / MAX_Q;
-    return n >= 2 && u < 2 ? 2 : u;
+    return nsplits == 1 && n >= 2 && u < 2 ? 2 : u;
 }
 
 /* Writes new token t's rotated keys and its values at kc/vc + dst + h * head_stride. */
@@ -266,51 +323,78 @@ static int64_t unit_queries(const float *qkv, const float *cos, const float *sin
     return hi - lo;
 }
 
-/* Scratch of one thread: scores [MAX_Q, padded], rotated queries [MAX_Q, D], sums [MAX_Q]. */
-static float *scratch(int64_t padded, int64_t D) {
-    return malloc(sizeof(float) * MAX_Q * (padded + D + 1));
-}
-
 /* One attention call's work: B rows (B = 1 and gather == NULL: the static cache, vis rows [T, L];
- * else the paged pool, mask [B, T, L]) x Hkv kv heads x `units` units of queries, split in a static
- * schedule over the threads; each unit's result is independent of who computes it. */
+ * else the paged pool, mask [B, T, L]) x Hkv kv heads x nsplits key splits x `units` units of queries,
+ * split in a static schedule over the threads (a unit's splits of one head next to each other, so the
+ * units share the split's keys in cache). With several splits each item leaves its queries' partials in
+ * `parts` ([B T Hq, nsplits, PART(D)]), and whoever finishes a unit's last split folds them (remaining:
+ * per unit, the splits still to come); each query's result is independent of who computes what. */
 typedef struct {
     const float *qkv, *cos, *sin;
     const int64_t *pos;
     const float *kc, *vc;
     const int64_t *new_slot, *gather;
     const uint8_t *vis; /* static: [T, L] visibility; paged: the [B, T, L] mask */
-    float *out;
-    int64_t B, T, L, Hq, Hkv, D, max_len, group, per_set, units, padded;
+    float *out, *parts;
+    _Atomic int64_t *remaining;
+    int64_t B, T, L, Hq, Hkv, D, max_len, group, per_set, units, nsplits;
     float scale;
     _Atomic int failed;
 } AttendJob;
 
 static void attend_share(void *ctx, int64_t me, int64_t nth) {
     AttendJob *j = ctx;
-    const int64_t total = j->B * j->Hkv * j->units, lo = total * me / nth, hi = total * (me + 1) / nth;
+    const int64_t per_head = j->nsplits * j->units, total = j->B * j->Hkv * per_head;
+    const int64_t lo = total * me / nth, hi = total * (me + 1) / nth, D = j->D;
     if (lo >= hi) return;
-    float *buf = scratch(j->padded, j->D);
+    /* scratch: scores [MAX_Q, KEY_SPLIT], rotated queries [MAX_Q, D], one split's partials [MAX_Q, PART(D)] */
+    float *buf = malloc(sizeof(float) * MAX_Q * (KEY_SPLIT + D + PART(D)));
     if (buf == NULL) {
         atomic_store(&j->failed, 1);
         return;
     }
+    float *q = buf + MAX_Q * KEY_SPLIT, *local = q + MAX_Q * D;
     const int paged = j->gather != NULL;
     for (int64_t i = lo; i < hi; i++) {
-        const int64_t b = i / (j->Hkv * j->units), g = i / j->units % j->Hkv, u = i % j->units;
+        const int64_t b = i / (j->Hkv * per_head), g = i / per_head % j->Hkv, s = i / j->units % j->nsplits;
+        const int64_t u = i % j->units, unit = (b * j->Hkv + g) * j->units + u;
         const uint8_t *vis[MAX_Q];
-        float *outs[MAX_Q], *q = buf + MAX_Q * j->padded;
+        float *outs[MAX_Q], *part[MAX_Q];
         const int64_t nq = unit_queries(j->qkv, j->cos, j->sin, j->pos, b * j->T, u * j->per_set / j->units,
-                                        (u + 1) * j->per_set / j->units, g, j->group, j->Hq, j->Hkv, j->D,
+                                        (u + 1) * j->per_set / j->units, g, j->group, j->Hq, j->Hkv, D,
                                         j->vis + b * j->T * j->L, j->L, j->out, q, vis, outs);
+        for (int64_t m = 0; m < nq; m++) /* query row r = (outs[m] - out) / D: its partials */
+            part[m] = j->nsplits == 1 ? local + m * PART(D) : j->parts + ((outs[m] - j->out) / D * j->nsplits + s) * PART(D);
+        const int64_t j0 = s * KEY_SPLIT, j1 = j0 + KEY_SPLIT < j->L ? j0 + KEY_SPLIT : j->L;
         if (paged)
-            attend(q, nq, vis, outs, j->kc + g * j->D, j->vc + g * j->D, j->gather + b * j->L, j->Hkv * j->D, j->L,
-                   j->D, j->scale, buf, q + MAX_Q * j->D, j->padded);
+            attend_split(q, nq, vis, part, j->kc + g * D, j->vc + g * D, j->gather + b * j->L, j->Hkv * D, j0, j1, D,
+                         j->scale, buf);
         else
-            attend(q, nq, vis, outs, j->kc + g * j->max_len * j->D, j->vc + g * j->max_len * j->D, NULL, j->D, j->L,
-                   j->D, j->scale, buf, q + MAX_Q * j->D, j->padded);
+            attend_split(q, nq, vis, part, j->kc + g * j->max_len * D, j->vc + g * j->max_len * D, NULL, D, j0, j1,
+                         D, j->scale, buf);
+        if (j->nsplits > 1 && atomic_fetch_sub_explicit(&j->remaining[unit], 1, memory_order_acq_rel) != 1)
+            continue; /* another split of this unit is still to come: its finisher folds */
+        for (int64_t m = 0; m < nq; m++)
+            fold(j->nsplits == 1 ? part[m] : part[m] - s * PART(D), j->nsplits, D, outs[m]);
     }
     free(buf);
+}
+
+/* Runs the job over the threads; with several key splits, with the partials' and counters' memory.
+ * Returns 0, or -1 when memory cannot be allocated. */
+static int run_job(AttendJob *job, int64_t work) {
+    const int64_t units = job->B * job->Hkv * job->units;
+    /* the caller's buffers, kept between calls (a fresh malloc this size is an mmap: page faults every layer) */
+    static __thread void *parts = NULL, *remaining = NULL;
+    static __thread int64_t parts_size = 0, remaining_size = 0;
+    if (job->nsplits > 1) {
+        job->parts = grow_buffer(&parts, &parts_size, sizeof(float) * job->B * job->T * job->Hq * job->nsplits * PART(job->D));
+        job->remaining = grow_buffer(&remaining, &remaining_size, sizeof(*job->remaining) * units);
+        if (job->parts == NULL || job->remaining == NULL) return -1;
+        for (int64_t i = 0; i < units; i++) atomic_init(&job->remaining[i], job->nsplits);
+    }
+    specdec_parallel(attend_share, job, work > 200000 ? specdec_num_threads() : 1);
+    return atomic_load(&job->failed) ? -1 : 0;
 }
 
 /* Returns 0, or -1 when a scratch buffer cannot be allocated. */
@@ -318,8 +402,8 @@ int specdec_attention_f32(const float *qkv, const float *cos, const float *sin, 
                           float *kc, float *vc, const uint8_t *mask, float *out,
                           int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t past, int64_t max_len,
                           float scale) {
-    const int64_t group = Hq / Hkv, n_keys = past + T, padded = (n_keys + 7) / 8 * 8;
-    const int64_t per_set = T * group, units = units_per_set(per_set);
+    const int64_t group = Hq / Hkv, n_keys = past + T, nsplits = (n_keys + KEY_SPLIT - 1) / KEY_SPLIT;
+    const int64_t per_set = T * group, units = units_per_set(per_set, nsplits);
     /* 1. rotary on k, write k and v of the new tokens into the cache */
     for (int64_t t = 0; t < T; t++) write_kv(qkv, cos, sin, pos, kc, vc, t, Hq, Hkv, D, (past + t) * D, max_len * D);
     /* 2. which keys each new token sees: the whole prefix, then the new tokens its mask allows */
@@ -330,11 +414,11 @@ int specdec_attention_f32(const float *qkv, const float *cos, const float *sin, 
         for (int64_t j = 0; j < T; j++) vis_rows[t * n_keys + past + j] = mask ? mask[t * T + j] : j <= t;
     }
     /* 3. softmax(q k^T * scale) v for every query, a unit of one kv head's queries at a time */
-    AttendJob job = {qkv, cos, sin, pos, kc, vc, NULL, NULL, vis_rows, out, 1, T, n_keys, Hq, Hkv, D, max_len,
-                     group, per_set, units, padded, scale, 0};
-    specdec_parallel(attend_share, &job, Hq * T * n_keys * D > 200000 ? specdec_num_threads() : 1);
+    AttendJob job = {qkv, cos, sin, pos, kc, vc, NULL, NULL, vis_rows, out, NULL, NULL, 1, T, n_keys, Hq, Hkv, D,
+                     max_len, group, per_set, units, nsplits, scale, 0};
+    const int rc = run_job(&job, Hq * T * n_keys * D);
     free(vis_rows);
-    return atomic_load(&job.failed) ? -1 : 0;
+    return rc;
 }
 
 /* The same attention for a batch of sequences in the paged pool (the serving engine's BatchKV):
@@ -351,12 +435,11 @@ int specdec_paged_attention_f32(const float *qkv, const float *cos, const float 
                                 float *kc, float *vc, const int64_t *new_slot, const int64_t *gather,
                                 const uint8_t *mask, float *out, int64_t B, int64_t T, int64_t L, int64_t Hq,
                                 int64_t Hkv, int64_t D, float scale) {
-    const int64_t group = Hq / Hkv, padded = (L + 7) / 8 * 8, slot = Hkv * D;
-    const int64_t per_set = T * group, units = units_per_set(per_set);
+    const int64_t group = Hq / Hkv, nsplits = (L + KEY_SPLIT - 1) / KEY_SPLIT, slot = Hkv * D;
+    const int64_t per_set = T * group, units = units_per_set(per_set, nsplits);
     for (int64_t bt = 0; bt < B * T; bt++)
         if (new_slot[bt] >= 0) write_kv(qkv, cos, sin, pos, kc, vc, bt, Hq, Hkv, D, new_slot[bt] * slot, D);
-    AttendJob job = {qkv, cos, sin, pos, kc, vc, new_slot, gather, mask, out, B, T, L, Hq, Hkv, D, 0,
-                     group, per_set, units, padded, scale, 0};
-    specdec_parallel(attend_share, &job, B * Hq * T * L * D > 200000 ? specdec_num_threads() : 1);
-    return atomic_load(&job.failed) ? -1 : 0;
+    AttendJob job = {qkv, cos, sin, pos, kc, vc, new_slot, gather, mask, out, NULL, NULL, B, T, L, Hq, Hkv, D, 0,
+                     group, per_set, units, nsplits, scale, 0};
+    return run_job(&job, B * Hq * T * L * D);
 }
