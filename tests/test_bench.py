@@ -117,6 +117,8 @@ def test_advise_recommends_with_a_reason(tiny_dir, tmp_path):
     finally:
         torch.set_num_threads(threads)
     rec = adv.recommendation
+    # the cost curve after the prompts' typical context (median prompt + half the answer), not a fixed 128
+    assert adv.cost_curve["prefix_len"] == sorted(map(len, prompts))[1] + 6
     assert adv.reason and "batch 1" in adv.reason
     assert adv.regime in ("latency-bound", "throughput-bound", "in between")
     assert rec["method"] in (None, "ngram")
@@ -128,6 +130,13 @@ def test_advise_recommends_with_a_reason(tiny_dir, tmp_path):
         assert rec["measured_speedup"] == max(rec["measured"].values()) > 0
         assert rec["adaptive"] == (rec["measured"]["adaptive"] > rec["measured"]["fixed"])
         assert rec["speculative_config"].get("num_speculative_tokens") == (None if rec["adaptive"] else rec["k"])
+
+
+def test_typical_context_is_the_median_prompt_plus_half_the_answer():
+    from specdec.bench.advise import typical_context
+
+    assert typical_context([[0] * 10, [0] * 300, [0] * 40], 64) == 40 + 32
+    assert typical_context([[0] * 5], 1) == 5
 
 
 def test_estimate_matches_the_cost_model():

@@ -182,6 +182,15 @@ def _measure_pair(plain: SpecdecSystem, chosen: SpecdecSystem, prompts: list[lis
     return (t["chosen"][0] / t["chosen"][1]) / (t["plain"][0] / t["plain"][1])
 
 
+def typical_context(prompts: list[list[int]], max_tokens: int) -> int:
+    """The context a decode or verify pass typically sees on these prompts: the median prompt plus half
+    the answer. The cost curve is measured after that many cached tokens, since attention over a long
+    context makes a verify pass dearer (bf16 SmolLM2-135M, 8 tokens: ~1.0x one token after 128 cached,
+    ~1.3x after 1024; methods.md session 27)."""
+    lengths = sorted(len(p) for p in prompts)
+    return max(1, lengths[len(lengths) // 2] + max_tokens // 2)
+
+
 def advise(model: str, prompts: list[list[int]], dtype: str = "auto", threads: int | None = None,
            batch_size: int = 1, max_tokens: int = 64, k_max: int = 8, methods: tuple[str, ...] | None = None,
            method_configs: dict | None = None, draft_model: str | None = None, verify: bool = True,
@@ -202,9 +211,10 @@ def advise(model: str, prompts: list[list[int]], dtype: str = "auto", threads: i
     target = load_model(source.directory, dt, max_len)
     tokenizer = Tokenizer(source.directory)
     top = batch_size * (k_max + 1)
-    log("measuring the cost curve ...")
+    context = min(typical_context(prompts, max_tokens), max_len - top - 1)
+    log(f"measuring the cost curve after {context} cached tokens ...")
     curve = measure_cost_curve(target, sorted(set(range(1, k_max + 2)) | {batch_size * j for j in range(1, k_max + 2)}
-                                              | {top}), prefix_len=min(128, max_len - top - 1))
+                                              | {top}), prefix_len=context)
     ratio = _rel(curve, batch_size, k_max + 1)
     regime = _regime(ratio, batch_size, k_max)
     plain = SpecdecSystem(target, tokenizer, source.directory)

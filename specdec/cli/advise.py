@@ -62,4 +62,5 @@ def run(args) -> int:
               f"{c.acceptance_rate:11.2f} {c.draft_cost_rel:11.3f}")
     for s in adv.skipped:
         print(f"{s['method']:14s} skipped: {s['reason']}")
+    print(f"(costs measured after {adv.cost_curve['prefix_len']} cached tokens: the prompts' median plus half the answer)")
     return 0
