@@ -71,7 +71,7 @@ static inline __attribute__((always_inline)) void pv_chunk(const float *s0, cons
     if (s1)
         for (int64_t j = j0; j < j1; j++) {
             const float *v = vc + (gather ? gather[j] : j) * stride + c;
-            const __m256 w0 = _mm256_broadcast_ss(s0 + j - base), w1 = _mm256_broadcast_ss(s1 + j - base);
+            const __m256 w0 = _mm256_broadcast_ss(s0 + (j - base)), w1 = _mm256_broadcast_ss(s1 + (j - base));
             for (int r = 0; r < NR; r++) {
                 const __m256 vv = _mm256_loadu_ps(v + 8 * r);
                 a[0][r] = _mm256_fmadd_ps(w0, vv, a[0][r]);
@@ -81,7 +81,7 @@ static inline __attribute__((always_inline)) void pv_chunk(const float *s0, cons
     else
         for (int64_t j = j0; j < j1; j++) {
             const float *v = vc + (gather ? gather[j] : j) * stride + c;
-            const __m256 w0 = _mm256_broadcast_ss(s0 + j - base);
+            const __m256 w0 = _mm256_broadcast_ss(s0 + (j - base));
             for (int r = 0; r < NR; r++) a[0][r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v + 8 * r), a[0][r]);
         }
     for (int r = 0; r < NR; r++) {
@@ -184,7 +184,7 @@ static void attend_split(const float *q, int64_t nq, const uint8_t *const *vis, 
         const int64_t b1 = b0 + KEY_BLOCK < j1 ? b0 + KEY_BLOCK : j1;
         for (int64_t m = 0; m < nq; m += 2) {
             const int two = m + 1 < nq;
-            float *s0 = scores + m * KEY_SPLIT - j0, *s1 = s0 + KEY_SPLIT; /* indexed by column */
+            float *s0 = scores + m * KEY_SPLIT, *s1 = s0 + KEY_SPLIT; /* column j at [j - j0] */
             int64_t j = b0;
 #ifdef __AVX2__
             if (D % 8 == 0)
@@ -194,13 +194,13 @@ static void attend_split(const float *q, int64_t nq, const uint8_t *const *vis, 
                     if (m == 0) /* the values these keys weigh, on their way while the scores are made */
                         for (int i = 0; i < 4; i++)
                             for (int64_t o = 0; o < D; o += 16) _mm_prefetch((const char *)(ROW(vc, j + i) + o), _MM_HINT_T0);
-                    if (two) dots_2x4(q + m * D, q + (m + 1) * D, k, D, s0 + j, s1 + j);
-                    else dots_1x4(q + m * D, k, D, s0 + j);
+                    if (two) dots_2x4(q + m * D, q + (m + 1) * D, k, D, s0 + (j - j0), s1 + (j - j0));
+                    else dots_1x4(q + m * D, k, D, s0 + (j - j0));
                 }
 #endif
             for (; j < b1; j++) {
-                if (vis[m][j]) s0[j] = dot(q + m * D, ROW(kc, j), D);
-                if (two && vis[m + 1][j]) s1[j] = dot(q + (m + 1) * D, ROW(kc, j), D);
+                if (vis[m][j]) s0[j - j0] = dot(q + m * D, ROW(kc, j), D);
+                if (two && vis[m + 1][j]) s1[j - j0] = dot(q + (m + 1) * D, ROW(kc, j), D);
             }
         }
     }
