@@ -129,6 +129,26 @@ def test_ngram_greedy_equals_plain_real_model(smollm_llm):
     assert b.metrics["speculative"]["num_drafts"] >= 0
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_ngram_greedy_equals_plain_real_model_long_context(dtype):
+    """A prompt of 300+ tokens: attention runs over several of the kernel's key splits (KEY_SPLIT, 128),
+    in decode and verify passes alike, and speculation still reproduces plain decoding."""
+    plain = LLM("smollm2-135m", dtype=dtype, progress=False)
+    spec = LLM("smollm2-135m", dtype=dtype, progress=False,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    colors = ["red", "blue", "green", "yellow", "black", "white", "orange"]
+    doc = "\n".join(f"Item {i}: the {colors[i % 7]} box holds {i * 3} marbles and sits on shelf {i % 4}."
+                     for i in range(1, 23))
+    prompt = plain.tokenizer.apply_chat_template([{"role": "user", "content": f"Copy this list exactly:\n\n{doc}"}])
+    ids = plain.tokenizer.encode(prompt)
+    assert len(ids) > 300
+    a = plain.generate({"prompt_token_ids": ids}, greedy(48))[0]
+    b = spec.generate({"prompt_token_ids": ids}, greedy(48))[0]
+    assert b.outputs[0].token_ids == a.outputs[0].token_ids
+    assert b.metrics["speculative"]["num_accepted_tokens"] > 0  # the copy was drafted, and verified
+
+
 class FixedQProposer(Proposer):
     """Drafts 2 tokens from a fixed distribution q over the vocabulary (not the model's)."""
     deterministic = False

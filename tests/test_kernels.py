@@ -156,13 +156,13 @@ def test_fused_attention_matches_torch(T, tree, past):
 HEAD_LAYOUTS = [(9, 3, 64), (4, 4, 32), (14, 2, 64), (8, 1, 128), (4, 2, 20)]
 
 
+@pytest.mark.parametrize("past", [45, 300])
 @pytest.mark.parametrize("dims", HEAD_LAYOUTS)
 @pytest.mark.parametrize("T", [1, 6])
-def test_fused_attention_matches_torch_for_head_layouts(dims, T):
+def test_fused_attention_matches_torch_for_head_layouts(dims, T, past):
     from specdec.kernels.attention import FusedAttention
-    past = 45
     positions = torch.arange(past, past + T)[None]
-    rotary, cache, qkv, dims = _layer_and_inputs(T, past, dims=dims)
+    rotary, cache, qkv, dims = _layer_and_inputs(T, past, dims=dims, max_len=512)
     got = FusedAttention.build(rotary, positions, None, cache, qkv)(qkv, 1, *dims)
     want = _torch_attention(rotary, cache, qkv, dims, positions, None)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
