@@ -250,6 +250,8 @@ static void fold(const float *part, int64_t nsplits, int64_t D, float *out) {
             continue;
         }
         const float top = p[0] > mx ? p[0] : mx, a = expf(mx - top), c = expf(p[0] - top);
+        /* one copy of this loop (fold has one caller), so however GCC contracts it, every query gets the
+         * same; spelling it with fmaf measured 3-10% slower (A/B, 1024-2048 cached tokens) */
         l = l * a + p[1] * c;
         for (int64_t i = 0; i < D; i++) out[i] = out[i] * a + p[2 + i] * c;
         mx = top;
