@@ -131,8 +131,8 @@ def _tree(T: int, past: int) -> tuple[torch.Tensor, torch.Tensor]:
     return block_mask, torch.tensor([[past + d for d in depth]])
 
 
-# past 37: one split of keys (attention.c's KEY_SPLIT, 128); past 300: three, folded
-@pytest.mark.parametrize("past", [37, 300])
+# past 37: one split of keys (attention_split.h's KEY_SPLIT, 128); 300: three, folded; 2300: eighteen
+@pytest.mark.parametrize("past", [37, 300, 2300])
 @pytest.mark.parametrize("T,tree", [(1, False), (5, False), (7, True)])
 def test_fused_attention_matches_torch(T, tree, past):
     from specdec.kernels.attention import FusedAttention
@@ -140,7 +140,7 @@ def test_fused_attention_matches_torch(T, tree, past):
     block_mask = None
     if tree:
         block_mask, positions = _tree(T, past)
-    rotary, cache, qkv, dims = _layer_and_inputs(T, past, max_len=512)
+    rotary, cache, qkv, dims = _layer_and_inputs(T, past, max_len=past + 64)
     fused = FusedAttention.build(rotary, positions, block_mask, cache, qkv)
     assert fused is not None
     got = fused(qkv, 1, *dims)
@@ -168,13 +168,14 @@ def test_fused_attention_matches_torch_for_head_layouts(dims, T, past):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
-# past 30: one split of keys; 250 + 9 new tokens: the rows cross the split boundary at 256 (two splits, then three)
-@pytest.mark.parametrize("past,T", [(30, 6), (250, 9)])
+# past 30: one split of keys; 250 + 9 new tokens: the rows cross the split boundary at 256 (two splits, then
+# three); 2040 + 12: sixteen splits, then seventeen
+@pytest.mark.parametrize("past,T", [(30, 6), (250, 9), (2040, 12)])
 @pytest.mark.parametrize("dims", HEAD_LAYOUTS)
 def test_fused_attention_is_batch_invariant(dims, past, T):
     """Row t of a pass over T tokens equals, bit for bit, a single-token pass at that position."""
     from specdec.kernels.attention import FusedAttention
-    rotary, cache, qkv, dims = _layer_and_inputs(T, past, dims=dims, max_len=512)
+    rotary, cache, qkv, dims = _layer_and_inputs(T, past, dims=dims, max_len=past + 64)
     positions = torch.arange(past, past + T)[None]
     block = FusedAttention.build(rotary, positions, None, cache, qkv)(qkv, 1, *dims)
     rows = []
@@ -183,6 +184,21 @@ def test_fused_attention_is_batch_invariant(dims, past, T):
         one = FusedAttention.build(rotary, positions[:, t:t + 1], None, cache, qkv[:, t:t + 1])
         rows.append(one(qkv[:, t:t + 1], 1, *dims))
     assert torch.equal(block, torch.cat(rows, dim=1))
+
+
+def test_fused_attention_leaves_to_torch_what_would_keep_too_many_partials(monkeypatch):
+    """The kernel keeps a partial softmax per query and split of 128 keys; past MAX_PARTIALS_BYTES the pass
+    runs the torch path instead of growing the kept buffer."""
+    from specdec.kernels import attention
+    past, T = 300, 4
+    rotary, cache, qkv, dims = _layer_and_inputs(T, past, max_len=512)
+    x = torch.zeros(1, T, dims[0] * dims[2])  # the hidden state the model passes: Hq x D wide
+    positions = torch.arange(past, past + T)[None]
+    assert attention.FusedAttention.build(rotary, positions, None, cache, x) is not None
+    need = T * dims[0] * 3 * (dims[2] + 2) * 4  # 304 keys: three splits
+    monkeypatch.setattr(attention, "MAX_PARTIALS_BYTES", need - 1)
+    assert attention.FusedAttention.build(rotary, positions, None, cache, x) is None
+    assert attention.partials_fit(T, dims[0], dims[2], 128)  # one split keeps no partials
 
 
 def test_prune_builds_keeps_the_newest_and_other_kernels(tmp_path):

@@ -18,6 +18,16 @@ from specdec.cache.paged_cache import BatchKV
 from specdec.kernels import MAX_ROWS, load_kernels
 
 PAGED_ROWS = 128  # a paged pass wider than this (B x T, padding included) runs torch's SDPA
+KEY_SPLIT = 128  # attention_split.h's: the kernel keeps a partial softmax per query and split of this many keys
+# the partials a call keeps (a buffer of the calling thread, grown to its largest call and kept): past this
+# the pass runs the torch path (an 8B-shaped model's 128-row pass over 32k keys would keep ~545 MB)
+MAX_PARTIALS_BYTES = 256 << 20
+
+
+def partials_fit(rows: int, n_heads: int, head_dim: int, n_keys: int) -> bool:
+    """Whether the kernel's partials for `rows` new tokens over n_keys keys stay within MAX_PARTIALS_BYTES."""
+    splits = -(-n_keys // KEY_SPLIT)
+    return splits == 1 or rows * n_heads * splits * (head_dim + 2) * 4 <= MAX_PARTIALS_BYTES
 
 
 @functools.cache
@@ -53,8 +63,10 @@ class FusedAttention:
     @classmethod
     def build(cls, rotary, positions: torch.Tensor, block_mask, cache, x: torch.Tensor) -> "FusedAttention | None":
         B, T = positions.shape
+        D = rotary.cos.shape[1]
         if (type(cache) is not KVCache or B != 1 or T > MAX_ROWS or cache.length + T > cache.max_len
-                or not _kernel_applies(rotary, positions, x, cache.k.dtype)):
+                or not _kernel_applies(rotary, positions, x, cache.k.dtype)
+                or not partials_fit(T, x.shape[-1] // D, D, cache.length + T)):
             return None
         return cls(rotary.cos, rotary.sin, positions, block_mask, cache)
 
@@ -95,8 +107,10 @@ class PagedAttention:
     @classmethod
     def build(cls, rotary, positions: torch.Tensor, cache, x: torch.Tensor) -> "PagedAttention | None":
         B, T = positions.shape
+        D = rotary.cos.shape[1]
         if (type(cache) is not BatchKV or B * T > PAGED_ROWS
-                or not _kernel_applies(rotary, positions, x, cache.pool.k.dtype)):
+                or not _kernel_applies(rotary, positions, x, cache.pool.k.dtype)
+                or not partials_fit(B * T, x.shape[-1] // D, D, cache.gather.shape[1])):
             return None
         return cls(rotary.cos, rotary.sin, positions, cache)
 
