@@ -261,3 +261,36 @@ def test_serve_bench_reports_the_tpot_ratio_of_each_repeat():
     assert set(got) == {1, 16} and got[1]["ratios"] == [1.5]
     assert got[16]["ratios"] == [0.938, 1.1, 1.0] and got[16]["median"] == 1.0
     assert (got[16]["min"], got[16]["max"]) == (0.938, 1.1)
+
+
+def test_sampled_bench_seeds_each_prompt_and_says_so(tiny_dir, tmp_path):
+    """--temperature: every system samples, each prompt with its own seed (so a system run twice makes the
+    same tokens, and plain decoding differs from its greedy run); the report says how it decoded; the peers,
+    which run greedy, are refused."""
+    import torch
+
+    from specdec.bench.systems import SpecdecSystem
+    from specdec.config import ConfigError
+    from specdec.llm import LLM
+
+    llm = LLM(str(tiny_dir("llama")), dtype="float32", progress=False, num_threads=1)
+    sampled = SpecdecSystem(llm.model, llm.tokenizer, llm.source.directory, temperature=1.0)
+    sampled.setup()
+    ids = llm.tokenizer.encode("The cat sat on the mat and then")
+    first, again = sampled.generate(ids, 16).token_ids, sampled.generate(ids, 16).token_ids
+    assert first == again
+    assert sampled.generate(ids, 16, greedy=True).token_ids != first  # a random model: sampling wanders
+    threads = torch.get_num_threads()
+    cfg = BenchConfig(model=str(tiny_dir("llama")), categories=("chat", "code"), prompts_per_category=1,
+                      max_tokens=6, repeats=1, threads=1, methods=("ngram",), peers=(), draft_model=None,
+                      sweep_ks=(), cost_ks=(1, 2), bandwidth_mb=64, first_turn_tokens=6, max_prompt_tokens=160,
+                      temperature=0.8)
+    try:
+        result = run_benchmark(cfg, log=lambda *a: None)
+        with pytest.raises(ConfigError, match="--peers none"):
+            run_benchmark(BenchConfig(**{**cfg.__dict__, "peers": None}), log=lambda *a: None)
+    finally:
+        torch.set_num_threads(threads)
+    md = write_report(result, tmp_path, plots=False)["markdown"].read_text()
+    assert "sampled at temperature 0.8" in md and "--temperature 0.8" in md
+    assert {r["system"] for r in result["runs"]["float32"]["records"]} == {BASELINE, "specdec:ngram"}

@@ -7,8 +7,9 @@ method, and the peers (specdec.bench.peers). For each repeat, each prompt is run
 back to back, the order rotated from prompt to prompt, so that the load of a shared machine hits
 every system alike; speedups are ratios of tokens/s measured inside the same repeat.
 
-Times are wall clock around one greedy generation (prefill + decode), tokens are the new tokens
-generated (each system stops at EOS or max_tokens; greedy lossless systems make the same tokens).
+Times are wall clock around one generation (prefill + decode), tokens are the new tokens generated
+(each system stops at EOS or max_tokens; greedy lossless systems make the same tokens, and with
+--temperature every system samples the target's distribution with the same seed per prompt).
 Proposers are rebuilt at every repeat, so no drafter can remember a previous repeat's output.
 """
 from __future__ import annotations
@@ -186,6 +187,7 @@ class BenchConfig:
     bandwidth_mb: int = 512  # buffer of the streaming-read bandwidth measurement
     first_turn_tokens: int = 48
     max_prompt_tokens: int = 1536
+    temperature: float = 0.0  # > 0: every system samples, a seed per prompt (our systems only: peers run greedy)
 
 
 def auto_draft_dir(source_dir: Path, target, layers: int) -> Path:
@@ -232,7 +234,7 @@ def _answer_fn(plain: SpecdecSystem, tokenizer, max_tokens: int):
 
     def answer(messages: list[dict]) -> str:
         ids = tokenizer.encode(render(tokenizer, messages))
-        g = plain.generate(ids, max_tokens)
+        g = plain.generate(ids, max_tokens, greedy=True)  # the prompt's own first answer: greedy at any temperature
         return tokenizer.decode(g.token_ids).strip() or "OK."
     return answer
 
@@ -242,7 +244,8 @@ def our_systems(cfg: BenchConfig, target, tokenizer, source_dir: Path, draft_dir
     from specdec.spec.proposer import available_methods
 
     methods = available_methods() + list(DEFAULT_PAIRS) if cfg.methods is None else list(cfg.methods)
-    systems: list[System] = [] if k is not None else [SpecdecSystem(target, tokenizer, source_dir)]
+    systems: list[System] = [] if k is not None else [SpecdecSystem(target, tokenizer, source_dir,
+                                                                     temperature=cfg.temperature)]
     skipped = []
     for name in methods:
         m, _ = split_method(name)
@@ -255,7 +258,7 @@ def our_systems(cfg: BenchConfig, target, tokenizer, source_dir: Path, draft_dir
         label = name
         if k is not None:
             spec["num_speculative_tokens"], label = k, f"{name}@k{k}"
-        systems.append(SpecdecSystem(target, tokenizer, source_dir, name, spec, load_aux, label))
+        systems.append(SpecdecSystem(target, tokenizer, source_dir, name, spec, load_aux, label, cfg.temperature))
     return systems, skipped
 
 
@@ -278,7 +281,7 @@ def run_dtype(cfg: BenchConfig, dtype_name: str, prompts: list | None, log=print
     target_rss = None if base_rss is None else rss_mb() - base_rss
     tokenizer = Tokenizer(source.directory)
     load_seconds = time.perf_counter() - t0
-    plain = SpecdecSystem(target, tokenizer, source.directory)
+    plain = SpecdecSystem(target, tokenizer, source.directory, temperature=cfg.temperature)
     plain.setup()
     if prompts is None:
         log("building prompts ...")
@@ -340,6 +343,10 @@ def run_benchmark(cfg: BenchConfig, log=print) -> dict:
     category and the k sweep (raw records included; summaries come from specdec.bench.report)."""
     from specdec.bench.costs import environment
 
+    if not 0.0 <= cfg.temperature <= 2.0:
+        raise ConfigError("--temperature must be in [0, 2]")
+    if cfg.temperature > 0 and cfg.peers != ():
+        raise ConfigError("--temperature > 0 samples with our systems only: add --peers none (the peers run greedy)")
     started = time.time()
     threads = set_threads(cfg.threads)
     env_before = environment()

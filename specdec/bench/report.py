@@ -188,7 +188,7 @@ def _system_table(summary: dict, metric, pass_baseline: bool = False) -> list[st
 def markdown(result: dict, summaries: dict, plots: dict) -> str:
     cfg, env = result["config"], result["environment"]
     L = [f"# specdec benchmark ({result['started']})", "",
-         f"Model `{cfg['model']}`; greedy; {cfg['prompts_per_category']} prompts per category, up to "
+         f"Model `{cfg['model']}`; {decoding(cfg)}; {cfg['prompts_per_category']} prompts per category, up to "
          f"{cfg['max_tokens']} new tokens each, {cfg['repeats']} repeats (median, min-max across repeats).",
          f"CPU: {env['cpu']} ({env['cores']} cores; flags {', '.join(env['cpu_flags']) or '-'}); threads "
          f"{env['threads']}; torch {env['torch']}, transformers {env['transformers']}, llama-cpp-python "
@@ -305,10 +305,18 @@ def _best_section(s: dict) -> list[str]:
     return L + [""]
 
 
+def decoding(cfg: dict) -> str:
+    """How the run decoded: greedy, or sampled (every system, a seed per prompt)."""
+    t = cfg.get("temperature") or 0.0
+    return "greedy" if t == 0 else f"sampled at temperature {t:g} (a seed per prompt, the same for every system)"
+
+
 def _cli_flags(cfg: dict) -> list[str]:
     flags = [f"--model {cfg['model']}", f"--dtype {','.join(cfg['dtypes'])}",
              f"--prompts-per-category {cfg['prompts_per_category']}", f"--max-tokens {cfg['max_tokens']}",
              f"--repeats {cfg['repeats']}"]
+    if cfg.get("temperature"):
+        flags.append(f"--temperature {cfg['temperature']:g}")
     if cfg.get("threads"):
         flags.append(f"--threads {cfg['threads']}")
     if cfg.get("categories"):
@@ -336,7 +344,7 @@ def compact_table(result: dict, summaries: dict) -> str:
     for dt, s in summaries.items():
         fd = s["foundation"]
         out += [f"Measured {result['started'][:10]} on {env['cpu']} ({env['threads']} threads, {dt}, load average "
-                f"{env['load_average'][0]:.1f}); `{cfg['model']}`, {cfg['prompts_per_category']} prompts per "
+                f"{env['load_average'][0]:.1f}); `{cfg['model']}`, {decoding(cfg)}, {cfg['prompts_per_category']} prompts per "
                 f"category, {cfg['max_tokens']} new tokens, {cfg['repeats']} repeats. Plain decoding "
                 f"{_f(fd['plain_decode_tokens_per_s'], 1)} tok/s ({_f(fd['fraction_of_bound'])} of the "
                 f"bandwidth bound), transformers {_f(fd['transformers_decode_tokens_per_s'], 1)} tok/s.", ""]

@@ -6,6 +6,9 @@ learnt from a previous repeat's outputs (suffix caches, n-gram pools) leaks into
 """
 from __future__ import annotations
 
+import zlib
+from array import array
+
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,8 +65,9 @@ class SpecdecSystem(System):
     family = "specdec"
 
     def __init__(self, target, tokenizer, target_dir: Path, method: str | None = None, spec: dict | None = None,
-                 load_aux: Callable | None = None, label: str | None = None):
+                 load_aux: Callable | None = None, label: str | None = None, temperature: float = 0.0):
         self.target, self.tokenizer, self.target_dir = target, tokenizer, target_dir
+        self.temperature = temperature  # > 0: sampled, with a seed per prompt (the same for every system)
         self.method = method or "plain"  # "qdraft+ngram": a model drafter with a lookup (config key `lookup`)
         self.name = f"specdec:{label or self.method}"
         from specdec.quant.qmodel import describe
@@ -96,8 +100,11 @@ class SpecdecSystem(System):
             self.cost = CostModel((cfg.k_max if cfg else 0) + 1)
         self.decoder = SpeculativeDecoder(self.target, self.tokenizer, proposer, cfg, cost_model=self.cost)
 
-    def generate(self, prompt_ids: list[int], max_tokens: int) -> Generated:
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    def generate(self, prompt_ids: list[int], max_tokens: int, greedy: bool = False) -> Generated:
+        """One generation at this system's temperature (greedy: at 0, e.g. for a prompt's own turns)."""
+        t = 0.0 if greedy else self.temperature
+        seed = zlib.crc32(array("q", prompt_ids).tobytes()) if t > 0 else None
+        params = SamplingParams(temperature=t, max_tokens=max_tokens, seed=seed)
         t0 = time.perf_counter()
         r = self.decoder.generate(prompt_ids, params)
         seconds = time.perf_counter() - t0

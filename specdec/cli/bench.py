@@ -33,6 +33,8 @@ def register(sub) -> None:
     p.add_argument("--prompts-per-category", type=int, default=3)
     p.add_argument("--categories", default=None, help="comma list (default: all)")
     p.add_argument("--max-tokens", type=int, default=96, help="new tokens per prompt (EOS may stop earlier)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy (default); > 0: every system samples at it, a seed per prompt (--peers none)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--methods", default=None, help="comma list of speculative methods (default: every registered one)")
     p.add_argument("--method-config", action="append", default=[], metavar="METHOD=JSON",
@@ -108,7 +110,7 @@ def config_from_args(args):
                        method_configs=_method_configs(args.method_config), peers=peers, draft_model=draft,
                        draft_layers=args.draft_layers, sweep_ks=sweep,
                        sweep_methods=_csv(args.sweep_methods) if args.sweep_methods else None,
-                       sweep_categories=_csv(args.sweep_categories))
+                       sweep_categories=_csv(args.sweep_categories), temperature=args.temperature)
 
 
 def print_summary(summaries: dict, file=sys.stderr) -> None:
