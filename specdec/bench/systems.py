@@ -6,10 +6,9 @@ learnt from a previous repeat's outputs (suffix caches, n-gram pools) leaks into
 """
 from __future__ import annotations
 
+import time
 import zlib
 from array import array
-
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
