@@ -3,7 +3,6 @@ output equals plain greedy decoding token for token (tiny random models and the 
 fixed k and adaptive k), draft == target accepts everything, EOS and max_tokens inside an accepted
 block, seeded sampling is reproducible; plus unit tests of each drafter's own structure."""
 import json
-import random
 import shutil
 from dataclasses import replace
 
@@ -253,44 +252,6 @@ def _substring_counts(seqs, n):
         for i in range(len(s) - n + 1):
             counts[tuple(s[i:i + n])] = counts.get(tuple(s[i:i + n]), 0) + 1
     return counts
-
-
-def test_suffix_trie_counts_match_brute_force():
-    from specdec.proposers.suffix import SuffixTrie
-    rng = random.Random(0)
-    for _ in range(40):
-        D = rng.randint(1, 6)
-        seqs = [[rng.randint(0, 3) for _ in range(rng.randint(0, 25))] for _ in range(3)]
-        trie = SuffixTrie(D)
-        for s in seqs:
-            trie.insert(s)
-        trie.remove(seqs[1])
-        live = [seqs[0], seqs[2]]
-
-        def walk(node, path):
-            if path:
-                assert node.count == _substring_counts(live, len(path))[tuple(path)]
-                if len(path) < D:
-                    followed = sum(c for g, c in _substring_counts(live, len(path) + 1).items() if g[:-1] == tuple(path))
-                    assert node.cont == followed
-            assert len(path) <= D
-            for tok, child in node.children.items():
-                walk(child, path + [tok])
-
-        walk(trie.root, [])
-
-
-def test_suffix_cursor_is_incremental_and_matches_walk():
-    from specdec.proposers.suffix import SuffixTrie
-    rng = random.Random(1)
-    g = SuffixTrie(5)
-    g.insert([rng.randint(0, 4) for _ in range(60)])
-    ctx = []
-    cursor = [g.root]
-    for _ in range(40):
-        ctx.append(rng.randint(0, 4))
-        cursor = g.follow(cursor, ctx[-1])
-        assert [id(n) for n in cursor] == [id(n) for n in g.cursor_for(ctx)]
 
 
 def _suffix_proposer(**cfg):
