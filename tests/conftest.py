@@ -100,3 +100,12 @@ def drain_engine(engine) -> tuple[dict[str, list[int]], int]:
                 drafted += o.metrics.num_draft_tokens
     assert engine.blocks.num_used == 0
     return got, drafted
+
+
+def substring_counts(seqs, n: int) -> dict[tuple, int]:
+    """Occurrences of every length-n substring of the sequences (brute force, for drafter tests)."""
+    counts: dict[tuple, int] = {}
+    for s in seqs:
+        for i in range(len(s) - n + 1):
+            counts[tuple(s[i:i + n])] = counts.get(tuple(s[i:i + n]), 0) + 1
+    return counts

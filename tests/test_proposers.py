@@ -14,7 +14,7 @@ from specdec.config import ConfigError, SpeculativeConfig
 from specdec.llm import LLM
 from specdec.spec.decoder import SpeculativeDecoder
 
-from conftest import CHAT_PROMPTS
+from conftest import CHAT_PROMPTS, substring_counts
 
 REPEAT = "one two three four five six. one two three four five six. one two three"
 VARIED = "The quick brown fox"
@@ -246,14 +246,6 @@ def test_layerskip_leaves_target_cache_as_found(tiny_dir):
 
 # ---------------------------------------------------------------------------------------------- suffix
 
-def _substring_counts(seqs, n):
-    counts = {}
-    for s in seqs:
-        for i in range(len(s) - n + 1):
-            counts[tuple(s[i:i + n])] = counts.get(tuple(s[i:i + n]), 0) + 1
-    return counts
-
-
 def _suffix_proposer(**cfg):
     from specdec.proposers.suffix import SuffixProposer
     from specdec.spec.proposer import ProposerContext, RequestState
@@ -330,7 +322,7 @@ def test_lookahead_harvests_jacobi_ngrams(tiny_dir):
     ids = ids_of(spec, VARIED)
     spec.generate_one(ids, greedy(48))
     context = ids + spec.generate_one(ids, greedy(48)).token_ids
-    seen = _substring_counts([context], 3)
+    seen = substring_counts([context], 3)
     pooled = {(first, *rest) for first, entries in pools[-1].table.items() for rest in entries}
     assert pooled - set(seen)  # n-grams that come from the Jacobi window, not from the text
 

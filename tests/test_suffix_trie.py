@@ -7,6 +7,8 @@ import random
 
 from specdec.proposers.suffix_trie import SuffixTrie
 
+from conftest import substring_counts
+
 
 class _RefNode:
     __slots__ = ("count", "cont", "best", "children")
@@ -76,14 +78,6 @@ class _ExplicitTrie:
         return tokens, score
 
 
-def _substring_counts(seqs, n):
-    counts = {}
-    for s in seqs:
-        for i in range(len(s) - n + 1):
-            counts[tuple(s[i:i + n])] = counts.get(tuple(s[i:i + n]), 0) + 1
-    return counts
-
-
 def test_counts_match_brute_force():
     rng = random.Random(0)
     for _ in range(60):
@@ -95,10 +89,10 @@ def test_counts_match_brute_force():
         live = [seqs[0], seqs[2], seqs[3]]
         paths = {tuple(s[i:i + n]) for s in seqs for n in range(1, D + 2) for i in range(len(s) - n + 1)}
         for path in paths:  # the removed sequence's and too-long substrings included
-            count = _substring_counts(live, len(path)).get(path, 0) if len(path) <= D else 0
+            count = substring_counts(live, len(path)).get(path, 0) if len(path) <= D else 0
             cont = 0
             if len(path) < D:
-                cont = sum(c for g, c in _substring_counts(live, len(path) + 1).items() if g[:-1] == path)
+                cont = sum(c for g, c in substring_counts(live, len(path) + 1).items() if g[:-1] == path)
             assert trie.stats(list(path)) == (count, cont), (D, path)
 
 
