@@ -175,7 +175,7 @@ class SuffixTrie:
         prob, score = 1.0, 0.0
         while len(tokens) < limit:
             if type(entry) is int:  # seen once: the rest of its sequence, each token with probability 1
-                seq, end = self.seqs[entry >> SEQ_SHIFT], entry & END_MASK
+                seq, end = self.seqs.get(entry >> SEQ_SHIFT, ()), entry & END_MASK  # (): removed since
                 rest = seq[end:end + limit - len(tokens)]
                 tokens += rest
                 for _ in rest:  # summed one by one, as a walk over nodes would (scores are compared)
