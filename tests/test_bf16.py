@@ -119,6 +119,19 @@ def test_prompt_pass_rounds_its_matmuls_to_bf16(tiny_dir):
     assert 1e-5 < gap < 0.05 * exact.std().item(), gap
 
 
+def test_prompt_matmul_rows_do_not_depend_on_the_row_count():
+    """What the prompt pass's bf16 matmul is kept for: a row's result is bitwise the same whether 1, 37,
+    64, 65 or 700 rows went in (rounded_linear: oneDNN's bf16 GEMM). The RMSNorm, SiLU and attention
+    around it switch kernels with the row count (README), so this is the matmul's property alone."""
+    from specdec.model.layers import rounded_linear
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(700, 576, generator=gen)
+    w = torch.randn(960, 576, generator=gen).bfloat16()
+    full = rounded_linear(x, w, None, torch.bfloat16)
+    for rows in (1, 37, 64, 65, 300):
+        assert torch.equal(rounded_linear(x[:rows].clone(), w, None, torch.bfloat16), full[:rows]), rows
+
+
 def test_engine_prompt_chunks_and_recomputed_outputs_run_apart(tiny_dir):
     """The serving engine with bf16 prompt passes, chunked prefill and preemption by recompute: a chunk is
     all prompt (bf16 matmuls) or all recomputed output (fp32, as decoded), never both; greedy outputs
