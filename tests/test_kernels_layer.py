@@ -50,6 +50,8 @@ def _run(model, ids, monkeypatch, mode: str):
     P = MAX_ROWS + 4
     cache = model.new_cache(P + 20)
     outs = [model(ids[:, :P], torch.arange(P)[None], cache).logits]
+    assert not any(calls)  # the prefill (P > MAX_ROWS rows): per-op, layer.c declines it (attention in C, in parts)
+    calls.clear()
     for i in range(P, P + 3):
         outs.append(model(ids[:, i:i + 1], torch.tensor([[i]]), cache).logits)
     outs.append(model(ids[:, P + 3:P + 7], torch.arange(P + 3, P + 7)[None], cache).logits)

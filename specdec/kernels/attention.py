@@ -1,5 +1,6 @@
-"""Fused decode attention (attention.c): rotary, KV-cache write and attention over the prefix plus
-T <= 32 new tokens, for one sequence in a static fp32 `KVCache` (FusedAttention) or for the serving
+"""Fused attention (attention.c): rotary, KV-cache write and attention over the prefix plus T new
+tokens (a decode or verify pass; a causal prompt pass of any length, MAX_ROWS rows per call), for one
+sequence in a static fp32 `KVCache` (FusedAttention) or for the serving
 engine's batch of ragged rows in the paged pool (PagedAttention); None where it does not apply.
 
 The caller falls back to the torch path (rotary, `cache.write`, SDPA) on None, so other caches
@@ -64,24 +65,32 @@ class FusedAttention:
     def build(cls, rotary, positions: torch.Tensor, block_mask, cache, x: torch.Tensor) -> "FusedAttention | None":
         B, T = positions.shape
         D = rotary.cos.shape[1]
-        if (type(cache) is not KVCache or B != 1 or T > MAX_ROWS or cache.length + T > cache.max_len
+        if (type(cache) is not KVCache or B != 1 or cache.length + T > cache.max_len
+                or (T > MAX_ROWS and block_mask is not None)
                 or not _kernel_applies(rotary, positions, x, cache.k.dtype)
-                or not partials_fit(T, x.shape[-1] // D, D, cache.length + T)):
+                or not partials_fit(min(T, MAX_ROWS), x.shape[-1] // D, D, cache.length + T)):
             return None
         return cls(rotary.cos, rotary.sin, positions, block_mask, cache)
 
     def __call__(self, qkv: torch.Tensor, layer: int, n_heads: int, n_kv: int, head_dim: int) -> torch.Tensor:
-        """qkv [1, T, (Hq + 2 Hkv) D] -> attention output [1, T, Hq D]; writes this layer's k/v."""
+        """qkv [1, T, (Hq + 2 Hkv) D] -> attention output [1, T, Hq D]; writes this layer's k/v.
+        A causal pass of more than MAX_ROWS tokens (a long prompt) goes MAX_ROWS rows per call, as a chunked
+        prefill would: a row's result depends on its own keys alone, so the prompt's keys, values and
+        outputs are bitwise the same however its passes were cut (a reused prefix equals a cold one)."""
         T = qkv.shape[1]
         qkv = qkv.contiguous()
         out = torch.empty(1, T, n_heads * head_dim, dtype=torch.float32)
         k, v = self.cache.k[layer, 0], self.cache.v[layer, 0]  # [Hkv, max_len, D], contiguous
-        rc = _load().specdec_attention_f32(
-            qkv.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(), self.positions.data_ptr(),
-            k.data_ptr(), v.data_ptr(), None if self.mask is None else self.mask.data_ptr(), out.data_ptr(),
-            T, n_heads, n_kv, head_dim, self.past, self.cache.max_len, 1.0 / math.sqrt(head_dim))
-        if rc != 0:
-            raise MemoryError("attention kernel: out of memory for its score buffer")
+        width, lib = qkv.shape[-1], _load()
+        for start in range(0, T, MAX_ROWS):
+            rows = min(MAX_ROWS, T - start)
+            rc = lib.specdec_attention_f32(
+                qkv.data_ptr() + 4 * start * width, self.cos.data_ptr(), self.sin.data_ptr(),
+                self.positions.data_ptr() + 8 * start, k.data_ptr(), v.data_ptr(),
+                None if self.mask is None else self.mask.data_ptr(), out.data_ptr() + 4 * start * out.shape[-1],
+                rows, n_heads, n_kv, head_dim, self.past + start, self.cache.max_len, 1.0 / math.sqrt(head_dim))
+            if rc != 0:
+                raise MemoryError("attention kernel: out of memory for its score buffer")
         return out
 
 

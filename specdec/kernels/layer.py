@@ -164,7 +164,7 @@ def _run(indexed: list, x: torch.Tensor, fused, owner, keep: Sequence[int], pack
     their descriptions between passes. packed: x's real tokens alone go through (packs(fused))."""
     paged = type(fused) is PagedAttention
     if (not (paged or type(fused) is FusedAttention) or torch.is_grad_enabled() or _load() is None
-            or (paged and not packed and x.shape[0] * x.shape[1] > MAX_ROWS)):
+            or (paged and not packed and x.shape[0] * x.shape[1] > MAX_ROWS) or (not paged and x.shape[1] > MAX_ROWS)):
         return None
     descs = [_layer_weights(layer) for _, layer in indexed]
     if not descs or any(d is None for d in descs):
