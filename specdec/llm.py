@@ -39,6 +39,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     metrics: dict = field(default_factory=dict)
+    num_cached_tokens: int = 0  # prompt tokens reused from the previous request's cache (its first sample's)
 
 
 def load_target(model: str, dtype, max_model_len: int | None, progress: bool = True, device: str = "auto"):
@@ -52,7 +53,7 @@ class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, speculative_config: dict | SpeculativeConfig | None = None,
                  dtype: str | torch.dtype = "auto", max_model_len: int | None = None,
                  num_threads: int | None = None, progress: bool = True, device: str = "auto",
-                 enforce_eager: bool = False, pass_width: int = 1):
+                 enforce_eager: bool = False, pass_width: int = 1, enable_prefix_caching: bool = True):
         torch.set_num_threads(num_threads or os.cpu_count() or 1)
         check_pass_width(pass_width)  # a no-op on the CPU, whose kernels are batch-invariant at any width
         self.source, self.model, self.tokenizer = load_target(model, dtype, max_model_len, progress, device)
@@ -66,7 +67,10 @@ class LLM:
             ctx = ProposerContext(self.model, self.tokenizer, self.speculative_config, self.source.directory,
                                   self.dtype, self.model.max_len, self._load_aux)
             self.proposer = make_proposer(ctx)
-        self.decoder = SpeculativeDecoder(self.model, self.tokenizer, self.proposer, self.speculative_config)
+        # enable_prefix_caching: a request sharing a prompt prefix with the previous one prefills only the rest,
+        # where that is exact (specdec/cache/kept_prefix.py)
+        self.decoder = SpeculativeDecoder(self.model, self.tokenizer, self.proposer, self.speculative_config,
+                                          prefix_caching=enable_prefix_caching)
         self._counter = 0
 
     def _load_aux(self, name: str):
@@ -101,7 +105,8 @@ class LLM:
                 outs.append(CompletionOutput(i, r.text, r.token_ids, r.finish_reason, r.logprobs, r.stop_reason,
                                              r.metrics_dict()))
             self._counter += 1
-            results.append(RequestOutput(str(self._counter), text, ids, outs, _combined_metrics(runs)))
+            results.append(RequestOutput(str(self._counter), text, ids, outs, _combined_metrics(runs),
+                                         runs[0].num_cached_tokens))
         return results
 
     def chat(self, messages, sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
@@ -123,7 +128,9 @@ class LLM:
                 "matmul_inputs": "bfloat16" if _rounds_inputs(self.model) else str(self.dtype).replace("torch.", ""),
                 "device": str(self.model.device),
                 "max_model_len": self.model.max_len, "threads": torch.get_num_threads(), "kernels": kernel_status(),
-                "speculative_config": None if self.speculative_config is None else self.speculative_config.method}
+                "speculative_config": None if self.speculative_config is None else self.speculative_config.method,
+                # which kept rows a next request may reuse: "all", "prompt" (prompt-pass rows) or None (never)
+                "prefix_caching": None if self.decoder.prefix is None else self.decoder.prefix.level}
 
 
 def _rounds_inputs(model) -> bool:

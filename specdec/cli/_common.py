@@ -20,6 +20,9 @@ def add_model_args(p: argparse.ArgumentParser, positional: bool = True) -> None:
     p.add_argument("--pass-width", type=int, default=1,
                    help="CUDA graphs: compute every decode/verify pass at least this many rows wide, so plain and "
                         "speculative passes run the same GPU kernels (the CPU kernels agree at any width)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="never reuse an earlier request's keys/values for a shared prompt prefix (generate/chat: "
+                        "the previous request's, where exact; serve: the engine's block cache)")
 
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
@@ -57,4 +60,5 @@ def make_llm(args, speculative: bool = True):
     from specdec.llm import LLM
     return LLM(args.model, speculative_config=spec_config_from_args(args) if speculative else None,
                dtype=args.dtype, max_model_len=args.max_model_len, num_threads=args.threads, device=args.device,
-               enforce_eager=getattr(args, "enforce_eager", False), pass_width=getattr(args, "pass_width", 1))
+               enforce_eager=getattr(args, "enforce_eager", False), pass_width=getattr(args, "pass_width", 1),
+               enable_prefix_caching=not getattr(args, "no_prefix_caching", False))

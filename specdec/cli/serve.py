@@ -36,7 +36,6 @@ def register(sub) -> None:
     e.add_argument("--block-size", type=int, default=16)
     e.add_argument("--num-kv-blocks", type=int, default=None)
     e.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
-    e.add_argument("--no-prefix-caching", action="store_true")
     p.set_defaults(func=run)
 
 
@@ -56,7 +55,8 @@ def build_server(args, engine_on_caller: bool = False):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
     llm = LLM(args.model, speculative_config=spec_config_from_args(args), dtype=args.dtype,
-              max_model_len=args.max_model_len, num_threads=args.threads, enforce_eager=True)  # the engine's passes
+              max_model_len=args.max_model_len, num_threads=args.threads, enforce_eager=True,  # the engine's passes
+              enable_prefix_caching=False)  # (the engine has its own: --no-prefix-caching turns that off)
     engine = Engine(llm, EngineConfig(args.max_num_seqs, args.max_num_batched_tokens, args.block_size,
                                       args.num_kv_blocks, args.kv_cache_memory_gb, not args.no_prefix_caching))
     name = args.served_model_name or args.model

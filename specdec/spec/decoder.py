@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from specdec.cache.kept_prefix import KeptPrefix
 from specdec.model.cuda_graph import synchronize
 from specdec.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from specdec.sampler import argmax, logprobs_of, make_generator, sample, warp
@@ -48,6 +49,7 @@ class GenerationResult:
     decode_time: float
     logprobs: list[dict] | None = None
     stop_reason: str | int | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose keys/values came from the kept prefix (not prefilled)
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -55,7 +57,8 @@ class GenerationResult:
         return n / self.decode_time if self.decode_time > 0 else 0.0
 
     def metrics_dict(self) -> dict:
-        return {"prefill_time_s": round(self.prefill_time, 4), "decode_time_s": round(self.decode_time, 4),
+        return {"prefill_time_s": round(self.prefill_time, 4), "cached_prompt_tokens": self.num_cached_tokens,
+                "decode_time_s": round(self.decode_time, 4),
                 "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
                 "target_forward_passes": self.metrics.target_passes + 1,
                 "speculative": self.metrics.to_dict()}
@@ -114,7 +117,8 @@ class _Output:
 
 class SpeculativeDecoder:
     def __init__(self, target, tokenizer: Tokenizer, proposer: Proposer | None = None,
-                 spec_config=None, cost_model: CostModel | None = None, max_len: int | None = None):
+                 spec_config=None, cost_model: CostModel | None = None, max_len: int | None = None,
+                 prefix_caching: bool = False):
         self.target = target
         self.tokenizer = tokenizer
         self.proposer = proposer
@@ -123,6 +127,10 @@ class SpeculativeDecoder:
         self.k_max = spec_config.k_max if spec_config else 0
         self.cost = cost_model or CostModel(self.k_max + 1)
         self.last_adaptive: AdaptiveK | None = None  # the previous request's, the next one's priors
+        # the previous request's KV cache, for a next prompt that shares its prefix (cache/kept_prefix.py);
+        # off by default here (the bench times cold prompts), on in LLM
+        self.prefix = KeptPrefix(target) if prefix_caching else None
+        self._verified_tree = False
 
     def _check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
@@ -194,18 +202,24 @@ class SpeculativeDecoder:
                                  tree_shares=self.proposer.tree_shares(), prompt_len=len(prompt_ids))
             self.last_adaptive = adaptive
 
-        cache = self.target.new_cache(min(self.max_len, len(prompt_ids) + params.max_tokens + self.k_max + 1))
-        state.draft["target_cache"] = cache  # self-speculation (layerskip) drafts into the target's own cache
+        capacity = min(self.max_len, len(prompt_ids) + params.max_tokens + self.k_max + 1)
         t0 = time.perf_counter()
+        cache, cached = self.prefix.take(prompt_ids, capacity) if self.prefix is not None else (None, 0)
+        if cache is None:  # a fresh cache's allocation is not the prompt's time (a kept one's copy is)
+            cache, t0 = self.target.new_cache(capacity), time.perf_counter()
+        state.draft["target_cache"] = cache  # self-speculation (layerskip) drafts into the target's own cache
         n = len(prompt_ids)
         dev = self.target.device
-        res = self.target(torch.tensor([prompt_ids], device=dev), torch.arange(n, device=dev)[None], cache, num_logits=1,
-                          output_layers=self._feature_layers(), prefill=True)
+        # the prompt after its cached prefix: rows cached..n-1 (the proposers read features of these rows
+        # alone, as behind the serving engine's prefix cache)
+        res = self.target(torch.tensor([prompt_ids[cached:]], device=dev), torch.arange(cached, n, device=dev)[None],
+                          cache, num_logits=1, output_layers=self._feature_layers(), prefill=True)
         logits = res.logits[0]  # [1, V]
         out.emit(state, [self._pick(logits[-1], params, gen)], logits)
         prefill_time = time.perf_counter() - t0
         if self.proposer is not None:
-            self.proposer.begin(state, TargetOutput(res, list(range(n))))
+            self.proposer.begin(state, TargetOutput(res, list(range(n - cached))))
+        self._verified_tree = False
         try:
             while out.finish_reason is None:
                 self._step(state, cache, out, metrics, adaptive)
@@ -213,9 +227,11 @@ class SpeculativeDecoder:
             if self.proposer is not None:
                 self.proposer.end(state)
         decode_time = time.perf_counter() - t0 - prefill_time
+        if self.prefix is not None:  # (not after an error: the cache may hold a half-written pass)
+            self.prefix.keep(cache, state.token_ids, n, self._verified_tree)
         return GenerationResult(list(prompt_ids), state.output_ids, out.text, out.finish_reason, metrics,
                                 prefill_time, decode_time, out.logprobs if params.logprobs is not None else None,
-                                out.stop_reason)
+                                out.stop_reason, cached)
 
     def _feature_layers(self) -> tuple[int, ...]:
         return self.proposer.feature_layers if self.proposer is not None else ()
@@ -242,6 +258,7 @@ class SpeculativeDecoder:
         t2 = time.perf_counter()
         if proposal.is_tree:
             from specdec.spec.tree import verify_tree
+            self._verified_tree = True
             verdict, rows = verify_tree(proposal, logits, state.params, state.generator, fwd.row_argmax)
             cache.keep([start + r for r in rows], start)  # the accepted path, packed after the prefix
         else:

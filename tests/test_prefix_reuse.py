@@ -1,0 +1,150 @@
+"""The offline prefix cache (specdec/cache/kept_prefix.py): a request that shares a prompt prefix with the
+previous one prefills only the rest, and its output and logprobs are bitwise those of a cold run, for
+plain decoding and every drafter, through a chat's next turn (the earlier answer reused), a branch-off,
+a repeat and a cache that must grow; only where that is exact (reuse_level), with a negative control."""
+import pytest
+import torch
+
+import specdec.kernels as kernels
+from specdec import SamplingParams
+from specdec.cache.kept_prefix import MIN_REUSE, reuse_level
+from specdec.kernels import MAX_ROWS
+from specdec.llm import LLM
+from specdec.model.loader import cpu_has_bf16, load_model
+from specdec.quant.qmodel import quantize_model
+from specdec.quant.schemes import QuantScheme
+from specdec.spec.decoder import SpeculativeDecoder
+
+BASE = ("The quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat near the door. "
+        "A river runs through the valley, and the birds sing in the tall trees every single morning. ")
+
+
+@pytest.fixture(autouse=True)
+def _need_kernels():
+    if kernels._load() is None:
+        pytest.skip("kernels unavailable")
+
+
+def _params(max_tokens):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=3)
+
+
+def _requests(tok, first_output=None):
+    """(prompt ids, max_tokens) of a session: a prompt, its next turn (with the first answer), a
+    branch-off from the middle, the same again, and the same with room past the kept cache's."""
+    base = tok.encode(BASE * 2)
+    turn = base + (first_output or []) + tok.encode(" And then what happened next?")
+    branch = base[:MAX_ROWS + 7] + tok.encode(" Meanwhile, far away, a ship set sail.")
+    return [(base, 20), (turn, 20), (branch, 12), (branch, 12), (branch, 60)]
+
+
+def _session(decoder, tok):
+    first = decoder.generate(_requests(tok)[0][0], _params(20))
+    results = [first]
+    for ids, n in _requests(tok, first.token_ids)[1:]:
+        results.append(decoder.generate(ids, _params(n)))
+    return results
+
+
+def _pair(llm_):
+    """The LLM's decoder (prefix caching on) and a cold one over the same model and proposer."""
+    cold = SpeculativeDecoder(llm_.model, llm_.tokenizer, llm_.proposer, llm_.speculative_config)
+    assert llm_.decoder.prefix is not None and cold.prefix is None
+    return llm_.decoder, cold
+
+
+def _equal_runs(warm_results, cold_results):
+    for w, c in zip(warm_results, cold_results):
+        assert w.token_ids == c.token_ids
+        assert w.logprobs == c.logprobs  # bitwise: the reused rows are the cold pass's
+
+
+METHODS = [None, "ngram", "suffix", "layerskip", "lookahead", "recycle"]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_reuse_equals_cold_tiny(tiny_dir, method):
+    spec = None if method is None else {"method": method, "num_speculative_tokens": 4}
+    llm_ = LLM(str(tiny_dir("llama")), speculative_config=spec, dtype="float32", progress=False)
+    warm, cold = _pair(llm_)
+    warm_results = _session(warm, llm_.tokenizer)
+    _equal_runs(warm_results, _session(cold, llm_.tokenizer))
+    cached = [r.num_cached_tokens for r in warm_results]
+    assert cached[0] == 0 and all(c >= MIN_REUSE for c in cached[1:]), cached
+    if method != "recycle":  # (recycle verifies trees: its earlier answer's rows are not kept)
+        assert cached[1] > len(_requests(llm_.tokenizer)[0][0])  # the first answer's rows were reused too
+    assert cached[3] == len(_requests(llm_.tokenizer)[3][0]) - 1  # a repeat reuses all but the last token
+
+
+def test_reuse_off_when_asked(tiny_dir):
+    llm_ = LLM(str(tiny_dir("llama")), dtype="float32", progress=False, enable_prefix_caching=False)
+    assert llm_.decoder.prefix is None and llm_.info()["prefix_caching"] is None
+    ids, n = _requests(llm_.tokenizer)[0]
+    outs = [llm_.generate({"prompt_token_ids": ids}, _params(n))[0] for _ in range(2)]
+    assert [o.num_cached_tokens for o in outs] == [0, 0]
+
+
+def test_n_samples_reuse_their_prompt(tiny_dir):
+    llm_ = LLM(str(tiny_dir("llama")), dtype="float32", progress=False)
+    ids, _ = _requests(llm_.tokenizer)[0]
+    params = SamplingParams(temperature=0.8, max_tokens=8, n=3, seed=5)
+    warm = llm_.generate({"prompt_token_ids": ids}, params)[0]
+    cold = LLM(str(tiny_dir("llama")), dtype="float32", progress=False, enable_prefix_caching=False)
+    assert [o.token_ids for o in warm.outputs] == [o.token_ids for o in cold.generate({"prompt_token_ids": ids}, params)[0].outputs]
+    assert [o.metrics["cached_prompt_tokens"] for o in warm.outputs] == [0, len(ids) - 1, len(ids) - 1]
+
+
+def test_a_failed_request_drops_the_kept_cache(tiny_dir):
+    llm_ = LLM(str(tiny_dir("llama")), dtype="float32", progress=False)
+    warm, cold = _pair(llm_)
+    ids, n = _requests(llm_.tokenizer)[0]
+    warm.generate(ids, _params(n))
+
+    def fail(delta, toks):
+        raise RuntimeError("client went away")
+
+    with pytest.raises(RuntimeError):
+        warm.generate(ids, _params(n), on_delta=fail)
+    again = warm.generate(ids, _params(n))
+    assert again.num_cached_tokens == 0  # the interrupted request's cache was not kept
+    assert again.logprobs == cold.generate(ids, _params(n)).logprobs
+
+
+def test_reuse_levels(tiny_dir):
+    assert reuse_level(load_model(tiny_dir("llama"), torch.float32)) == "all"
+    assert reuse_level(load_model(tiny_dir("qwen3"), torch.float32)) is None  # q/k norm: torch's attention
+    assert reuse_level(quantize_model(load_model(tiny_dir("llama"), torch.float32), QuantScheme(8, 32, True))) is None
+    assert reuse_level(load_model(tiny_dir("llama"), torch.bfloat16)) == ("prompt" if cpu_has_bf16() else None)
+
+
+def test_the_session_test_catches_rows_that_depend_on_the_pass(tiny_dir, monkeypatch):
+    """Negative control: the linear as it was (torch's GEMM past MAX_ROWS rows, our kernel below, so a
+    decoded row differs from its prompt-pass row) makes the reused session differ from the cold one."""
+    llm_ = LLM(str(tiny_dir("llama")), dtype="float32", progress=False)
+    warm, cold = _pair(llm_)
+    kernel_linear = kernels.linear
+
+    def old_linear(x, weight, bias=None):
+        if isinstance(weight, torch.Tensor) and x.numel() // x.shape[-1] > MAX_ROWS:
+            return torch.nn.functional.linear(x, weight, bias)
+        return kernel_linear(x, weight, bias)
+
+    import specdec.model.layers as layers
+    import specdec.model.llama as llama
+    monkeypatch.setattr(layers, "linear", old_linear)
+    monkeypatch.setattr(llama, "linear", old_linear)
+    warm_results, cold_results = _session(warm, llm_.tokenizer), _session(cold, llm_.tokenizer)
+    assert any(w.logprobs != c.logprobs for w, c in zip(warm_results, cold_results))
+
+
+def test_reuse_equals_cold_real_model(smollm_dir):
+    """SmolLM2-135M: plain and EAGLE-3 (trees, features of the computed rows only) in fp32, plain in bf16
+    where the CPU has bf16 dot products (prompt rows only)."""
+    runs = [("float32", None), ("float32", {"method": "eagle3"})]
+    runs += [("bfloat16", None)] if cpu_has_bf16() else []
+    for dtype, spec in runs:
+        llm_ = LLM(str(smollm_dir), speculative_config=spec, dtype=dtype, progress=False, max_model_len=1024)
+        warm, cold = _pair(llm_)
+        warm_results = _session(warm, llm_.tokenizer)
+        _equal_runs(warm_results, _session(cold, llm_.tokenizer))
+        assert all(r.num_cached_tokens >= MIN_REUSE for r in warm_results[1:]), (dtype, spec)
