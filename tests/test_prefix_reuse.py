@@ -148,3 +148,23 @@ def test_reuse_equals_cold_real_model(smollm_dir):
         warm_results = _session(warm, llm_.tokenizer)
         _equal_runs(warm_results, _session(cold, llm_.tokenizer))
         assert all(r.num_cached_tokens >= MIN_REUSE for r in warm_results[1:]), (dtype, spec)
+
+
+def test_engine_prompt_rows_do_not_depend_on_its_chunking(tiny_dir):
+    """The serving engine prefills a prompt in chunks of max_num_batched_tokens (and a paged pass wider
+    than PAGED_ROWS in column groups): the logprobs are bitwise the same at every chunk size, and the
+    same as the offline decoder's."""
+    from specdec.engine.engine import Engine, EngineConfig, EngineRequest
+    llm_ = LLM(str(tiny_dir("llama")), dtype="float32", progress=False, max_model_len=512,
+               enable_prefix_caching=False)
+    ids = llm_.tokenizer.encode(BASE * 3)[:300]
+    params = _params(12)
+    want = llm_.decoder.generate(ids, params).logprobs
+    for chunk in (16, 100, 300):
+        engine = Engine(llm_, EngineConfig(max_num_seqs=2, max_num_batched_tokens=chunk, block_size=16))
+        engine.add_request(EngineRequest("r", ids, params))
+        got = []
+        while engine.has_unfinished():
+            for o in engine.step():
+                got += o.logprobs or []
+        assert got == want, chunk

@@ -18,7 +18,7 @@ from specdec.cache.kv_cache import KVCache
 from specdec.cache.paged_cache import BatchKV
 from specdec.kernels import MAX_ROWS, load_kernels
 
-PAGED_ROWS = 128  # a paged pass wider than this (B x T, padding included) runs torch's SDPA
+PAGED_ROWS = 128  # rows (B x T, padding included) per paged kernel call: a wider pass goes in column groups
 KEY_SPLIT = 128  # attention_split.h's: the kernel keeps a partial softmax per query and split of this many keys
 # the partials a call keeps (a buffer of the calling thread, grown to its largest call and kept): past this
 # the pass runs the torch path (an 8B-shaped model's 128-row pass over 32k keys would keep ~545 MB)
@@ -117,22 +117,39 @@ class PagedAttention:
     def build(cls, rotary, positions: torch.Tensor, cache, x: torch.Tensor) -> "PagedAttention | None":
         B, T = positions.shape
         D = rotary.cos.shape[1]
-        if (type(cache) is not BatchKV or B * T > PAGED_ROWS
+        if (type(cache) is not BatchKV or B > PAGED_ROWS
                 or not _kernel_applies(rotary, positions, x, cache.pool.k.dtype)
-                or not partials_fit(B * T, x.shape[-1] // D, D, cache.gather.shape[1])):
+                or not partials_fit(min(B * T, PAGED_ROWS), x.shape[-1] // D, D, cache.gather.shape[1])):
             return None
         return cls(rotary.cos, rotary.sin, positions, cache)
 
     def __call__(self, qkv: torch.Tensor, layer: int, n_heads: int, n_kv: int, head_dim: int) -> torch.Tensor:
-        """qkv [B, T, (Hq + 2 Hkv) D] -> attention output [B, T, Hq D]; writes this layer's new k/v."""
+        """qkv [B, T, (Hq + 2 Hkv) D] -> attention output [B, T, Hq D]; writes this layer's new k/v.
+        A pass over more than PAGED_ROWS rows (a long prompt chunk) goes in groups of columns, as a finer
+        chunking would: a row's result depends on its own keys alone, so a prompt's keys and values do not
+        depend on how the engine chunked it."""
         B, T, _ = qkv.shape
-        qkv = qkv.contiguous()
+        cols = max(1, PAGED_ROWS // B)
+        if T <= cols:
+            return self._attend(qkv.contiguous(), self.positions, self.new_slot, self.mask, layer, n_heads, n_kv,
+                                head_dim)
+        out = torch.empty(B, T, n_heads * head_dim, dtype=torch.float32)
+        for t0 in range(0, T, cols):  # earlier columns' keys are in the pool when later ones attend
+            t1 = min(T, t0 + cols)
+            out[:, t0:t1] = self._attend(qkv[:, t0:t1].contiguous(), self.positions[:, t0:t1].contiguous(),
+                                         self.new_slot[:, t0:t1].contiguous(), self.mask[:, t0:t1].contiguous(),
+                                         layer, n_heads, n_kv, head_dim)
+        return out
+
+    def _attend(self, qkv, positions, new_slot, mask, layer, n_heads, n_kv, head_dim) -> torch.Tensor:
+        """One kernel call over qkv [B, t, .] with its columns' positions, new slots and mask rows."""
+        B, T, _ = qkv.shape
         out = torch.empty(B, T, n_heads * head_dim, dtype=torch.float32)
         k, v = self.cache.pool.k[layer], self.cache.pool.v[layer]  # [num_slots, Hkv, D]
         L = self.gather.shape[1]
         rc = _load().specdec_paged_attention_f32(
-            qkv.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(), self.positions.data_ptr(), k.data_ptr(),
-            v.data_ptr(), self.new_slot.data_ptr(), self.gather.data_ptr(), self.mask.data_ptr(), out.data_ptr(),
+            qkv.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(), positions.data_ptr(), k.data_ptr(),
+            v.data_ptr(), new_slot.data_ptr(), self.gather.data_ptr(), mask.data_ptr(), out.data_ptr(),
             B, T, L, n_heads, n_kv, head_dim, 1.0 / math.sqrt(head_dim))
         if rc != 0:
             raise MemoryError("paged attention kernel: out of memory for its score buffer")

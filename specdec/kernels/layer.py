@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 
 from specdec.kernels import MAX_ROWS, load_kernels
-from specdec.kernels.attention import FusedAttention, PagedAttention
+from specdec.kernels.attention import PAGED_ROWS, FusedAttention, PagedAttention
 
 LIN_F32, LIN_I8, LIN_I4, LIN_BF16, LIN_BF16_DOT = 0, 1, 2, 3, 4
 
@@ -142,9 +142,10 @@ def decoder_layers(layers, layer_ids, x: torch.Tensor, fused, keep: Sequence[int
 
 def packs(fused) -> bool:
     """Whether decoder_layers(..., pack=True) runs this pass packed: a paged pass with padding whose real
-    tokens fit layer.c's rows (the grid itself only has to fit the attention kernel, PAGED_ROWS)."""
+    tokens fit layer.c's rows and whose grid fits one attention kernel call (PAGED_ROWS: layer.c calls it once)."""
     real = getattr(fused, "real_index", None)
-    return type(fused) is PagedAttention and real is not None and real.numel() <= MAX_ROWS
+    return (type(fused) is PagedAttention and real is not None and real.numel() <= MAX_ROWS
+            and fused.new_slot.numel() <= PAGED_ROWS)
 
 
 def unpack(rows: torch.Tensor, real: torch.Tensor, B: int, T: int) -> torch.Tensor:
