@@ -109,3 +109,22 @@ def substring_counts(seqs, n: int) -> dict[tuple, int]:
         for i in range(len(s) - n + 1):
             counts[tuple(s[i:i + n])] = counts.get(tuple(s[i:i + n]), 0) + 1
     return counts
+
+
+def use_row_count_dependent_linear(monkeypatch) -> None:
+    """Negative controls of the prompt pass's row invariance: the model's linear as it was before session
+    28, torch's GEMM past MAX_ROWS rows and our kernel below, so a row's sums depend on its pass's size."""
+    import torch
+
+    import specdec.kernels as kernels
+    import specdec.model.layers as layers
+    import specdec.model.llama as llama
+    kernel_linear = kernels.linear
+
+    def old_linear(x, weight, bias=None):
+        if isinstance(weight, torch.Tensor) and x.numel() // x.shape[-1] > kernels.MAX_ROWS:
+            return torch.nn.functional.linear(x, weight, bias)
+        return kernel_linear(x, weight, bias)
+
+    monkeypatch.setattr(layers, "linear", old_linear)
+    monkeypatch.setattr(llama, "linear", old_linear)

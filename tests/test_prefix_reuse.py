@@ -15,6 +15,8 @@ from specdec.quant.qmodel import quantize_model
 from specdec.quant.schemes import QuantScheme
 from specdec.spec.decoder import SpeculativeDecoder
 
+from conftest import use_row_count_dependent_linear
+
 BASE = ("The quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat near the door. "
         "A river runs through the valley, and the birds sing in the tall trees every single morning. ")
 
@@ -122,17 +124,7 @@ def test_the_session_test_catches_rows_that_depend_on_the_pass(tiny_dir, monkeyp
     decoded row differs from its prompt-pass row) makes the reused session differ from the cold one."""
     llm_ = LLM(str(tiny_dir("llama")), dtype="float32", progress=False)
     warm, cold = _pair(llm_)
-    kernel_linear = kernels.linear
-
-    def old_linear(x, weight, bias=None):
-        if isinstance(weight, torch.Tensor) and x.numel() // x.shape[-1] > MAX_ROWS:
-            return torch.nn.functional.linear(x, weight, bias)
-        return kernel_linear(x, weight, bias)
-
-    import specdec.model.layers as layers
-    import specdec.model.llama as llama
-    monkeypatch.setattr(layers, "linear", old_linear)
-    monkeypatch.setattr(llama, "linear", old_linear)
+    use_row_count_dependent_linear(monkeypatch)
     warm_results, cold_results = _session(warm, llm_.tokenizer), _session(cold, llm_.tokenizer)
     assert any(w.logprobs != c.logprobs for w, c in zip(warm_results, cold_results))
 

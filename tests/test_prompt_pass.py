@@ -9,6 +9,8 @@ import specdec.kernels as kernels
 from specdec.kernels import MAX_ROWS
 from specdec.model.loader import cpu_has_bf16, load_model
 
+from conftest import use_row_count_dependent_linear
+
 
 @pytest.fixture(autouse=True)
 def _need_kernels():
@@ -64,17 +66,7 @@ def test_the_pieces_test_catches_a_row_count_dependent_linear(tiny_dir, monkeypa
     makes a prompt cut at 37 rows differ from one pass."""
     model = load_model(tiny_dir("llama"), torch.float32)
     ids = torch.randint(0, 1000, (1, 2 * MAX_ROWS + 30), generator=torch.Generator().manual_seed(0))
-    kernel_linear = kernels.linear
-
-    def old_linear(x, weight, bias=None):
-        if isinstance(weight, torch.Tensor) and x.numel() // x.shape[-1] > MAX_ROWS:
-            return torch.nn.functional.linear(x, weight, bias)
-        return kernel_linear(x, weight, bias)
-
-    import specdec.model.layers as layers
-    import specdec.model.llama as llama
-    monkeypatch.setattr(layers, "linear", old_linear)
-    monkeypatch.setattr(llama, "linear", old_linear)
+    use_row_count_dependent_linear(monkeypatch)
     assert not _same(_prefill(model, ids, (37,)), _prefill(model, ids, ()))
 
 

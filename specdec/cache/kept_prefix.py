@@ -86,6 +86,3 @@ class KeptPrefix:
             return
         n = cache.length if self.level == "all" and not verified_tree else min(prompt_len, cache.length)
         self._kept = _Kept(list(token_ids[:n]), cache)
-
-    def clear(self) -> None:
-        self._kept = None
