@@ -1,5 +1,6 @@
 """The CLI: bad input gets one clear line and a non-zero exit, never a traceback."""
 import json
+import re
 import subprocess
 import sys
 
@@ -60,7 +61,9 @@ def test_prompt_file_json_and_chat_session(tmp_path):
                        input="Name a color.\nAnd another one?\n\n", capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     assert r.stdout.startswith("> " + expected)
-    assert r.stdout.count("> ") >= 3 and r.stderr.count("tok/s]") == 2  # two answered turns, then the empty line
+    assert r.stdout.count("> ") >= 3 and r.stderr.count(" tok/s; prompt ") == 2  # two answered turns, then the empty line
+    second = [line for line in r.stderr.splitlines() if " tok/s; prompt " in line][1]
+    assert re.search(r"prompt \d+ tokens, \d+ cached", second)  # the second turn reused the first's prefix
 
 
 def test_missing_prompt_file_is_one_line(tmp_path):

@@ -33,6 +33,8 @@ def run(args) -> int:
             print("specdec: the conversation no longer fits the context; start a new one", file=sys.stderr)
             break
         r = llm.generate_one(ids, params, on_delta=lambda d, t: print(d, end="", flush=True))
-        print(f"\n[{r.decode_tokens_per_s:.1f} tok/s]", file=sys.stderr)
+        cached = f", {r.num_cached_tokens} cached" if r.num_cached_tokens else ""
+        print(f"\n[{r.decode_tokens_per_s:.1f} tok/s; prompt {len(ids)} tokens{cached}, {r.prefill_time:.2f} s]",
+              file=sys.stderr)
         messages.append({"role": "assistant", "content": r.text})
     return 0
