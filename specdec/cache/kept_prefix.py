@@ -41,7 +41,8 @@ def reuse_level(model) -> str | None:
     return None
 
 
-def shared_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens a and b share (also the universal drafter's and the quantization report's)."""
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:
@@ -68,7 +69,7 @@ class KeptPrefix:
         kept, self._kept = self._kept, None
         if kept is None:
             return None, 0
-        n = shared_prefix(kept.tokens, prompt_ids[:-1])
+        n = common_prefix(kept.tokens, prompt_ids[:-1])
         if n < MIN_REUSE:
             return None, 0
         cache = kept.cache

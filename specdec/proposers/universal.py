@@ -24,18 +24,11 @@ import time
 
 import torch
 
+from specdec.cache.kept_prefix import common_prefix
 from specdec.sampler import argmax
 from specdec.spec.proposer import EMPTY, Proposal, RequestState
 
 TAIL_TOKENS = 4  # target tokens re-encoded with the drafted text
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class UniversalDrafter:

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from specdec.cache.kept_prefix import common_prefix
 from specdec.kernels import MAX_ROWS
 from specdec.model.loader import load_model, resolve_model
 from specdec.model.tokenizer import Tokenizer
@@ -82,10 +83,6 @@ def quality(model, ref_preds: list[torch.Tensor] | None, seqs: list[list[int]]) 
 
 def greedy(decoder: SpeculativeDecoder, ids: list[int], n: int):
     return decoder.generate(ids, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def build(variant: Variant, directory: Path, calib: list[list[int]] | None, max_len: int):
