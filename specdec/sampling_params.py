@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024  # tokens a request may bias
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,12 @@ class SamplingParams:
     logprobs: int | None = None
     n: int = 1
     skip_special_tokens: bool = True
+    # penalties and bias (specdec/penalties.py): presence/frequency over the output, repetition over
+    # prompt + output; logit_bias: {token id: bias in [-100, 100]} (kept as sorted (id, bias) pairs)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
@@ -47,7 +54,38 @@ class SamplingParams:
             raise ValueError(f"stop: at most {MAX_STOP_STRINGS} non-empty strings")
         if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and -2.0 <= v <= 2.0):
+                raise ValueError(f"{name} must be in [-2, 2], got {v}")
+        if not (math.isfinite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0):
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+
+    @property
+    def penalized(self) -> bool:
+        """Whether penalties or a logit bias change the target's logits (specdec/penalties.py)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
+    """A logit bias ({token id: bias} or (id, bias) pairs) as sorted pairs, each checked."""
+    items = bias.items() if isinstance(bias, dict) else (bias or ())
+    pairs = {}
+    for tok, value in items:
+        if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+            raise ValueError(f"logit_bias: token ids must be non-negative integers, got {tok!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"logit_bias: biases must be numbers, got {value!r} for token {tok}")
+        value = float(value)
+        if not (math.isfinite(value) and -100.0 <= value <= 100.0):
+            raise ValueError(f"logit_bias: biases must be in [-100, 100], got {value} for token {tok}")
+        pairs[tok] = value
+    if len(pairs) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS} tokens, got {len(pairs)}")
+    return tuple(sorted(pairs.items()))

@@ -15,6 +15,8 @@ def specdec(*args, timeout=300):
     (["generate", "no-such-model", "--prompt", "hi"], "unknown model"),
     (["generate", "--prompt", "   "], "empty"),
     (["generate", "--prompt", "hi", "--temperature", "5"], "temperature"),
+    (["generate", "--prompt", "hi", "--repetition-penalty", "3"], "repetition_penalty"),
+    (["generate", "--prompt", "hi", "--frequency-penalty", "-2.5"], "frequency_penalty"),
     (["generate", "--prompt", "hi", "--speculative-config", "{bad json"], "JSON"),
     (["generate", "--prompt", "hi", "--speculative-config", '{"method": "ngram", "bogus": 1}'], "bogus"),
     (["generate", "--prompt", "hi", "--speculative-method", "ngram", "--num-speculative-tokens", "0"], "num_speculative_tokens"),

@@ -96,9 +96,38 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 50}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 7*7 }}"},
      "chat_template"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "presence_penalty": 1.0},
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "presence_penalty": 2.5},
      "presence_penalty"),
+    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"abc": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"-3": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999999": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 300}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(1100)}}, "logit_bias"),
 ]
+
+
+def test_penalties_and_bias_with_speculation_equal_plain(server, plain):
+    """Batched n-gram speculation (k = 4) with penalties and a logit bias: each stream equals plain
+    decoding with the same penalties (verify rows are penalized after the drafts before them)."""
+    prompts = [f"{WORDS[i]} {WORDS[i + 1]} {WORDS[i]} {WORDS[i + 1]} {WORDS[i]}" for i in range(6)]
+    bias = {"7": -5.0, "11": 2.5}
+    penalties = dict(frequency_penalty=1.2, presence_penalty=0.4, repetition_penalty=1.3)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logit_bias={7: -5.0, 11: 2.5}, **penalties)
+    want = [plain.generate(p, params)[0].outputs[0].text for p in prompts]
+    assert want != [plain.generate(p, replace(params, logit_bias=(), frequency_penalty=0, presence_penalty=0,
+                                                  repetition_penalty=1.0))[0].outputs[0].text for p in prompts]
+
+    async def main():
+        c = client(server)
+        return await asyncio.gather(*(c.completions.create(
+            model="tiny", prompt=p, max_tokens=24, temperature=0, logit_bias=bias, frequency_penalty=1.2,
+            presence_penalty=0.4, extra_body={"ignore_eos": True, "repetition_penalty": 1.3}) for p in prompts))
+
+    got = asyncio.run(main())
+    assert [r.choices[0].text for r in got] == want
+    server.wait_idle()
+    assert server.engine.blocks.num_used == 0
 
 
 @pytest.mark.parametrize("path,body,param", BAD, ids=[f"{b[2]}-{i}" for i, b in enumerate(BAD)])

@@ -188,6 +188,7 @@ class BenchConfig:
     first_turn_tokens: int = 48
     max_prompt_tokens: int = 1536
     temperature: float = 0.0  # > 0: every system samples, a seed per prompt (our systems only: peers run greedy)
+    repetition_penalty: float = 1.0  # != 1: every system applies it (our systems only)
 
 
 def auto_draft_dir(source_dir: Path, target, layers: int) -> Path:
@@ -244,8 +245,9 @@ def our_systems(cfg: BenchConfig, target, tokenizer, source_dir: Path, draft_dir
     from specdec.spec.proposer import available_methods
 
     methods = available_methods() + list(DEFAULT_PAIRS) if cfg.methods is None else list(cfg.methods)
-    systems: list[System] = [] if k is not None else [SpecdecSystem(target, tokenizer, source_dir,
-                                                                     temperature=cfg.temperature)]
+    plain = SpecdecSystem(target, tokenizer, source_dir, temperature=cfg.temperature,
+                          repetition_penalty=cfg.repetition_penalty)
+    systems: list[System] = [] if k is not None else [plain]
     skipped = []
     for name in methods:
         m, _ = split_method(name)
@@ -258,7 +260,8 @@ def our_systems(cfg: BenchConfig, target, tokenizer, source_dir: Path, draft_dir
         label = name
         if k is not None:
             spec["num_speculative_tokens"], label = k, f"{name}@k{k}"
-        systems.append(SpecdecSystem(target, tokenizer, source_dir, name, spec, load_aux, label, cfg.temperature))
+        systems.append(SpecdecSystem(target, tokenizer, source_dir, name, spec, load_aux, label, cfg.temperature,
+                                     cfg.repetition_penalty))
     return systems, skipped
 
 
@@ -281,7 +284,8 @@ def run_dtype(cfg: BenchConfig, dtype_name: str, prompts: list | None, log=print
     target_rss = None if base_rss is None else rss_mb() - base_rss
     tokenizer = Tokenizer(source.directory)
     load_seconds = time.perf_counter() - t0
-    plain = SpecdecSystem(target, tokenizer, source.directory, temperature=cfg.temperature)
+    plain = SpecdecSystem(target, tokenizer, source.directory, temperature=cfg.temperature,
+                          repetition_penalty=cfg.repetition_penalty)
     plain.setup()
     if prompts is None:
         log("building prompts ...")
@@ -347,6 +351,10 @@ def run_benchmark(cfg: BenchConfig, log=print) -> dict:
         raise ConfigError("--temperature must be in [0, 2]")
     if cfg.temperature > 0 and cfg.peers != ():
         raise ConfigError("--temperature > 0 samples with our systems only: add --peers none (the peers run greedy)")
+    if not 0.0 < cfg.repetition_penalty <= 2.0:
+        raise ConfigError("--repetition-penalty must be in (0, 2]")
+    if cfg.repetition_penalty != 1.0 and cfg.peers != ():
+        raise ConfigError("--repetition-penalty applies to our systems only: add --peers none")
     started = time.time()
     threads = set_threads(cfg.threads)
     env_before = environment()

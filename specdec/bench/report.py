@@ -307,8 +307,9 @@ def _best_section(s: dict) -> list[str]:
 
 def decoding(cfg: dict) -> str:
     """How the run decoded: greedy, or sampled (every system, a seed per prompt)."""
-    t = cfg.get("temperature") or 0.0
-    return "greedy" if t == 0 else f"sampled at temperature {t:g} (a seed per prompt, the same for every system)"
+    t, r = cfg.get("temperature") or 0.0, cfg.get("repetition_penalty") or 1.0
+    how = "greedy" if t == 0 else f"sampled at temperature {t:g} (a seed per prompt, the same for every system)"
+    return how if r == 1.0 else f"{how}, repetition penalty {r:g}"
 
 
 def _cli_flags(cfg: dict) -> list[str]:
@@ -317,6 +318,8 @@ def _cli_flags(cfg: dict) -> list[str]:
              f"--repeats {cfg['repeats']}"]
     if cfg.get("temperature"):
         flags.append(f"--temperature {cfg['temperature']:g}")
+    if (cfg.get("repetition_penalty") or 1.0) != 1.0:
+        flags.append(f"--repetition-penalty {cfg['repetition_penalty']:g}")
     if cfg.get("threads"):
         flags.append(f"--threads {cfg['threads']}")
     if cfg.get("categories"):

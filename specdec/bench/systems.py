@@ -64,9 +64,11 @@ class SpecdecSystem(System):
     family = "specdec"
 
     def __init__(self, target, tokenizer, target_dir: Path, method: str | None = None, spec: dict | None = None,
-                 load_aux: Callable | None = None, label: str | None = None, temperature: float = 0.0):
+                 load_aux: Callable | None = None, label: str | None = None, temperature: float = 0.0,
+                 repetition_penalty: float = 1.0):
         self.target, self.tokenizer, self.target_dir = target, tokenizer, target_dir
         self.temperature = temperature  # > 0: sampled, with a seed per prompt (the same for every system)
+        self.repetition_penalty = repetition_penalty
         self.method = method or "plain"  # "qdraft+ngram": a model drafter with a lookup (config key `lookup`)
         self.name = f"specdec:{label or self.method}"
         from specdec.quant.qmodel import describe
@@ -100,10 +102,12 @@ class SpecdecSystem(System):
         self.decoder = SpeculativeDecoder(self.target, self.tokenizer, proposer, cfg, cost_model=self.cost)
 
     def generate(self, prompt_ids: list[int], max_tokens: int, greedy: bool = False) -> Generated:
-        """One generation at this system's temperature (greedy: at 0, e.g. for a prompt's own turns)."""
+        """One generation at this system's temperature and repetition penalty (greedy: at 0 and without
+        a penalty, e.g. for a prompt's own turns)."""
         t = 0.0 if greedy else self.temperature
         seed = zlib.crc32(array("q", prompt_ids).tobytes()) if t > 0 else None
-        params = SamplingParams(temperature=t, max_tokens=max_tokens, seed=seed)
+        params = SamplingParams(temperature=t, max_tokens=max_tokens, seed=seed,
+                                repetition_penalty=1.0 if greedy else self.repetition_penalty)
         t0 = time.perf_counter()
         r = self.decoder.generate(prompt_ids, params)
         seconds = time.perf_counter() - t0

@@ -35,6 +35,8 @@ def register(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=96, help="new tokens per prompt (EOS may stop earlier)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0: greedy (default); > 0: every system samples at it, a seed per prompt (--peers none)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="every system decodes with this repetition penalty (default 1: none; --peers none)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--methods", default=None, help="comma list of speculative methods (default: every registered one)")
     p.add_argument("--method-config", action="append", default=[], metavar="METHOD=JSON",
@@ -110,7 +112,8 @@ def config_from_args(args):
                        method_configs=_method_configs(args.method_config), peers=peers, draft_model=draft,
                        draft_layers=args.draft_layers, sweep_ks=sweep,
                        sweep_methods=_csv(args.sweep_methods) if args.sweep_methods else None,
-                       sweep_categories=_csv(args.sweep_categories), temperature=args.temperature)
+                       sweep_categories=_csv(args.sweep_categories), temperature=args.temperature,
+                       repetition_penalty=args.repetition_penalty)
 
 
 def print_summary(summaries: dict, file=sys.stderr) -> None:

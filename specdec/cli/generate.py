@@ -18,11 +18,22 @@ def add_sampling_args(p) -> None:
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divide (multiply, if negative) the logits of prompt and output tokens by this, in (0, 2]")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtract this x each token's count in the output, in [-2, 2]")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtract this from every token already in the output, in [-2, 2]")
 
 
 def sampling_from_args(args) -> SamplingParams:
-    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                          seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop))
+    try:
+        return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                              seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop),
+                              repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+                              presence_penalty=args.presence_penalty)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def register(sub) -> None:

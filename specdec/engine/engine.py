@@ -27,6 +27,7 @@ from specdec.engine.sequence import Sequence, SpecChoice
 from specdec.engine.speculation import Speculation, profile_sizes, verify_rows
 from specdec.model.cuda_graph import GraphedModel
 from specdec.model.llama import ForwardOutput
+from specdec.penalties import apply_penalties, check_bias, row_prefixes
 from specdec.sampler import argmax, make_generator, sample, warp
 from specdec.sampling_params import SamplingParams
 from specdec.spec.adaptive import PRIOR_ACCEPTANCE, AdaptiveK
@@ -153,6 +154,7 @@ class Engine:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         if not req.prompt_ids or len(req.prompt_ids) >= self.max_model_len:
             raise ValueError(f"the prompt must have 1 to {self.max_model_len - 1} tokens")
+        check_bias(p, self.model.config.vocab_size)
         spec = self.resolve_spec(req.speculative)
         seqs = []
         for i in range(p.n):
@@ -241,7 +243,10 @@ class Engine:
         logits = out.logits[0, -(k + 1):]  # [k+1, V]: row i predicts the token after input i
         if seq.grammar is not None:
             logits = logits.masked_fill(~seq.grammar.row_masks(proposal.tokens), float("-inf"))
-        if best is not None and seq.params.greedy and seq.grammar is None:
+        reported = logits  # logprobs: before penalties (vLLM's raw logprobs)
+        # each row penalized after the output plus the drafts before it (what plain decoding would see)
+        logits = apply_penalties(logits, seq.params, seq.prompt_ids, seq.output_ids, row_prefixes(proposal.tokens))
+        if best is not None and seq.params.greedy and seq.grammar is None and not seq.params.penalized:
             verdict = verify_greedy(proposal.tokens, best[-(k + 1):])
         elif k:
             verdict = verify_rows(proposal, logits, seq.params, seq.state.generator)
@@ -250,7 +255,7 @@ class Engine:
         first = not seq.output_ids
         seq.num_computed += n + verdict.num_accepted
         seq.token_from_draft.extend(j < verdict.num_accepted for j in range(len(verdict.tokens)))
-        seq.out.emit(seq.state, verdict.tokens, logits[:len(verdict.tokens)])
+        seq.out.emit(seq.state, verdict.tokens, reported[:len(verdict.tokens)])
         del seq.token_from_draft[len(seq.output_ids):]
         if seq.grammar is not None:
             seq.grammar.advance(verdict.tokens)
@@ -269,6 +274,7 @@ class Engine:
         return True
 
     def _pick(self, logits: torch.Tensor, seq: Sequence) -> int:
+        """logits [V]: penalized already (_process)."""
         if seq.params.greedy:
             return int(argmax(logits))
         return sample(warp(logits[None], seq.params)[0], seq.state.generator)

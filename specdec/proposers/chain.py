@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from specdec.penalties import apply_penalties
 from specdec.sampler import argmax, sample, warp
 from specdec.spec.proposer import Proposal, RequestState
 
@@ -31,7 +32,8 @@ def draft_chains(logits: torch.Tensor, step: Callable[[list[int], list[int]], to
     logits [B, V]: the drafter's prediction after each context; step(rows, tokens) feeds tokens[i] to
     row rows[i] and returns the logits [len(rows), V] after them.
 
-    Greedy requests take the argmax (q is then irrelevant: probs None); sampling requests draw from
+    Each row's logits are penalized as the target's are (specdec/penalties.py; a no-op without
+    penalties). Greedy requests take the argmax (q is then irrelevant: probs None); sampling requests draw from
     q = warp(logits, params) with the request's generator and return q [k, V], so verification is
     exact. A row stops after a token whose draft probability max(softmax(logits)) < threshold (the
     low-confidence token itself is still proposed: verifying it costs almost nothing)."""
@@ -43,15 +45,18 @@ def draft_chains(logits: torch.Tensor, step: Callable[[list[int], list[int]], to
         for i, b in enumerate(rows):
             if ks[b] <= 0:
                 continue
-            params = states[b].params
+            state = states[b]
+            params = state.params
+            # penalized as the target's rows are (after the output and this row's drafts so far)
+            row = apply_penalties(logits[i][None], params, state.prompt_ids, state.output_ids, [tokens[b]])[0]
             if params.greedy:
-                tok = int(argmax(logits[i]))
+                tok = int(argmax(row))
             else:
-                q = warp(logits[i][None], params)[0]  # [V]
-                tok = sample(q, states[b].generator)
+                q = warp(row[None], params)[0]  # [V]
+                tok = sample(q, state.generator)
                 qs[b].append(q)
             tokens[b].append(tok)
-            unsure = threshold > 0.0 and float(torch.softmax(logits[i].float(), -1).max()) < threshold
+            unsure = threshold > 0.0 and float(torch.softmax(row.float(), -1).max()) < threshold
             if len(tokens[b]) < ks[b] and not unsure:
                 going.append(b)
         if going:

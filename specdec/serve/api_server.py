@@ -48,10 +48,12 @@ class ServerState:
     metrics: ServerMetrics = None
     grammars: GrammarCompiler = None
     started: float = field(default_factory=time.time)
+    vocab_size: int = 0  # the model's (from the engine)
 
     def __post_init__(self):
         eng = self.engine.engine
         self.tokenizer, self.max_model_len = eng.tokenizer, eng.max_model_len
+        self.vocab_size = eng.model.config.vocab_size
         self.metrics = self.metrics or ServerMetrics(self.model_name)
         self.grammars = self.grammars or GrammarCompiler(eng.tokenizer, eng.model.config.vocab_size)
 
@@ -233,7 +235,7 @@ def build_app(st: ServerState) -> FastAPI:
             if max_tokens is not None and max_tokens > room:
                 raise APIError(400, f"this model's maximum context length is {st.max_model_len} tokens; the prompt "
                                f"has {len(ids)} and max_tokens is {max_tokens} (at most {room})", "max_tokens")
-            params = body.sampling_params(max_tokens or room, logprobs)
+            params = body.sampling_params(max_tokens or room, logprobs, st.vocab_size)
             reqs.append(EngineRequest(f"{rid}-{i}", ids, params, spec, body.cache_salt, grammar))
         return reqs
 

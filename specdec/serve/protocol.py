@@ -3,7 +3,9 @@
 Ranges follow vLLM/OpenAI: temperature in [0, 2], top_p in (0, 1], n in [1, MAX_N], logprobs <= 20,
 at most 16 stop strings. Fields specdec adds (all optional): `speculative` ("off", a method name, or
 {"method", "num_speculative_tokens"}), `cache_salt`, `return_token_sources`, `response_format`
-{"type": "regex", "regex"} besides OpenAI's json_object / json_schema. A request-supplied chat
+{"type": "regex", "regex"} besides OpenAI's json_object / json_schema, and vLLM's `repetition_penalty`
+(beside OpenAI's presence_penalty, frequency_penalty and logit_bias; exact under speculation,
+specdec/penalties.py). A request-supplied chat
 template is refused: templates come only from the model's files (rendered in a Jinja2 sandbox).
 """
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from specdec.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
+from specdec.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
 
 MAX_N = 16
 
@@ -58,7 +60,8 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     user: str | None = None
     response_format: dict[str, Any] | None = None
     speculative: bool | str | dict[str, Any] | None = None
@@ -74,11 +77,6 @@ class _Common(BaseModel):
         return stops
 
     def check_unsupported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise APIError(400, f"{name} is not supported by this server", name, "unsupported_parameter")
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported by this server", "logit_bias", "unsupported_parameter")
         extra = self.model_extra or {}
         for name in ("chat_template", "chat_template_kwargs"):
             if extra.get(name) is not None:
@@ -109,14 +107,28 @@ class _Common(BaseModel):
             raise APIError(400, "speculative.method must be a string", "speculative")
         return {"method": None if method in ("off", "none") else method, "num_speculative_tokens": k}
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
+        bias = self._logit_bias(vocab_size)
         try:
             return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                                   seed=self.seed, max_tokens=max_tokens, stop=tuple(self.stop or ()),
                                   stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
-                                  logprobs=logprobs, n=self.n, skip_special_tokens=self.skip_special_tokens)
+                                  logprobs=logprobs, n=self.n, skip_special_tokens=self.skip_special_tokens,
+                                  presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                                  repetition_penalty=self.repetition_penalty, logit_bias=bias)
         except ValueError as e:
             raise APIError(400, str(e)) from None
+
+    def _logit_bias(self, vocab_size: int) -> dict[int, float]:
+        """OpenAI's {"token id": bias}: ids as decimal strings in [0, vocab_size), biases in [-100, 100]."""
+        out = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not (key.isascii() and key.isdigit() and len(key) <= 9) or int(key) >= vocab_size:
+                raise APIError(400, f"logit_bias: {key!r} is not a token id in [0, {vocab_size})", "logit_bias")
+            if not -100.0 <= value <= 100.0:
+                raise APIError(400, f"logit_bias: the bias of token {key} must be in [-100, 100]", "logit_bias")
+            out[int(key)] = value
+        return out
 
 
 class CompletionRequest(_Common):

@@ -18,6 +18,7 @@ import torch
 from specdec.cache.kept_prefix import KeptPrefix
 from specdec.model.cuda_graph import synchronize
 from specdec.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from specdec.penalties import apply_penalties, check_bias, row_prefixes
 from specdec.sampler import argmax, logprobs_of, make_generator, sample, warp
 from specdec.sampling_params import SamplingParams
 from specdec.spec.adaptive import AdaptiveK, CostModel
@@ -141,10 +142,13 @@ class SpeculativeDecoder:
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise RequestError(f"prompt token ids must be in [0, {vocab})")
 
-    def _pick(self, logits: torch.Tensor, params: SamplingParams, gen) -> int:
+    def _pick(self, logits: torch.Tensor, state: RequestState) -> int:
+        """The next token from one row of logits [V] after the output so far (penalized if asked)."""
+        params = state.params
+        logits = apply_penalties(logits[None], params, state.prompt_ids, state.output_ids)[0]
         if params.greedy:
             return int(argmax(logits))
-        return sample(warp(logits[None], params)[0], gen)
+        return sample(warp(logits[None], params)[0], state.generator)
 
     def _cap(self, state: RequestState, cache_len: int) -> int:
         """The most tokens this step may draft: k_max, tokens left, context room."""
@@ -184,6 +188,10 @@ class SpeculativeDecoder:
     def generate(self, prompt_ids: list[int], params: SamplingParams,
                  on_delta: Callable[[str, list[int]], None] | None = None) -> GenerationResult:
         self._check_prompt(prompt_ids)
+        try:
+            check_bias(params, self.target.config.vocab_size)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
         gen = None if params.greedy else make_generator(params.seed)
         state = RequestState(list(prompt_ids), params, gen)
         out = _Output(params, self.tokenizer.eos_token_ids, IncrementalDetokenizer(
@@ -215,7 +223,7 @@ class SpeculativeDecoder:
         res = self.target(torch.tensor([prompt_ids[cached:]], device=dev), torch.arange(cached, n, device=dev)[None],
                           cache, num_logits=1, output_layers=self._feature_layers(), prefill=True)
         logits = res.logits[0]  # [1, V]
-        out.emit(state, [self._pick(logits[-1], params, gen)], logits)
+        out.emit(state, [self._pick(logits[-1], state)], logits)
         prefill_time = time.perf_counter() - t0
         if self.proposer is not None:
             self.proposer.begin(state, TargetOutput(res, list(range(n - cached))))
@@ -253,19 +261,23 @@ class SpeculativeDecoder:
         if not getattr(self.target, "takes_host_inputs", False):
             ids, positions = ids.to(dev), positions.to(dev)
         fwd = self.target(ids, positions[None], cache, block_mask=block_mask, output_layers=self._feature_layers())
-        logits = fwd.logits[0]  # [T, V]: row 0 predicts after the last token, row i after node i-1
+        raw = fwd.logits[0]  # [T, V]: row 0 predicts after the last token, row i after node i-1
         synchronize(dev)  # the verify time is the device's (verification reads the logits next anyway)
         t2 = time.perf_counter()
+        # each row penalized after the output plus the drafts before it (what plain decoding would see)
+        logits = apply_penalties(raw, state.params, state.prompt_ids, state.output_ids,
+                                 row_prefixes(proposal.tokens, proposal.parents))
+        row_argmax = fwd.row_argmax if logits is raw else None
         if proposal.is_tree:
             from specdec.spec.tree import verify_tree
             self._verified_tree = True
-            verdict, rows = verify_tree(proposal, logits, state.params, state.generator, fwd.row_argmax)
+            verdict, rows = verify_tree(proposal, logits, state.params, state.generator, row_argmax)
             cache.keep([start + r for r in rows], start)  # the accepted path, packed after the prefix
         else:
-            verdict = self._verify(proposal, logits, state.params, state.generator, fwd.row_argmax)
+            verdict = self._verify(proposal, logits, state.params, state.generator, row_argmax)
             rows = list(range(1 + verdict.num_accepted))
             cache.rollback(start + 1 + verdict.num_accepted)
-        out.emit(state, verdict.tokens, logits[rows] if state.params.logprobs is not None else None)
+        out.emit(state, verdict.tokens, raw[rows] if state.params.logprobs is not None else None)
         if self.proposer is not None:
             self.proposer.on_verified(state, proposal, verdict.num_accepted, TargetOutput(fwd, rows))
         t3 = time.perf_counter()

@@ -1,0 +1,246 @@
+"""Penalties and logit bias (specdec/penalties.py): each verify row is penalized after the output plus
+the drafts before it, so speculative output with penalties equals plain decoding with them (greedy,
+every drafter, chains and trees), sampled marginals equal the exact penalized ones, plain decoding
+equals transformers' repetition penalty and an independent OpenAI-formula processor; negative
+controls show the tests catch rows that ignore their drafts."""
+import math
+
+import pytest
+import torch
+
+from specdec import SamplingParams
+from specdec.config import SpeculativeConfig
+from specdec.llm import LLM
+from specdec.model.loader import load_model
+from specdec.model.tokenizer import Tokenizer
+from specdec.penalties import apply_penalties, row_prefixes
+from specdec.spec.decoder import SpeculativeDecoder
+from specdec.spec.proposer import ProposerContext
+
+from conftest import CHAT_PROMPTS
+from test_equivalence import FixedQProposer, within_tv_bound
+
+REPEAT = "one two three four five six. one two three four five six. one two three"
+VARIED = "The quick brown fox"
+PENALTIES = [dict(repetition_penalty=1.3), dict(frequency_penalty=0.8, presence_penalty=0.5),
+             dict(frequency_penalty=-0.6, logit_bias={5: 2.0, 17: -3.0})]
+
+
+def reference_row(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """One row, token by token: OpenAI's bias and frequency/presence formula, HF/vLLM's repetition penalty."""
+    x = logits.float().clone()
+    for tok, bias in params.logit_bias:
+        x[tok] += bias
+    for tok in set(prompt) | set(output):
+        if params.repetition_penalty != 1.0:
+            x[tok] = x[tok] / params.repetition_penalty if x[tok] > 0 else x[tok] * params.repetition_penalty
+    for tok in set(output):
+        x[tok] -= params.frequency_penalty * output.count(tok) + params.presence_penalty
+    return x
+
+
+# ------------------------------------------------------------------------------------------------ unit
+
+def test_row_prefixes_chain_and_tree():
+    assert row_prefixes([7, 8, 9]) == [[], [7], [7, 8], [7, 8, 9]]
+    # two children of the last token (nodes 0, 1), two of node 0 (2, 3), one of node 2 (4)
+    assert row_prefixes([1, 2, 3, 4, 5], [-1, -1, 0, 0, 2]) == [[], [1], [2], [1, 3], [1, 4], [1, 3, 5]]
+
+
+@pytest.mark.parametrize("penalty", PENALTIES + [dict(repetition_penalty=0.7, presence_penalty=-1.0)])
+@pytest.mark.parametrize("parents", [None, [-1, -1, 0, 0, 2]])
+def test_each_row_sees_the_output_plus_its_drafts(penalty, parents):
+    g = torch.Generator().manual_seed(0)
+    V, prompt, output = 40, [3, 5, 5, 9], [5, 11, 11, 2]
+    drafts = [11, 5, 11, 30, 11]
+    params = SamplingParams(temperature=0, **penalty)
+    prefixes = row_prefixes(drafts, parents)
+    logits = torch.randn(len(prefixes), V, generator=g) * 3
+    got = apply_penalties(logits, params, prompt, output, prefixes)
+    want = torch.stack([reference_row(logits[i], params, prompt, output + p) for i, p in enumerate(prefixes)])
+    assert torch.allclose(got, want, atol=1e-6)
+    # negative control: rows that ignore their drafts are not what the test accepts
+    blind = torch.stack([reference_row(logits[i], params, prompt, output) for i in range(len(prefixes))])
+    assert not torch.allclose(got, blind, atol=1e-6)
+
+
+def test_no_penalty_returns_the_logits_themselves():
+    logits = torch.randn(3, 10)
+    assert apply_penalties(logits, SamplingParams(temperature=0), [1], [2, 3], [[], [4], [4, 5]]) is logits
+
+
+@pytest.mark.parametrize("kw", [dict(presence_penalty=2.5), dict(frequency_penalty=-3), dict(repetition_penalty=0),
+                                dict(repetition_penalty=2.5), dict(frequency_penalty=math.nan),
+                                dict(logit_bias={-1: 1.0}), dict(logit_bias={3: 101}), dict(logit_bias={3: "x"}),
+                                dict(logit_bias={i: 1.0 for i in range(1025)})])
+def test_bad_penalties_are_refused(kw):
+    with pytest.raises(ValueError):
+        SamplingParams(**kw)
+
+
+def test_logit_bias_is_normalized_and_hashable():
+    p = SamplingParams(logit_bias={9: 1, 2: -0.5})
+    assert p.logit_bias == ((2, -0.5), (9, 1.0)) and p.penalized and hash(p) == hash(SamplingParams(logit_bias={2: -0.5, 9: 1}))
+    assert not SamplingParams().penalized
+
+
+# ----------------------------------------------------------------------------------------- tiny models
+
+def llm(path, spec=None):
+    return LLM(str(path), speculative_config=spec, dtype="float32", progress=False)
+
+
+def greedy(max_tokens=48, **kw):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model", "layerskip", "lookahead", "recycle", "qdraft"])
+@pytest.mark.parametrize("k", [3, None])
+def test_greedy_with_penalties_equals_plain_tiny(tiny_dir, method, k):
+    d = tiny_dir("llama")
+    spec_cfg = {"method": method, "num_speculative_tokens": k}
+    if method == "draft_model":
+        spec_cfg["model"] = str(d)  # draft == target: long accepted blocks, each row's counts matter
+    plain, spec = llm(d), llm(d, spec_cfg)
+    accepted = 0
+    for penalty in PENALTIES:
+        for prompt in (REPEAT, VARIED):
+            ids = plain.tokenizer.encode(prompt)
+            a = plain.generate_one(ids, greedy(**penalty))
+            b = spec.generate_one(ids, greedy(**penalty))
+            assert b.token_ids == a.token_ids, (penalty, prompt)
+            accepted += b.metrics.num_accepted_tokens
+    if k is not None:
+        assert accepted > 0  # blocks were accepted under penalties, not only rejected
+
+
+def test_rows_blind_to_their_drafts_break_equivalence(tiny_dir, monkeypatch):
+    """Negative control: a verifier that penalizes every row as if no draft preceded it (the bug
+    this module prevents) no longer reproduces plain decoding."""
+    import specdec.spec.decoder as decoder
+    d = tiny_dir("llama")
+    plain, spec = llm(d), llm(d, {"method": "draft_model", "model": str(d), "num_speculative_tokens": 4})
+    ids = plain.tokenizer.encode(REPEAT)
+    params = greedy(frequency_penalty=2.0, presence_penalty=2.0)
+    want = plain.generate_one(ids, params).token_ids
+    assert spec.generate_one(ids, params).token_ids == want
+    monkeypatch.setattr(decoder, "row_prefixes", lambda tokens, parents=None: [[] for _ in range(len(tokens) + 1)])
+    assert spec.generate_one(ids, params).token_ids != want
+
+
+def test_logit_bias_forces_and_forbids_tokens(tiny_dir):
+    d = tiny_dir("llama")
+    spec = llm(d, {"method": "ngram", "num_speculative_tokens": 4})
+    ids = spec.tokenizer.encode(VARIED)
+    assert spec.generate_one(ids, greedy(12, logit_bias={123: 100})).token_ids == [123] * 12
+    free = spec.generate_one(ids, greedy(12)).token_ids
+    banned = spec.generate_one(ids, greedy(12, logit_bias={free[0]: -100})).token_ids
+    assert banned[0] != free[0] and free[0] not in banned
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        spec.generate_one(ids, greedy(4, logit_bias={10**6: 1.0}))
+
+
+def exact_penalized_marginals(model, ids: list[int], params: SamplingParams) -> list[torch.Tensor]:
+    """The exact distributions of the first three tokens, each step penalized after the output so far."""
+    from specdec.sampler import warp
+
+    def dist(out):
+        c = model.new_cache(len(ids) + len(out) + 1)
+        seq = ids + out
+        logits = model(torch.tensor([seq]), torch.arange(len(seq))[None], c).logits[0, -1:]
+        return warp(apply_penalties(logits, params, ids, out), params)[0]
+
+    p1 = dist([])
+    p2 = sum(float(p1[y]) * dist([y]) for y in p1.nonzero().flatten().tolist())
+    p3 = sum(float(p1[y]) * float(dist([y])[z]) * dist([y, z])
+             for y in p1.nonzero().flatten().tolist() for z in dist([y]).nonzero().flatten().tolist())
+    return [p1, p2, p3]
+
+
+def test_sampled_marginals_with_penalties_match_the_exact_ones(tiny_dir):
+    """temperature 1, top_k 4, strong frequency/presence penalties; a fixed q drafts 2 tokens, so the
+    second and third tokens come from verify rows whose counts include drafts."""
+    d = tiny_dir("llama", seed=3)
+    model, tok = load_model(d), Tokenizer(d)
+    ids = tok.encode("Once upon a time")
+    params = dict(temperature=1.0, top_k=4, max_tokens=3, ignore_eos=True, frequency_penalty=2.0, presence_penalty=1.0)
+    exact = exact_penalized_marginals(model, ids, SamplingParams(**params))
+    q = torch.zeros(model.config.vocab_size)
+    q[torch.cat([exact[0].topk(4).indices, exact[1].topk(6).indices])] = 1.0
+    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=2, adaptive=False)
+    dec = SpeculativeDecoder(model, tok, FixedQProposer(ProposerContext(model, tok, cfg), q / q.sum()), cfg)
+    n = 2500
+    counts = torch.zeros(3, model.config.vocab_size)
+    drafted = 0
+    for seed in range(n):
+        r = dec.generate(ids, SamplingParams(**params, seed=seed))
+        drafted += r.metrics.num_draft_tokens
+        for i, t in enumerate(r.token_ids):
+            counts[i, t] += 1
+    freqs = list(counts / n)
+    assert drafted >= n
+    assert all(within_tv_bound(f, p, n) for f, p in zip(freqs, exact))
+    # negative control: the unpenalized marginals are rejected by the same bound
+    plain = exact_penalized_marginals(model, ids, SamplingParams(temperature=1.0, top_k=4, max_tokens=3))
+    assert not all(within_tv_bound(f, p, n) for f, p in zip(freqs, plain))
+
+
+# ------------------------------------------------------------------------------------- the real model
+
+@pytest.mark.slow
+def test_repetition_penalty_equals_transformers(smollm_dir, smollm_llm):
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(str(smollm_dir), dtype=torch.float32).eval()
+    tok = smollm_llm.tokenizer
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": CHAT_PROMPTS[1]}]))
+    with torch.no_grad():
+        hf = ref.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False, repetition_penalty=1.3,
+                          eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+    ours = smollm_llm.generate({"prompt_token_ids": ids}, greedy(48, repetition_penalty=1.3))[0]
+    assert ours.outputs[0].token_ids == hf
+    assert hf != smollm_llm.generate({"prompt_token_ids": ids}, greedy(48))[0].outputs[0].token_ids
+
+
+@pytest.mark.slow
+def test_openai_penalties_equal_an_independent_processor(smollm_dir, smollm_llm):
+    """frequency/presence penalties and a bias against transformers' generate with a logits processor
+    written from OpenAI's formula."""
+    from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+
+    ref = AutoModelForCausalLM.from_pretrained(str(smollm_dir), dtype=torch.float32).eval()
+    tok = smollm_llm.tokenizer
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": CHAT_PROMPTS[2]}]))
+    params = greedy(48, frequency_penalty=0.7, presence_penalty=0.4, logit_bias={13: -2.0, 28: 1.5})
+
+    class OpenAIPenalties(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            scores = scores.clone()
+            for t, b in params.logit_bias:
+                scores[0, t] += b
+            out = input_ids[0, len(ids):].tolist()
+            for t in set(out):
+                scores[0, t] -= params.frequency_penalty * out.count(t) + params.presence_penalty
+            return scores
+
+    with torch.no_grad():
+        hf = ref.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False, eos_token_id=None, pad_token_id=0,
+                          logits_processor=LogitsProcessorList([OpenAIPenalties()]))[0, len(ids):].tolist()
+    assert smollm_llm.generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids == hf
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", [{"method": "ngram"}, {"method": "qdraft", "lookup": "ngram"},
+                                  {"method": "eagle3"}])
+def test_speculation_with_penalties_equals_plain_real_model(smollm_llm, spec):
+    other = LLM("smollm2-135m", dtype="float32", progress=False, speculative_config=spec)
+    tok = smollm_llm.tokenizer
+    params = greedy(64, repetition_penalty=1.2, frequency_penalty=0.3)
+    drafted = 0
+    for p in CHAT_PROMPTS:
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]))
+        want = smollm_llm.generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids
+        got = other.generate_one(ids, params)
+        assert got.token_ids == want
+        drafted += got.metrics.num_draft_tokens
+    assert drafted > 0
