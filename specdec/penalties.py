@@ -39,36 +39,45 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
                     prefixes: list[list[int]] | None = None) -> torch.Tensor:
     """logits [T, V] -> penalized fp32 logits [T, V] (logits itself when params set no penalty).
     prefixes[i]: the drafted tokens before row i (row_prefixes); None: no drafts (every row sees
-    output_ids alone)."""
+    output_ids alone). Only the columns of tokens a penalty or the bias can touch are computed
+    (prompt, output, drafts, biased ids: U of them), so a row costs ~U, not the vocabulary."""
     if not params.penalized:
         return logits
-    T, V = logits.shape
-    dev = logits.device
-    logits = logits.float().clone()
-    counts = torch.zeros(T, V, dtype=torch.float32)  # [T, V]: each row's output counts
-    if output_ids:
-        counts += torch.bincount(torch.tensor(output_ids), minlength=V)[:V].float()
-    drafted = [(i, tok) for i, prefix in enumerate(prefixes or ()) for tok in prefix]
-    if drafted:
-        rows, toks = zip(*drafted)
-        counts.index_put_((torch.tensor(rows), torch.tensor(toks)), torch.ones(len(rows)), accumulate=True)
-    counts = counts.to(dev)
-    if params.logit_bias:
-        ids, biases = zip(*params.logit_bias)  # ids < V (check_bias)
-        logits[:, list(ids)] += torch.tensor(biases, device=dev)
+    T = logits.shape[0]
     r = params.repetition_penalty
+    long = dict(dtype=torch.long)
+    output = torch.tensor(output_ids, **long)
+    prompt = torch.tensor(prompt_ids if r != 1.0 else [], **long)
+    rows = [i for i, prefix in enumerate(prefixes or ()) for _ in prefix]
+    drafted = torch.tensor([tok for prefix in prefixes or () for tok in prefix], **long)
+    bias_ids = torch.tensor([tok for tok, _ in params.logit_bias], **long)
+    touched = torch.unique(torch.cat((output, drafted, prompt, bias_ids)))  # [U] sorted token ids
+    if touched.numel() == 0:
+        return logits
+    U = touched.numel()
+    counts = torch.bincount(torch.searchsorted(touched, output), minlength=U).float().repeat(T, 1)  # [T, U]
+    if rows:
+        counts.index_put_((torch.tensor(rows), torch.searchsorted(touched, drafted)), torch.ones(len(rows)),
+                          accumulate=True)
+    dev = logits.device
+    counts, index = counts.to(dev), touched.to(dev)
+    sub = logits[:, index].float()  # [T, U]
+    if params.logit_bias:
+        shift = torch.zeros(U)
+        shift[torch.searchsorted(touched, bias_ids)] = torch.tensor([b for _, b in params.logit_bias])
+        sub += shift.to(dev)
     if r != 1.0:
-        seen = counts > 0
-        if prompt_ids:
-            in_prompt = torch.zeros(V, dtype=torch.bool)
-            in_prompt[torch.tensor(prompt_ids)] = True
-            seen |= in_prompt.to(dev)
-        logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+        seen = torch.zeros(U, dtype=torch.bool)
+        seen[torch.searchsorted(touched, prompt)] = True
+        seen = (counts > 0) | seen.to(dev)
+        sub = torch.where(seen, torch.where(sub > 0, sub / r, sub * r), sub)
     if params.frequency_penalty:
-        logits -= params.frequency_penalty * counts
+        sub -= params.frequency_penalty * counts
     if params.presence_penalty:
-        logits -= params.presence_penalty * (counts > 0).float()
-    return logits
+        sub -= params.presence_penalty * (counts > 0).float()
+    out = logits.float().clone() if logits.dtype == torch.float32 else logits.float()
+    out[:, index] = sub
+    return out
 
 
 def check_bias(params: SamplingParams, vocab_size: int) -> None:
