@@ -188,12 +188,12 @@ def skewed_q(p1: torch.Tensor, p2: torch.Tensor) -> torch.Tensor:
     return q / q.sum()
 
 
-def sampled_marginals(dec, ids: list[int], n: int) -> tuple[list[torch.Tensor], int]:
+def sampled_marginals(dec, ids: list[int], n: int, sampling: dict = SAMPLING) -> tuple[list[torch.Tensor], int]:
     """Frequencies of each output position's token over seeds 0..n-1, and the tokens drafted."""
-    counts = torch.zeros(SAMPLING["max_tokens"], dec.target.config.vocab_size)
+    counts = torch.zeros(sampling["max_tokens"], dec.target.config.vocab_size)
     drafted = 0
     for seed in range(n):
-        r = dec.generate(ids, SamplingParams(**SAMPLING, seed=seed))
+        r = dec.generate(ids, SamplingParams(**sampling, seed=seed))
         drafted += r.metrics.num_draft_tokens
         for i, t in enumerate(r.token_ids):
             counts[i, t] += 1

@@ -18,7 +18,7 @@ from specdec.spec.decoder import SpeculativeDecoder
 from specdec.spec.proposer import ProposerContext
 
 from conftest import CHAT_PROMPTS
-from test_equivalence import FixedQProposer, within_tv_bound
+from test_equivalence import FixedQProposer, sampled_marginals, within_tv_bound
 
 REPEAT = "one two three four five six. one two three four five six. one two three"
 VARIED = "The quick brown fox"
@@ -170,14 +170,7 @@ def test_sampled_marginals_with_penalties_match_the_exact_ones(tiny_dir):
     cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=2, adaptive=False)
     dec = SpeculativeDecoder(model, tok, FixedQProposer(ProposerContext(model, tok, cfg), q / q.sum()), cfg)
     n = 2500
-    counts = torch.zeros(3, model.config.vocab_size)
-    drafted = 0
-    for seed in range(n):
-        r = dec.generate(ids, SamplingParams(**params, seed=seed))
-        drafted += r.metrics.num_draft_tokens
-        for i, t in enumerate(r.token_ids):
-            counts[i, t] += 1
-    freqs = list(counts / n)
+    freqs, drafted = sampled_marginals(dec, ids, n, params)
     assert drafted >= n
     assert all(within_tv_bound(f, p, n) for f, p in zip(freqs, exact))
     # negative control: the unpenalized marginals are rejected by the same bound
