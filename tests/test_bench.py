@@ -113,13 +113,15 @@ def test_advise_recommends_with_a_reason(tiny_dir, tmp_path):
 
     threads = torch.get_num_threads()
     try:
-        adv = advise(str(model), prompts, dtype="float32", threads=1, max_tokens=12, k_max=4, methods=("ngram",))
+        adv = advise(str(model), prompts, dtype="float32", threads=1, max_tokens=12, k_max=4, methods=("ngram",),
+                     repetition_penalty=1.2)
     finally:
         torch.set_num_threads(threads)
     rec = adv.recommendation
     # the cost curve after the prompts' typical context (median prompt + half the answer), not a fixed 128
     assert adv.cost_curve["prefix_len"] == sorted(map(len, prompts))[1] + 6
     assert adv.reason and "batch 1" in adv.reason
+    assert adv.decoding == {"temperature": 0.0, "repetition_penalty": 1.2}
     assert adv.regime in ("latency-bound", "throughput-bound", "in between")
     assert rec["method"] in (None, "ngram")
     assert [c.method for c in adv.candidates] == ["ngram"]

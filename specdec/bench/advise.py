@@ -56,6 +56,7 @@ class Advice:
     candidates: list[MethodEstimate]
     skipped: list[dict]
     cost_curve: dict
+    decoding: dict = field(default_factory=dict)  # temperature, repetition_penalty the prompts were run at
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -194,7 +195,9 @@ def typical_context(prompts: list[list[int]], max_tokens: int) -> int:
 def advise(model: str, prompts: list[list[int]], dtype: str = "auto", threads: int | None = None,
            batch_size: int = 1, max_tokens: int = 64, k_max: int = 8, methods: tuple[str, ...] | None = None,
            method_configs: dict | None = None, draft_model: str | None = None, verify: bool = True,
-           log=None) -> Advice:
+           log=None, temperature: float = 0.0, repetition_penalty: float = 1.0) -> Advice:
+    """temperature, repetition_penalty: how the requests will decode (every system measured so; sampled
+    runs seed each prompt, the same seed for every system)."""
     from specdec.bench.harness import BenchConfig, _cached_loader, our_systems, set_threads
     from specdec.model.loader import load_model, resolve_dtype, resolve_model
     from specdec.model.tokenizer import Tokenizer
@@ -203,6 +206,9 @@ def advise(model: str, prompts: list[list[int]], dtype: str = "auto", threads: i
         raise ConfigError("no prompts to advise on")
     if batch_size < 1 or k_max < 1:
         raise ConfigError("--batch-size and --k-max must be >= 1")
+    if not 0.0 <= temperature <= 2.0 or not 0.0 < repetition_penalty <= 2.0:
+        raise ConfigError("--temperature must be in [0, 2] and --repetition-penalty in (0, 2]")
+    decoding = dict(temperature=temperature, repetition_penalty=repetition_penalty)
     log = log or (lambda *a: None)
     n_threads = set_threads(threads)
     source = resolve_model(model, progress=False)
@@ -217,12 +223,12 @@ def advise(model: str, prompts: list[list[int]], dtype: str = "auto", threads: i
                                               | {top}), prefix_len=context)
     ratio = _rel(curve, batch_size, k_max + 1)
     regime = _regime(ratio, batch_size, k_max)
-    plain = SpecdecSystem(target, tokenizer, source.directory)
+    plain = SpecdecSystem(target, tokenizer, source.directory, **decoding)
     plain.setup()
     plain.generate(prompts[0][:32], 4)
     c1 = curve.seconds[0]
     draft_dir = resolve_model(draft_model, progress=False).directory if draft_model else None
-    cfg = BenchConfig(model=model, methods=methods, method_configs=method_configs or {})
+    cfg = BenchConfig(model=model, methods=methods, method_configs=method_configs or {}, **decoding)
     probes, skipped = our_systems(cfg, target, tokenizer, source.directory, draft_dir, _cached_loader(dt, max_len),
                                   k=k_max)
     skipped = [{"method": n.split(":", 1)[1], "reason": r} for n, r in skipped]
@@ -263,7 +269,7 @@ def advise(model: str, prompts: list[list[int]], dtype: str = "auto", threads: i
         if verify:
             rec.update(_verify(plain, best, spec, batch_size, prompts, max_tokens, log,
                                lambda config: SpecdecSystem(target, tokenizer, source.directory, best.method, config,
-                                                            _cached_loader(dt, max_len))))
+                                                            _cached_loader(dt, max_len), **decoding)))
     reason = _reason(regime, ratio, batch_size, k_max, best, rec, len(prompts))
     return Advice(model, str(dt).replace("torch.", ""), n_threads, batch_size, len(prompts), regime, round(ratio, 3),
-                  rec, reason, candidates, skipped, curve.to_dict())
+                  rec, reason, candidates, skipped, curve.to_dict(), decoding)

@@ -21,6 +21,9 @@ def register(sub) -> None:
     p.add_argument("--batch-size", type=int, default=1, help="concurrent requests you will serve (default 1)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per prompt while measuring")
     p.add_argument("--k-max", type=int, default=8, help="largest k considered")
+    p.add_argument("--temperature", type=float, default=0.0, help="how your requests sample (default 0: greedy)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="the repetition penalty your requests use (default 1: none); it changes what lookups gain")
     p.add_argument("--methods", default=None, help="comma list (default: every registered method)")
     p.add_argument("--speculative-model", "--draft-model", dest="draft_model", default=None,
                    help="draft model for the draft_model method")
@@ -41,7 +44,8 @@ def run(args) -> int:
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip()) if args.methods else None
     log = (lambda *a: print(*a, file=sys.stderr, flush=True))
     adv = advise(args.model, prompts, args.dtype, args.threads, args.batch_size, args.max_tokens, args.k_max,
-                 methods, None, args.draft_model, not args.no_verify, log)
+                 methods, None, args.draft_model, not args.no_verify, log, args.temperature,
+                 args.repetition_penalty)
     if args.json:
         print(json.dumps(adv.to_dict(), default=str))
         return 0
@@ -56,6 +60,8 @@ def run(args) -> int:
               f"(expected {rec['expected_speedup']:.2f}x{meas})")
         print(f"  --speculative-config '{json.dumps(rec['speculative_config'])}'")
     print(f"Why: {adv.reason}")
+    if args.temperature or args.repetition_penalty != 1.0:
+        print(f"Measured at temperature {args.temperature:g}, repetition penalty {args.repetition_penalty:g}.")
     print(f"\n{'method':14s} {'best k':>6s} {'expected':>9s} {'tokens/step':>12s} {'acceptance':>11s} {'draft cost':>11s}")
     for c in sorted(adv.candidates, key=lambda c: -c.expected_speedup):
         print(f"{c.method:14s} {c.best_k:6d} {c.expected_speedup:8.2f}x {c.tokens_per_step:12.2f} "
