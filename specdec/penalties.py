@@ -1,5 +1,5 @@
-"""Repetition, frequency and presence penalties and logit bias (vLLM / OpenAI semantics), applied to
-the target's logits row by row, so that speculation stays exact with them.
+"""Repetition, frequency and presence penalties, logit bias and min_tokens (vLLM / OpenAI semantics),
+applied to the target's logits row by row, so that speculation stays exact with them.
 
 For one row of logits, with c[v] the number of times token v occurs in the output so far and P the
 tokens of the prompt and the output (vLLM's order: the bias, then the penalties):
@@ -7,6 +7,8 @@ tokens of the prompt and the output (vLLM's order: the bias, then the penalties)
     logits[v] += logit_bias[v]
     logits[v]  = logits[v] / r if logits[v] > 0 else logits[v] * r     for v in P  (repetition_penalty r)
     logits[v] -= frequency_penalty * c[v] + presence_penalty * (c[v] > 0)
+    logits[v]  = -inf   for v in EOS (unless ignore_eos) and stop_token_ids, while the output is
+                        shorter than min_tokens
 
 A verify pass scores k drafted tokens at once, and its row i predicts the token after the drafts
 x_1..x_i, so row i's output so far is the emitted output plus those i drafts (for a token tree, the
@@ -36,22 +38,29 @@ def row_prefixes(tokens: list[int], parents: list[int] | None = None) -> list[li
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
-                    prefixes: list[list[int]] | None = None) -> torch.Tensor:
-    """logits [T, V] -> penalized fp32 logits [T, V] (logits itself when params set no penalty).
+                    prefixes: list[list[int]] | None = None, eos_ids=()) -> torch.Tensor:
+    """logits [T, V] -> penalized fp32 logits [T, V] (logits itself when nothing changes).
     prefixes[i]: the drafted tokens before row i (row_prefixes); None: no drafts (every row sees
-    output_ids alone). Only the columns of tokens a penalty or the bias can touch are computed
-    (prompt, output, drafts, biased ids: U of them), so a row costs ~U, not the vocabulary."""
-    if not params.penalized:
+    output_ids alone). eos_ids: the tokenizer's, for min_tokens. Only the columns of tokens a
+    penalty, the bias or min_tokens can touch are computed (prompt, output, drafts, biased and stop
+    ids: U of them), so a row costs ~U, not the vocabulary."""
+    if not params.adjusts_logits:
+        return logits
+    prefixes = prefixes or [[] for _ in range(logits.shape[0])]
+    stops = _min_tokens_stops(params, len(output_ids), prefixes, eos_ids)
+    if not (params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
+            or params.logit_bias or stops):
         return logits
     T = logits.shape[0]
     r = params.repetition_penalty
     long = dict(dtype=torch.long)
     output = torch.tensor(output_ids, **long)
     prompt = torch.tensor(prompt_ids if r != 1.0 else [], **long)
-    rows = [i for i, prefix in enumerate(prefixes or ()) for _ in prefix]
-    drafted = torch.tensor([tok for prefix in prefixes or () for tok in prefix], **long)
+    rows = [i for i, prefix in enumerate(prefixes) for _ in prefix]
+    drafted = torch.tensor([tok for prefix in prefixes for tok in prefix], **long)
     bias_ids = torch.tensor([tok for tok, _ in params.logit_bias], **long)
-    touched = torch.unique(torch.cat((output, drafted, prompt, bias_ids)))  # [U] sorted token ids
+    stop_ids = torch.tensor(sorted(t for t in stops[0] if t < logits.shape[1]) if stops else [], **long)
+    touched = torch.unique(torch.cat((output, drafted, prompt, bias_ids, stop_ids)))  # [U] sorted token ids
     if touched.numel() == 0:
         return logits
     U = touched.numel()
@@ -75,9 +84,22 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
         sub -= params.frequency_penalty * counts
     if params.presence_penalty:
         sub -= params.presence_penalty * (counts > 0).float()
+    if stops:  # the rows still short of min_tokens may not end
+        ids, short = stops
+        banned = torch.zeros(T, U, dtype=torch.bool)
+        banned[torch.tensor(short)[:, None], torch.searchsorted(touched, stop_ids)[None]] = True
+        sub = sub.masked_fill(banned.to(dev), float("-inf"))
     out = logits.float().clone() if logits.dtype == torch.float32 else logits.float()
     out[:, index] = sub
     return out
+
+
+def _min_tokens_stops(params: SamplingParams, num_output: int, prefixes: list[list[int]],
+                      eos_ids) -> tuple[set[int], list[int]] | None:
+    """(the stop ids to mask, the rows whose output is still shorter than min_tokens), or None."""
+    short = [i for i, prefix in enumerate(prefixes) if num_output + len(prefix) < params.min_tokens]
+    ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
+    return (ids, short) if short and ids else None
 
 
 def check_bias(params: SamplingParams, vocab_size: int) -> None:

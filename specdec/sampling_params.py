@@ -19,6 +19,7 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     max_tokens: int = 16
+    min_tokens: int = 0  # EOS and stop_token_ids are masked, stop strings unchecked, before this many tokens
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -48,6 +49,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if len(self.stop) > MAX_STOP_STRINGS or any(not s for s in self.stop):
@@ -63,10 +66,10 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
 
     @property
-    def penalized(self) -> bool:
-        """Whether penalties or a logit bias change the target's logits (specdec/penalties.py)."""
+    def adjusts_logits(self) -> bool:
+        """Whether penalties, a logit bias or min_tokens change the target's logits (specdec/penalties.py)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias)
+                    or self.logit_bias or self.min_tokens)
 
     @property
     def greedy(self) -> bool:

@@ -1,9 +1,10 @@
-"""Penalties and logit bias (specdec/penalties.py): each verify row is penalized after the output plus
+"""Penalties, logit bias and min_tokens (specdec/penalties.py): each verify row is penalized after the output plus
 the drafts before it, so speculative output with penalties equals plain decoding with them (greedy,
 every drafter, chains and trees), sampled marginals equal the exact penalized ones, plain decoding
 equals transformers' repetition penalty and an independent OpenAI-formula processor; negative
 controls show the tests catch rows that ignore their drafts."""
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -80,8 +81,8 @@ def test_bad_penalties_are_refused(kw):
 
 def test_logit_bias_is_normalized_and_hashable():
     p = SamplingParams(logit_bias={9: 1, 2: -0.5})
-    assert p.logit_bias == ((2, -0.5), (9, 1.0)) and p.penalized and hash(p) == hash(SamplingParams(logit_bias={2: -0.5, 9: 1}))
-    assert not SamplingParams().penalized
+    assert p.logit_bias == ((2, -0.5), (9, 1.0)) and p.adjusts_logits and hash(p) == hash(SamplingParams(logit_bias={2: -0.5, 9: 1}))
+    assert not SamplingParams().adjusts_logits
 
 
 # ----------------------------------------------------------------------------------------- tiny models
@@ -126,6 +127,50 @@ def test_rows_blind_to_their_drafts_break_equivalence(tiny_dir, monkeypatch):
     assert spec.generate_one(ids, params).token_ids == want
     monkeypatch.setattr(decoder, "row_prefixes", lambda tokens, parents=None: [[] for _ in range(len(tokens) + 1)])
     assert spec.generate_one(ids, params).token_ids != want
+
+
+def test_min_tokens_masks_stops_on_rows_short_of_it():
+    logits = torch.zeros(4, 10)
+    params = SamplingParams(temperature=0, min_tokens=5, max_tokens=9, stop_token_ids=(3,))
+    out = apply_penalties(logits, params, [1, 2], [4, 4, 4], row_prefixes([6, 7, 8]), eos_ids={0})
+    # rows 0 and 1 follow 3 and 4 output tokens (< 5): EOS 0 and stop id 3 masked; rows 2, 3 follow 5, 6
+    assert torch.isinf(out[:2, [0, 3]]).all() and torch.isfinite(out[2:]).all()
+    assert torch.isfinite(out[:2, [1, 2, 4, 5]]).all()
+    ignoring = apply_penalties(logits, replace(params, ignore_eos=True), [1], [4, 4, 4], [[]], eos_ids={0})
+    assert torch.isfinite(ignoring[0, 0]) and torch.isinf(ignoring[0, 3])  # EOS is no stop then
+    assert apply_penalties(logits, params, [1], [4] * 5, row_prefixes([6, 7, 8]), eos_ids={0}) is logits
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_min_tokens_with_eos_inside_accepted_blocks_equals_plain(tiny_dir, method):
+    """EOS is made a token the model emits early; min_tokens past it: plain decoding goes on (and stops
+    at a later EOS or max_tokens), and speculation, whose accepted blocks span that EOS, does the same."""
+    d = tiny_dir("llama")
+    cfg = {"method": method, "num_speculative_tokens": 4, **({"model": str(d)} if method == "draft_model" else {})}
+    plain, spec = llm(d), llm(d, cfg)
+    ids = plain.tokenizer.encode(REPEAT)
+    ref = plain.generate_one(ids, greedy(40)).token_ids
+    first = next(i for i in range(6, len(ref)) if ref[i] not in ref[:i])
+    for x in (plain, spec):
+        x.tokenizer.eos_token_ids = frozenset({ref[first]})
+    params = SamplingParams(temperature=0, max_tokens=40)
+    assert plain.generate_one(ids, params).token_ids == ref[:first + 1]  # the control: EOS stops it there
+    want = plain.generate_one(ids, replace(params, min_tokens=first + 6))
+    got = spec.generate_one(ids, replace(params, min_tokens=first + 6))
+    assert got.token_ids == want.token_ids and len(want.token_ids) >= first + 6
+    assert ref[first] not in want.token_ids[:first + 6]
+    assert got.metrics.num_accepted_tokens > 0
+
+
+def test_min_tokens_defers_stop_strings(tiny_dir):
+    d = tiny_dir("llama")
+    spec = llm(d, {"method": "ngram", "num_speculative_tokens": 4})
+    ids = spec.tokenizer.encode(REPEAT)
+    full = spec.generate_one(ids, greedy(30))
+    stop = full.text[len(spec.tokenizer.decode(full.token_ids[:2])):][:3]  # text that appears early
+    assert stop and spec.generate_one(ids, greedy(30, stop=(stop,))).finish_reason == "stop"
+    late = spec.generate_one(ids, greedy(30, stop=(stop,), min_tokens=30))
+    assert late.token_ids == full.token_ids and late.finish_reason == "length"
 
 
 def test_logit_bias_forces_and_forbids_tokens(tiny_dir):

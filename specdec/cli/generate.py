@@ -22,6 +22,7 @@ def add_sampling_args(p) -> None:
                    help="divide (multiply, if negative) the logits of prompt and output tokens by this, in (0, 2]")
     p.add_argument("--frequency-penalty", type=float, default=0.0,
                    help="subtract this x each token's count in the output, in [-2, 2]")
+    p.add_argument("--min-tokens", type=int, default=0, help="no EOS or stop before this many tokens")
     p.add_argument("--presence-penalty", type=float, default=0.0,
                    help="subtract this from every token already in the output, in [-2, 2]")
 
@@ -31,7 +32,7 @@ def sampling_from_args(args) -> SamplingParams:
         return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                               seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop),
                               repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
-                              presence_penalty=args.presence_penalty)
+                              presence_penalty=args.presence_penalty, min_tokens=args.min_tokens)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

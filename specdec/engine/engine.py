@@ -245,8 +245,9 @@ class Engine:
             logits = logits.masked_fill(~seq.grammar.row_masks(proposal.tokens), float("-inf"))
         reported = logits  # logprobs: before penalties (vLLM's raw logprobs)
         # each row penalized after the output plus the drafts before it (what plain decoding would see)
-        logits = apply_penalties(logits, seq.params, seq.prompt_ids, seq.output_ids, row_prefixes(proposal.tokens))
-        if best is not None and seq.params.greedy and seq.grammar is None and not seq.params.penalized:
+        logits = apply_penalties(logits, seq.params, seq.prompt_ids, seq.output_ids, row_prefixes(proposal.tokens),
+                                 self.tokenizer.eos_token_ids)
+        if best is not None and seq.params.greedy and seq.grammar is None and not seq.params.adjusts_logits:
             verdict = verify_greedy(proposal.tokens, best[-(k + 1):])
         elif k:
             verdict = verify_rows(proposal, logits, seq.params, seq.state.generator)

@@ -3,7 +3,7 @@
 Ranges follow vLLM/OpenAI: temperature in [0, 2], top_p in (0, 1], n in [1, MAX_N], logprobs <= 20,
 at most 16 stop strings. Fields specdec adds (all optional): `speculative` ("off", a method name, or
 {"method", "num_speculative_tokens"}), `cache_salt`, `return_token_sources`, `response_format`
-{"type": "regex", "regex"} besides OpenAI's json_object / json_schema, and vLLM's `repetition_penalty`
+{"type": "regex", "regex"} besides OpenAI's json_object / json_schema, and vLLM's `repetition_penalty`, `min_tokens`
 (beside OpenAI's presence_penalty, frequency_penalty and logit_bias; exact under speculation,
 specdec/penalties.py). A request-supplied chat
 template is refused: templates come only from the model's files (rendered in a Jinja2 sandbox).
@@ -61,6 +61,7 @@ class _Common(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
+    min_tokens: int = Field(default=0, ge=0)
     logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     user: str | None = None
     response_format: dict[str, Any] | None = None
@@ -115,9 +116,11 @@ class _Common(BaseModel):
                                   stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
                                   logprobs=logprobs, n=self.n, skip_special_tokens=self.skip_special_tokens,
                                   presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                                  repetition_penalty=self.repetition_penalty, logit_bias=bias)
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
+                                  repetition_penalty=self.repetition_penalty, logit_bias=bias,
+                                  min_tokens=self.min_tokens)
+        except ValueError as e:  # "<field> must be ...": name the field
+            field = str(e).split(" ", 1)[0].rstrip(":")
+            raise APIError(400, str(e), field if field in type(self).model_fields else None) from None
 
     def _logit_bias(self, vocab_size: int) -> dict[int, float]:
         """OpenAI's {"token id": bias}: ids as decimal strings in [0, vocab_size), biases in [-100, 100]."""

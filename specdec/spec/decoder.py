@@ -92,7 +92,7 @@ class _Output:
                     self.on_delta("", [tok])
                 return
             delta = self.detok.add([tok])
-            if p.stop and self._check_stop_strings(delta, [tok]):
+            if p.stop and len(state.output_ids) > p.min_tokens and self._check_stop_strings(delta, [tok]):
                 return
             if delta and self.on_delta:
                 self.on_delta(delta, [tok])
@@ -145,7 +145,8 @@ class SpeculativeDecoder:
     def _pick(self, logits: torch.Tensor, state: RequestState) -> int:
         """The next token from one row of logits [V] after the output so far (penalized if asked)."""
         params = state.params
-        logits = apply_penalties(logits[None], params, state.prompt_ids, state.output_ids)[0]
+        logits = apply_penalties(logits[None], params, state.prompt_ids, state.output_ids,
+                                 eos_ids=self.tokenizer.eos_token_ids)[0]
         if params.greedy:
             return int(argmax(logits))
         return sample(warp(logits[None], params)[0], state.generator)
@@ -266,7 +267,7 @@ class SpeculativeDecoder:
         t2 = time.perf_counter()
         # each row penalized after the output plus the drafts before it (what plain decoding would see)
         logits = apply_penalties(raw, state.params, state.prompt_ids, state.output_ids,
-                                 row_prefixes(proposal.tokens, proposal.parents))
+                                 row_prefixes(proposal.tokens, proposal.parents), self.tokenizer.eos_token_ids)
         row_argmax = fwd.row_argmax if logits is raw else None
         if proposal.is_tree:
             from specdec.spec.tree import verify_tree
