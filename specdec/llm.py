@@ -40,6 +40,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     metrics: dict = field(default_factory=dict)
     num_cached_tokens: int = 0  # prompt tokens reused from the previous request's cache (its first sample's)
+    prompt_logprobs: list[dict | None] | None = None  # SamplingParams.prompt_logprobs: per prompt token, None first
 
 
 def load_target(model: str, dtype, max_model_len: int | None, progress: bool = True, device: str = "auto"):
@@ -106,7 +107,7 @@ class LLM:
                                              r.metrics_dict()))
             self._counter += 1
             results.append(RequestOutput(str(self._counter), text, ids, outs, _combined_metrics(runs),
-                                         runs[0].num_cached_tokens))
+                                         runs[0].num_cached_tokens, runs[0].prompt_logprobs))
         return results
 
     def chat(self, messages, sampling_params: SamplingParams | None = None) -> list[RequestOutput]:

@@ -82,3 +82,18 @@ def logprobs_of(logits: torch.Tensor, tokens: list[int], top_n: int) -> list[dic
         out.append({"token_id": tok, "logprob": float(row[tok]),
                     "top": [(int(i), float(v)) for v, i in zip(top.values, top.indices)] if top is not None else []})
     return out
+
+
+PROMPT_LOGPROB_ROWS = 64  # LM-head rows per call: a long prompt's logits [N, V] are never held at once
+
+
+def prompt_logprobs_of(model, hidden: torch.Tensor, prompt_ids: list[int], start: int, top_n: int) -> list[dict]:
+    """Logprobs of prompt tokens start+1.. from the final normed hidden states hidden [N, H] of prompt
+    positions start..start+N-1 (position i predicts token i+1; a last position that predicts past the
+    prompt gives nothing)."""
+    targets = prompt_ids[start + 1:start + 1 + hidden.shape[0]]
+    out = []
+    for s in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+        logits = model.logits_of(hidden[s:s + PROMPT_LOGPROB_ROWS])
+        out += logprobs_of(logits[:len(targets) - s], targets[s:s + PROMPT_LOGPROB_ROWS], top_n)
+    return out

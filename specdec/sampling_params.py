@@ -24,6 +24,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the prompt tokens' logprobs (and top n), as vLLM's
     n: int = 1
     skip_special_tokens: bool = True
     # penalties and bias (specdec/penalties.py): presence/frequency over the output, repetition over
@@ -57,6 +58,8 @@ class SamplingParams:
             raise ValueError(f"stop: at most {MAX_STOP_STRINGS} non-empty strings")
         if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not (math.isfinite(v) and -2.0 <= v <= 2.0):

@@ -46,7 +46,10 @@ def run(engine: Engine, reqs: list[EngineRequest]) -> dict[tuple[str, int], dict
     res: dict[tuple[str, int], dict] = {}
     while engine.has_unfinished():
         for o in engine.step():
-            d = res.setdefault((o.request_id, o.index), {"ids": [], "text": "", "lps": []})
+            d = res.setdefault((o.request_id, o.index), {"ids": [], "text": "", "lps": [], "prompt_lps": None})
+            if o.prompt_logprobs is not None:
+                assert d["prompt_lps"] is None  # delivered once
+                d["prompt_lps"] = o.prompt_logprobs
             d["ids"] += o.token_ids
             d["text"] += o.text
             d["lps"] += o.logprobs or []

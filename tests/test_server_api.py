@@ -100,6 +100,8 @@ BAD = [
      "presence_penalty"),
     ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"abc": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"-3": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999999": 1}}, "logit_bias"),
@@ -127,6 +129,40 @@ def test_penalties_and_bias_with_speculation_equal_plain(server, plain):
 
     got = asyncio.run(main())
     assert [r.choices[0].text for r in got] == want
+    server.wait_idle()
+    assert server.engine.blocks.num_used == 0
+
+
+def test_echo_with_logprobs_and_prompt_logprobs(server, plain):
+    """The completions API's echo (as lm-evaluation-harness scores with: echo, logprobs, max_tokens 1)
+    and vLLM's prompt_logprobs: the prompt's tokens' logprobs equal the offline decoder's, streamed or not."""
+    prompt = "robot river robot river robot sky tree"
+    ids = plain.tokenizer.encode(prompt)
+    want = plain.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=3, logprobs=1,
+                                                                    prompt_logprobs=1, ignore_eos=True))[0]
+    body = {"prompt": prompt, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 1, "ignore_eos": True}
+    c = httpx.post(server.url + "/v1/completions", json=body, headers=headers(), timeout=30).json()["choices"][0]
+    assert c["text"] == plain.tokenizer.decode(ids) + want.outputs[0].text
+    lp = c["logprobs"]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None and len(lp["tokens"]) == len(ids) + 3
+    assert lp["token_logprobs"][1:] == [x["logprob"] for x in want.prompt_logprobs[1:] + want.outputs[0].logprobs]
+    assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][len(ids)] == len(plain.tokenizer.decode(ids))
+
+    async def streamed():
+        stream = await client(server).completions.create(model="tiny", stream=True, **{k: body[k] for k in (
+            "prompt", "max_tokens", "temperature", "echo", "logprobs")}, extra_body={"ignore_eos": True})
+        text, lps = "", []
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            lps += chunk.choices[0].logprobs.token_logprobs if chunk.choices[0].logprobs else []
+        return text, lps
+
+    assert asyncio.run(streamed()) == (c["text"], lp["token_logprobs"])
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 2, "prompt_logprobs": 2},
+                   headers=headers(), timeout=30)
+    pl = r.json()["choices"][0]["prompt_logprobs"]
+    assert pl[0] is None and len(pl) == len(ids)
+    assert pl[1][str(ids[1])]["logprob"] == want.prompt_logprobs[1]["logprob"] and len(pl[1]) in (2, 3)
     server.wait_idle()
     assert server.engine.blocks.num_used == 0
 

@@ -28,7 +28,7 @@ from specdec.engine.speculation import Speculation, profile_sizes, verify_rows
 from specdec.model.cuda_graph import GraphedModel
 from specdec.model.llama import ForwardOutput
 from specdec.penalties import apply_penalties, check_bias, row_prefixes
-from specdec.sampler import argmax, make_generator, sample, warp
+from specdec.sampler import argmax, make_generator, prompt_logprobs_of, sample, warp
 from specdec.sampling_params import SamplingParams
 from specdec.spec.adaptive import PRIOR_ACCEPTANCE, AdaptiveK
 from specdec.spec.metrics import SpecMetrics
@@ -73,6 +73,7 @@ class SeqOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    prompt_logprobs: list | None = None  # with the choice's first output, if asked (None first)
     metrics: SpecMetrics | None = None
     method: str | None = None
     ttft: float | None = None
@@ -166,6 +167,8 @@ class Engine:
                                         grammar=grammar, adaptive=_adaptive(spec)))
         self.seqs[req.request_id] = seqs
         for s in seqs:
+            if p.prompt_logprobs is not None:
+                s.prompt_logprobs = [None]
             self.scheduler.add(s)
 
     def abort(self, request_id: str) -> list[SeqOutput]:
@@ -233,6 +236,8 @@ class Engine:
         """Apply one row's forward output; True when the sequence emitted tokens. best: the argmax of
         the forward's logits along this row ([T'], its last columns this row's; None: not computed)."""
         seq, n, proposal = row.seq, row.num_new, row.proposal
+        if seq.prompt_logprobs is not None:
+            self._prompt_logprobs(seq, n, out.hidden)
         if not row.samples:
             seq.num_computed += n
             if seq.spec.proposer is not None and not seq.begun:
@@ -273,6 +278,16 @@ class Engine:
         self.blocks.trim(seq, seq.num_computed)
         self.blocks.commit(seq)
         return True
+
+    @torch.inference_mode()
+    def _prompt_logprobs(self, seq: Sequence, n: int, hidden: torch.Tensor) -> None:
+        """The prompt tokens' logprobs from a pass over seq's positions num_computed.. (hidden [1, n, H]),
+        in order and once (a preempted sequence recomputes positions it has covered)."""
+        lps, start = seq.prompt_logprobs, seq.num_computed
+        first, stop = len(lps) - 1, min(start + n, len(seq.prompt_ids) - 1)  # positions predicting prompt tokens
+        if start <= first < stop:
+            lps += prompt_logprobs_of(self.model, hidden[0, first - start:stop - start], seq.prompt_ids, first,
+                                      seq.params.prompt_logprobs)
 
     def _pick(self, logits: torch.Tensor, seq: Sequence) -> int:
         """logits [V]: penalized already (_process)."""
@@ -319,6 +334,8 @@ class Engine:
         seq.sent_tokens = len(seq.output_ids)
         out = SeqOutput(seq.request_id, seq.index, text[start:end], toks, lps, seq.text_pieces(start, end),
                         method=seq.spec.method)
+        if seq.prompt_logprobs is not None and seq.output_ids and not seq.sent_prompt_logprobs:
+            out.prompt_logprobs, seq.sent_prompt_logprobs = seq.prompt_logprobs, True
         if seq.finished:
             out.finished, out.finish_reason, out.stop_reason = True, seq.finish_reason, seq.out.stop_reason
             out.num_prompt_tokens, out.num_output_tokens = len(seq.prompt_ids), len(seq.output_ids)

@@ -141,12 +141,13 @@ class Gemma3Model(torch.nn.Module):
                 kept[i] = x
         cache.advance(T)
         h = self.norm(x)
-        h_logits = h if num_logits is None else h[:, -num_logits:]
-        logits = linear(h_logits, self.lm_head.weight)
+        return ForwardOutput(self.logits_of(h if num_logits is None else h[:, -num_logits:]), h, kept)
+
+    def logits_of(self, h: torch.Tensor) -> torch.Tensor:
+        """Final normed hidden states [..., H] -> logits [..., V] (the LM head, then the optional softcap)."""
+        logits = linear(h, self.lm_head.weight)
         cap = self.config.final_logit_softcapping
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return ForwardOutput(logits, h, kept)
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 def init_rotary(model: Gemma3Model, max_len: int) -> None:

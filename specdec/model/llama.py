@@ -173,7 +173,11 @@ class LlamaModel(torch.nn.Module):
             rows = linear(h.reshape(B * T, H)[fused.real_index], self.lm_head.weight)  # [N, V]
             return ForwardOutput(unpack(rows, fused.real_index, B, T), h, kept, packed)
         h_logits = h if num_logits is None else h[:, -num_logits:]
-        return ForwardOutput(linear(h_logits, self.lm_head.weight), h, kept, packed)
+        return ForwardOutput(self.logits_of(h_logits), h, kept, packed)
+
+    def logits_of(self, h: torch.Tensor) -> torch.Tensor:
+        """Final normed hidden states [..., H] -> logits [..., V] (the LM head)."""
+        return linear(h, self.lm_head.weight)
 
     def forward_static(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                        start: torch.Tensor, block_mask: torch.Tensor, cache: KVCache, num_keys: int,

@@ -62,6 +62,7 @@ class _Common(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
     min_tokens: int = Field(default=0, ge=0)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     user: str | None = None
     response_format: dict[str, Any] | None = None
@@ -83,8 +84,8 @@ class _Common(BaseModel):
             if extra.get(name) is not None:
                 raise APIError(400, f"{name} is not accepted: chat templates come from the model's files", name,
                                "unsupported_parameter")
-        if extra.get("echo"):
-            raise APIError(400, "echo is not supported by this server", "echo", "unsupported_parameter")
+        if extra.get("echo"):  # (a field of completions; chat's echo is not supported)
+            raise APIError(400, "echo is not supported for chat completions", "echo", "unsupported_parameter")
         if extra.get("best_of") not in (None, self.n):
             raise APIError(400, "best_of must equal n", "best_of", "unsupported_parameter")
 
@@ -117,10 +118,16 @@ class _Common(BaseModel):
                                   logprobs=logprobs, n=self.n, skip_special_tokens=self.skip_special_tokens,
                                   presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                                   repetition_penalty=self.repetition_penalty, logit_bias=bias,
-                                  min_tokens=self.min_tokens)
+                                  min_tokens=self.min_tokens, prompt_logprobs=self._prompt_logprobs(logprobs))
         except ValueError as e:  # "<field> must be ...": name the field
             field = str(e).split(" ", 1)[0].rstrip(":")
             raise APIError(400, str(e), field if field in type(self).model_fields else None) from None
+
+    def _prompt_logprobs(self, logprobs: int | None) -> int | None:
+        """vLLM's prompt_logprobs, or the completions API's echo with logprobs (the prompt's come back too)."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return logprobs if getattr(self, "echo", False) and logprobs is not None else None
 
     def _logit_bias(self, vocab_size: int) -> dict[int, float]:
         """OpenAI's {"token id": bias}: ids as decimal strings in [0, vocab_size), biases in [-100, 100]."""
@@ -138,6 +145,7 @@ class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     max_tokens: int | None = Field(default=16, ge=1)
+    echo: bool = False  # the prompt's text (and, with logprobs, its tokens' logprobs) before the completion
 
 
 class ChatMessage(BaseModel):

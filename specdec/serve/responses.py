@@ -121,6 +121,33 @@ class ResponseBuilder:
         return {"tokens": tokens, "token_logprobs": [lp["logprob"] for lp in logprobs],
                 "top_logprobs": [{dec(t): v for t, v in lp["top"]} for lp in logprobs], "text_offset": offsets}
 
+    def _echoed(self, prompt_ids: list[int], prompt_lps: list | None, lp: dict | None) -> tuple[str, dict | None]:
+        """A completion's echo: the prompt's text, and its tokens put before the completion's logprobs
+        (the first token has none, as OpenAI's)."""
+        text = self.tok.decode(prompt_ids)
+        if lp is None:
+            return text, None
+        dec = lambda i: self.tok.decode([i], skip_special_tokens=False)  # noqa: E731
+        tokens = [dec(t) for t in prompt_ids]
+        offsets, pos = [], 0
+        for t in tokens:
+            offsets.append(pos)
+            pos += len(t)
+        rest = (prompt_lps or [None])[1:]
+        return text, {"tokens": tokens + lp["tokens"],
+                      "token_logprobs": [None] + [x["logprob"] for x in rest] + lp["token_logprobs"],
+                      "top_logprobs": [None] + [{dec(t): v for t, v in x["top"]} for x in rest] + lp["top_logprobs"],
+                      "text_offset": offsets + [o + len(text) for o in lp["text_offset"]]}
+
+    def _vllm_prompt_logprobs(self, prompt_lps: list | None) -> list | None:
+        """vLLM's prompt_logprobs: per prompt token None (the first) or {token id: {logprob, decoded_token}}
+        for the token itself and the top n."""
+        if prompt_lps is None:
+            return None
+        dec = lambda i: self.tok.decode([i], skip_special_tokens=False)  # noqa: E731
+        return [None] + [{str(t): {"logprob": v, "decoded_token": dec(t)}
+                          for t, v in [(x["token_id"], x["logprob"])] + list(x["top"])} for x in prompt_lps[1:]]
+
     @staticmethod
     def _usage(finals: list[SeqOutput], prompt_lens: dict[int, int]) -> dict:
         prompt = sum(prompt_lens.values())
@@ -139,10 +166,13 @@ class ResponseBuilder:
         lps: dict[int, list] = {}
         sources: dict[int, list] = {}
         finals: dict[int, SeqOutput] = {}
+        prompt_lps: dict[int, list] = {}
         async with aclosing(self._outputs(reqs)) as outs:
             results = [x async for x in outs]
         for i, out in results:
             idx = i * n + out.index
+            if out.prompt_logprobs is not None:
+                prompt_lps[idx] = out.prompt_logprobs
             texts[idx] = texts.get(idx, "") + out.text
             lps.setdefault(idx, []).extend(out.logprobs or [])
             sources.setdefault(idx, []).extend(self._sources(out))
@@ -152,8 +182,14 @@ class ResponseBuilder:
         for idx in sorted(finals):
             f = finals[idx]
             lp = self._logprobs(lps[idx] if f.logprobs is not None else None, chat, 0)
+            text = texts[idx]
+            if getattr(body, "echo", False):
+                prompt_text, lp = self._echoed(reqs[idx // n].prompt_ids, prompt_lps.get(idx), lp)
+                text = prompt_text + text
             c = {"index": idx, "finish_reason": f.finish_reason, "stop_reason": f.stop_reason, "logprobs": lp}
-            c.update({"message": {"role": "assistant", "content": texts[idx]}} if chat else {"text": texts[idx]})
+            c.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+            if body.prompt_logprobs is not None:
+                c["prompt_logprobs"] = self._vllm_prompt_logprobs(prompt_lps.get(idx))
             if body.return_token_sources:
                 c["token_sources"] = sources[idx]
             choices.append(c)
@@ -164,11 +200,18 @@ class ResponseBuilder:
                 "metrics": {"speculative_decoding": spec_summary([f.metrics for f in finals.values() if f.metrics],
                                                                  first.method if first else None)}}
 
-    def _chunk(self, head: dict, idx: int, out: SeqOutput, chat: bool, body, offsets: dict[int, int]) -> dict:
-        choice = {"index": idx, "logprobs": self._logprobs(out.logprobs, chat, offsets.get(idx, 0)),
-                  "finish_reason": out.finish_reason if out.finished else None}
-        offsets[idx] = offsets.get(idx, 0) + len(out.text)
-        choice.update({"delta": {"content": out.text} if out.text else {}} if chat else {"text": out.text})
+    def _chunk(self, head: dict, idx: int, out: SeqOutput, chat: bool, body, offsets: dict[int, int],
+               echo: tuple[list[int], list | None] | None = None) -> dict:
+        """echo: (prompt ids, prompt logprobs) to put before this first chunk of a choice."""
+        lp, text = self._logprobs(out.logprobs, chat, offsets.get(idx, 0)), out.text
+        if echo is not None:
+            prompt_text, lp = self._echoed(*echo, lp)
+            text = prompt_text + text
+        choice = {"index": idx, "logprobs": lp, "finish_reason": out.finish_reason if out.finished else None}
+        offsets[idx] = offsets.get(idx, 0) + len(text)
+        choice.update({"delta": {"content": text} if text else {}} if chat else {"text": text})
+        if body.prompt_logprobs is not None and out.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self._vllm_prompt_logprobs(out.prompt_logprobs)
         if body.return_token_sources:
             choice["token_sources"] = self._sources(out)
         chunk = {**head, "choices": [choice]}
@@ -189,12 +232,17 @@ class ResponseBuilder:
                 for idx in range(n * len(reqs)):
                     yield _event({**head, "choices": [{"index": idx, "delta": {"role": "assistant", "content": ""},
                                                        "logprobs": None, "finish_reason": None}]})
+            echo = {i * n + j: (r.prompt_ids, None) for i, r in enumerate(reqs) for j in range(n)} \
+                if getattr(body, "echo", False) else {}
             async with aclosing(self._outputs(reqs)) as outs:
                 async for i, out in outs:
-                    if out.text or out.finished or (out.logprobs and out.token_ids):
+                    idx = i * n + out.index
+                    if idx in echo and out.prompt_logprobs is not None:
+                        echo[idx] = (echo[idx][0], out.prompt_logprobs)
+                    if out.text or out.finished or (out.logprobs and out.token_ids) or idx in echo:
                         if out.finished:
                             finals.append(out)
-                        yield _event(self._chunk(head, i * n + out.index, out, chat, body, offsets))
+                        yield _event(self._chunk(head, idx, out, chat, body, offsets, echo.pop(idx, None)))
             if include_usage:
                 yield _event({**head, "choices": [], "usage": self._usage(finals, {
                     i: len(r.prompt_ids) for i, r in enumerate(reqs)}), "metrics": {"speculative_decoding": spec_summary(

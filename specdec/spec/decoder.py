@@ -19,7 +19,7 @@ from specdec.cache.kept_prefix import KeptPrefix
 from specdec.model.cuda_graph import synchronize
 from specdec.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from specdec.penalties import apply_penalties, check_bias, row_prefixes
-from specdec.sampler import argmax, logprobs_of, make_generator, sample, warp
+from specdec.sampler import argmax, logprobs_of, make_generator, prompt_logprobs_of, sample, warp
 from specdec.sampling_params import SamplingParams
 from specdec.spec.adaptive import AdaptiveK, CostModel
 from specdec.spec.metrics import SpecMetrics
@@ -51,6 +51,7 @@ class GenerationResult:
     logprobs: list[dict] | None = None
     stop_reason: str | int | None = None
     num_cached_tokens: int = 0  # prompt tokens whose keys/values came from the kept prefix (not prefilled)
+    prompt_logprobs: list[dict | None] | None = None  # per prompt token (None for the first), if asked
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -213,7 +214,9 @@ class SpeculativeDecoder:
 
         capacity = min(self.max_len, len(prompt_ids) + params.max_tokens + self.k_max + 1)
         t0 = time.perf_counter()
-        cache, cached = self.prefix.take(prompt_ids, capacity) if self.prefix is not None else (None, 0)
+        # prompt logprobs need every prompt position's hidden state: no kept prefix then
+        reuse = self.prefix is not None and params.prompt_logprobs is None
+        cache, cached = self.prefix.take(prompt_ids, capacity) if reuse else (None, 0)
         if cache is None:  # a fresh cache's allocation is not the prompt's time (a kept one's copy is)
             cache, t0 = self.target.new_cache(capacity), time.perf_counter()
         state.draft["target_cache"] = cache  # self-speculation (layerskip) drafts into the target's own cache
@@ -225,6 +228,9 @@ class SpeculativeDecoder:
                           cache, num_logits=1, output_layers=self._feature_layers(), prefill=True)
         logits = res.logits[0]  # [1, V]
         out.emit(state, [self._pick(logits[-1], state)], logits)
+        prompt_lps = None
+        if params.prompt_logprobs is not None:
+            prompt_lps = [None] + prompt_logprobs_of(self.target, res.hidden[0], prompt_ids, 0, params.prompt_logprobs)
         prefill_time = time.perf_counter() - t0
         if self.proposer is not None:
             self.proposer.begin(state, TargetOutput(res, list(range(n - cached))))
@@ -240,7 +246,7 @@ class SpeculativeDecoder:
             self.prefix.keep(cache, state.token_ids, n, self._verified_tree)
         return GenerationResult(list(prompt_ids), state.output_ids, out.text, out.finish_reason, metrics,
                                 prefill_time, decode_time, out.logprobs if params.logprobs is not None else None,
-                                out.stop_reason, cached)
+                                out.stop_reason, cached, prompt_lps)
 
     def _feature_layers(self) -> tuple[int, ...]:
         return self.proposer.feature_layers if self.proposer is not None else ()
