@@ -56,7 +56,6 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
     long = dict(dtype=torch.long)
     output = torch.tensor(output_ids, **long)
     prompt = torch.tensor(prompt_ids if r != 1.0 else [], **long)
-    rows = [i for i, prefix in enumerate(prefixes) for _ in prefix]
     drafted = torch.tensor([tok for prefix in prefixes for tok in prefix], **long)
     bias_ids = torch.tensor([tok for tok, _ in params.logit_bias], **long)
     stop_ids = torch.tensor(sorted(t for t in stops[0] if t < logits.shape[1]) if stops else [], **long)
@@ -64,10 +63,7 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
     if touched.numel() == 0:
         return logits
     U = touched.numel()
-    counts = torch.bincount(torch.searchsorted(touched, output), minlength=U).float().repeat(T, 1)  # [T, U]
-    if rows:
-        counts.index_put_((torch.tensor(rows), torch.searchsorted(touched, drafted)), torch.ones(len(rows)),
-                          accumulate=True)
+    counts = _row_counts(touched, output, drafted, prefixes)  # [T, U]
     dev = logits.device
     counts, index = counts.to(dev), touched.to(dev)
     sub = logits[:, index].float()  # [T, U]
@@ -85,13 +81,26 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
     if params.presence_penalty:
         sub -= params.presence_penalty * (counts > 0).float()
     if stops:  # the rows still short of min_tokens may not end
-        ids, short = stops
+        short = stops[1]
         banned = torch.zeros(T, U, dtype=torch.bool)
         banned[torch.tensor(short)[:, None], torch.searchsorted(touched, stop_ids)[None]] = True
         sub = sub.masked_fill(banned.to(dev), float("-inf"))
     out = logits.float().clone() if logits.dtype == torch.float32 else logits.float()
     out[:, index] = sub
     return out
+
+
+def _row_counts(touched: torch.Tensor, output: torch.Tensor, drafted: torch.Tensor,
+                prefixes: list[list[int]]) -> torch.Tensor:
+    """[T, U]: how often each touched token occurs in each row's output (the output, then the row's drafts;
+    drafted: the prefixes' tokens, flattened)."""
+    counts = torch.bincount(torch.searchsorted(touched, output), minlength=touched.numel()).float()
+    counts = counts.repeat(len(prefixes), 1)
+    rows = [i for i, prefix in enumerate(prefixes) for _ in prefix]
+    if rows:
+        counts.index_put_((torch.tensor(rows), torch.searchsorted(touched, drafted)), torch.ones(len(rows)),
+                          accumulate=True)
+    return counts
 
 
 def _min_tokens_stops(params: SamplingParams, num_output: int, prefixes: list[list[int]],

@@ -9,6 +9,8 @@ from specdec.engine.block_manager import BlockManager
 
 
 class FakeSeq:
+    reads_prefix_cache = True
+
     def __init__(self, tokens, salt=None):
         self.token_ids, self.cache_salt = list(tokens), salt
         self.block_table, self.block_hashes, self.num_computed = [], [], 0

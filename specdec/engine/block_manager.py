@@ -60,8 +60,8 @@ class BlockManager:
 
         At least one token is left to compute (its logits are needed). Returns the tokens reused."""
         assert not seq.block_table and seq.num_computed == 0
-        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
-            return 0  # (prompt logprobs need every prompt position computed)
+        if not self.enable_prefix_caching or not seq.reads_prefix_cache:
+            return 0
         bs, tokens = self.block_size, seq.token_ids
         parent = ROOT
         for i in range((len(tokens) - 1) // bs):

@@ -101,6 +101,12 @@ class Sequence:
         return self.state.params
 
     @property
+    def reads_prefix_cache(self) -> bool:
+        """Whether cached blocks may serve its prompt (not when its prompt logprobs are asked: every
+        prompt position is computed then; its blocks are still cached for others)."""
+        return self.params.prompt_logprobs is None
+
+    @property
     def prompt_ids(self) -> list[int]:
         return self.state.prompt_ids
 
