@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -76,8 +77,19 @@ def build_server(args, engine_on_caller: bool = False):
     return Server(config), state
 
 
+def freeze_heap() -> int:
+    """Collect once, then move every object alive after start-up (torch's and the model's modules, the
+    tokenizer's tables, ...: ~300k objects) to the GC's permanent generation, as vLLM's engine does. A full
+    collection then scans only what requests allocate: one of the start-up heap took ~160 ms on a 2-vCPU
+    Zen 4, a stall of every stream. Returns the objects frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 def run(args) -> int:
     server, state = build_server(args, engine_on_caller=True)
+    freeze_heap()
     logging.basicConfig(level=args.log_level.upper())
     print(f"specdec: serving {args.served_model_name or args.model} on http://{args.host}:{args.port}", flush=True)
     # uvicorn serves from a second thread, so the signals reach this one: hand them to it (graceful
