@@ -9,6 +9,7 @@ tokens of the prompt and the output (vLLM's order: the bias, then the penalties)
     logits[v] -= frequency_penalty * c[v] + presence_penalty * (c[v] > 0)
     logits[v]  = -inf   for v in EOS (unless ignore_eos) and stop_token_ids, while the output is
                         shorter than min_tokens
+    logits[v]  = -inf   for v outside allowed_token_ids, when given
 
 A verify pass scores k drafted tokens at once, and its row i predicts the token after the drafts
 x_1..x_i, so row i's output so far is the emitted output plus those i drafts (for a token tree, the
@@ -46,6 +47,8 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
     ids: U of them), so a row costs ~U, not the vocabulary."""
     if not params.adjusts_logits:
         return logits
+    if params.allowed_token_ids is not None:
+        logits = _only_allowed(logits, params.allowed_token_ids)
     prefixes = prefixes or [[] for _ in range(logits.shape[0])]
     stops = _min_tokens_stops(params, len(output_ids), prefixes, eos_ids)
     if not (params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
@@ -90,6 +93,13 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
     return out
 
 
+def _only_allowed(logits: torch.Tensor, allowed: tuple[int, ...]) -> torch.Tensor:
+    """fp32 logits with every column outside `allowed` at -inf (ids past the logits are none of them)."""
+    keep = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+    keep[torch.tensor([t for t in allowed if t < logits.shape[-1]], dtype=torch.long, device=logits.device)] = True
+    return logits.float().masked_fill(~keep, float("-inf"))
+
+
 def _row_counts(touched: torch.Tensor, output: torch.Tensor, drafted: torch.Tensor,
                 prefixes: list[list[int]]) -> torch.Tensor:
     """[T, U]: how often each touched token occurs in each row's output (the output, then the row's drafts;
@@ -112,7 +122,9 @@ def _min_tokens_stops(params: SamplingParams, num_output: int, prefixes: list[li
 
 
 def check_bias(params: SamplingParams, vocab_size: int) -> None:
-    """A ValueError naming the first biased token id outside the model's vocabulary."""
-    bad = [t for t, _ in params.logit_bias if t >= vocab_size]
-    if bad:
-        raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    """A ValueError naming the first biased or allowed token id outside the model's vocabulary."""
+    for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
+                      ("allowed_token_ids", params.allowed_token_ids or ())):
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")

@@ -33,6 +33,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled (vLLM's; sorted, unique)
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
@@ -67,12 +68,18 @@ class SamplingParams:
         if not (math.isfinite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0):
             raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        if self.allowed_token_ids is not None:
+            allowed = tuple(sorted(set(self.allowed_token_ids)))
+            if not allowed or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in allowed):
+                raise ValueError("allowed_token_ids must be a non-empty list of non-negative token ids")
+            object.__setattr__(self, "allowed_token_ids", allowed)
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether penalties, a logit bias or min_tokens change the target's logits (specdec/penalties.py)."""
+        """Whether penalties, a logit bias, min_tokens or allowed_token_ids change the target's logits
+        (specdec/penalties.py)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens)
+                    or self.logit_bias or self.min_tokens or self.allowed_token_ids is not None)
 
     @property
     def greedy(self) -> bool:

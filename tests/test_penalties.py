@@ -73,7 +73,8 @@ def test_no_penalty_returns_the_logits_themselves():
 @pytest.mark.parametrize("kw", [dict(presence_penalty=2.5), dict(frequency_penalty=-3), dict(repetition_penalty=0),
                                 dict(repetition_penalty=2.5), dict(frequency_penalty=math.nan),
                                 dict(logit_bias={-1: 1.0}), dict(logit_bias={3: 101}), dict(logit_bias={3: "x"}),
-                                dict(logit_bias={i: 1.0 for i in range(1025)})])
+                                dict(logit_bias={i: 1.0 for i in range(1025)}), dict(allowed_token_ids=[]),
+                                dict(allowed_token_ids=[-1])])
 def test_bad_penalties_are_refused(kw):
     with pytest.raises(ValueError):
         SamplingParams(**kw)
@@ -171,6 +172,24 @@ def test_min_tokens_defers_stop_strings(tiny_dir):
     assert stop and spec.generate_one(ids, greedy(30, stop=(stop,))).finish_reason == "stop"
     late = spec.generate_one(ids, greedy(30, stop=(stop,), min_tokens=30))
     assert late.token_ids == full.token_ids and late.finish_reason == "length"
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "qdraft"])
+def test_allowed_token_ids_with_speculation_equal_plain(tiny_dir, method):
+    """allowed_token_ids (vLLM): only those are ever emitted, and speculation (whose lookups draft other
+    tokens too) gives plain decoding's output; with a frequency penalty the allowed tokens rotate."""
+    d = tiny_dir("llama")
+    cfg = {"method": method, "num_speculative_tokens": 4, **({"model": str(d)} if method == "draft_model" else {})}
+    plain, spec = llm(d), llm(d, cfg)
+    ids = plain.tokenizer.encode(REPEAT)
+    allowed = sorted(set(ids))[:5]
+    for extra in ({}, {"frequency_penalty": 1.5}):
+        params = greedy(32, allowed_token_ids=allowed, **extra)
+        want = plain.generate_one(ids, params).token_ids
+        assert set(want) <= set(allowed) and want == spec.generate_one(ids, params).token_ids
+    assert plain.generate_one(ids, greedy(32)).token_ids != want  # the control: unrestricted differs
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        plain.generate_one(ids, greedy(4, allowed_token_ids=[10**7]))
 
 
 def test_logit_bias_forces_and_forbids_tokens(tiny_dir):
@@ -285,8 +304,8 @@ def test_speculation_with_penalties_equals_plain_real_model(smollm_llm, spec):
 
 
 def test_random_combinations_equal_plain(tiny_dir):
-    """Differential fuzzing: random penalties, bias, min_tokens, stop strings and max_tokens, each drafter,
-    fixed and adaptive k: speculative greedy output equals plain decoding's (seeded, 48 cases)."""
+    """Differential fuzzing: random penalties, bias, allowed tokens, min_tokens, stop strings and max_tokens,
+    six drafters, fixed and adaptive k: speculative greedy output equals plain decoding's (seeded, 48 cases)."""
     import random
 
     rng = random.Random(29)
@@ -304,7 +323,8 @@ def test_random_combinations_equal_plain(tiny_dir):
             temperature=0, max_tokens=max_tokens, min_tokens=rng.randint(0, max_tokens),
             repetition_penalty=rng.choice([1.0, 0.8, 1.15, 1.6]), frequency_penalty=rng.choice([0.0, -0.5, 0.7, 2.0]),
             presence_penalty=rng.choice([0.0, 0.4, -1.0]), stop=tuple(rng.sample(words, rng.randint(0, 2))),
-            logit_bias={rng.randrange(200): rng.uniform(-5, 5) for _ in range(rng.randint(0, 3))})
+            logit_bias={rng.randrange(200): rng.uniform(-5, 5) for _ in range(rng.randint(0, 3))},
+            allowed_token_ids=rng.choice([None, None, sorted(set(ids)) + rng.sample(range(500), 20)]))
         want = plain.generate_one(ids, params)
         got = spec[rng.choice(sorted(spec))].generate_one(ids, params)
         assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason), (case, params)

@@ -101,6 +101,8 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
     ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "hi", "allowed_token_ids": [10**8]}, "allowed_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"abc": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"-3": 1}}, "logit_bias"),
@@ -115,17 +117,21 @@ def test_penalties_and_bias_with_speculation_equal_plain(server, plain):
     decoding with the same penalties (verify rows are penalized after the drafts before them)."""
     prompts = [f"{WORDS[i]} {WORDS[i + 1]} {WORDS[i]} {WORDS[i + 1]} {WORDS[i]}" for i in range(6)]
     bias = {"7": -5.0, "11": 2.5}
+    allowed = list(range(3000))
     penalties = dict(frequency_penalty=1.2, presence_penalty=0.4, repetition_penalty=1.3)
-    params = SamplingParams(temperature=0, max_tokens=24, min_tokens=24, logit_bias={7: -5.0, 11: 2.5}, **penalties)
+    params = SamplingParams(temperature=0, max_tokens=24, min_tokens=24, logit_bias={7: -5.0, 11: 2.5},
+                            allowed_token_ids=allowed, **penalties)
     want = [plain.generate(p, params)[0].outputs[0].text for p in prompts]
     assert want != [plain.generate(p, replace(params, logit_bias=(), frequency_penalty=0, presence_penalty=0,
-                                                  repetition_penalty=1.0))[0].outputs[0].text for p in prompts]
+                                              repetition_penalty=1.0, allowed_token_ids=None))[0].outputs[0].text
+                    for p in prompts]
 
     async def main():
         c = client(server)
         return await asyncio.gather(*(c.completions.create(
             model="tiny", prompt=p, max_tokens=24, temperature=0, logit_bias=bias, frequency_penalty=1.2,
-            presence_penalty=0.4, extra_body={"min_tokens": 24, "repetition_penalty": 1.3}) for p in prompts))
+            presence_penalty=0.4, extra_body={"min_tokens": 24, "repetition_penalty": 1.3, "allowed_token_ids": allowed})
+            for p in prompts))
 
     got = asyncio.run(main())
     assert [r.choices[0].text for r in got] == want

@@ -3,10 +3,10 @@
 Ranges follow vLLM/OpenAI: temperature in [0, 2], top_p in (0, 1], n in [1, MAX_N], logprobs <= 20,
 at most 16 stop strings. Fields specdec adds (all optional): `speculative` ("off", a method name, or
 {"method", "num_speculative_tokens"}), `cache_salt`, `return_token_sources`, `response_format`
-{"type": "regex", "regex"} besides OpenAI's json_object / json_schema, and vLLM's `repetition_penalty`, `min_tokens`
-(beside OpenAI's presence_penalty, frequency_penalty and logit_bias; exact under speculation,
-specdec/penalties.py). A request-supplied chat
-template is refused: templates come only from the model's files (rendered in a Jinja2 sandbox).
+{"type": "regex", "regex"} besides OpenAI's json_object / json_schema. Beside OpenAI's presence_penalty,
+frequency_penalty, logit_bias and echo, vLLM's `repetition_penalty`, `min_tokens`, `prompt_logprobs` and
+`allowed_token_ids` (exact under speculation: specdec/penalties.py). A request-supplied chat template is
+refused: templates come only from the model's files (rendered in a Jinja2 sandbox).
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from specdec.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
 
 MAX_N = 16
+MAX_ALLOWED_TOKENS = 65536
 
 
 class APIError(Exception):
@@ -63,6 +64,7 @@ class _Common(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
     min_tokens: int = Field(default=0, ge=0)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    allowed_token_ids: list[int] | None = Field(default=None, min_length=1, max_length=MAX_ALLOWED_TOKENS)
     logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     user: str | None = None
     response_format: dict[str, Any] | None = None
@@ -118,10 +120,17 @@ class _Common(BaseModel):
                                   logprobs=logprobs, n=self.n, skip_special_tokens=self.skip_special_tokens,
                                   presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                                   repetition_penalty=self.repetition_penalty, logit_bias=bias,
-                                  min_tokens=self.min_tokens, prompt_logprobs=self._prompt_logprobs(logprobs))
+                                  min_tokens=self.min_tokens, prompt_logprobs=self._prompt_logprobs(logprobs),
+                                  allowed_token_ids=self._allowed(vocab_size))
         except ValueError as e:  # "<field> must be ...": name the field
             field = str(e).split(" ", 1)[0].rstrip(":")
             raise APIError(400, str(e), field if field in type(self).model_fields else None) from None
+
+    def _allowed(self, vocab_size: int) -> list[int] | None:
+        ids = self.allowed_token_ids
+        if ids is not None and any(not 0 <= t < vocab_size for t in ids):
+            raise APIError(400, f"allowed_token_ids must be token ids in [0, {vocab_size})", "allowed_token_ids")
+        return ids
 
     def _prompt_logprobs(self, logprobs: int | None) -> int | None:
         """vLLM's prompt_logprobs, or the completions API's echo with logprobs (the prompt's come back too)."""
