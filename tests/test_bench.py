@@ -10,6 +10,7 @@ from specdec.bench.harness import BenchConfig, run_benchmark
 from specdec.bench.prompts import CATEGORIES
 from specdec.bench.report import summarize_run, write_report
 from specdec.bench.systems import BASELINE
+from specdec.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -296,3 +297,35 @@ def test_sampled_bench_seeds_each_prompt_and_says_so(tiny_dir, tmp_path):
     md = write_report(result, tmp_path, plots=False)["markdown"].read_text()
     assert "sampled at temperature 0.8" in md and "--temperature 0.8" in md
     assert {r["system"] for r in result["runs"]["float32"]["records"]} == {BASELINE, "specdec:ngram"}
+
+
+def test_penalized_bench_applies_the_penalty_and_says_so(tiny_dir, tmp_path):
+    """--repetition-penalty: every system decodes with it (plain decoding's answer changes, the prompts' own
+    first turns do not), the report says so and prints the flag; the peers are refused."""
+    import torch
+
+    from specdec.bench.systems import SpecdecSystem
+    from specdec.config import ConfigError
+    from specdec.llm import LLM
+
+    llm = LLM(str(tiny_dir("llama")), dtype="float32", progress=False, num_threads=1)
+    penalized = SpecdecSystem(llm.model, llm.tokenizer, llm.source.directory, repetition_penalty=1.8)
+    penalized.setup()
+    ids = llm.tokenizer.encode("one two three one two three one two")
+    plain = llm.generate_one(ids, SamplingParams(temperature=0, max_tokens=16)).token_ids
+    assert penalized.generate(ids, 16, greedy=True).token_ids == plain  # a prompt's own turn: no penalty
+    assert penalized.generate(ids, 16).token_ids == llm.generate_one(
+        ids, SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.8)).token_ids != plain
+    threads = torch.get_num_threads()
+    cfg = BenchConfig(model=str(tiny_dir("llama")), categories=("code",), prompts_per_category=1, max_tokens=6,
+                      repeats=1, threads=1, methods=("ngram",), peers=(), draft_model=None, sweep_ks=(),
+                      cost_ks=(1, 2), bandwidth_mb=64, first_turn_tokens=6, max_prompt_tokens=160,
+                      repetition_penalty=1.1)
+    try:
+        result = run_benchmark(cfg, log=lambda *a: None)
+        with pytest.raises(ConfigError, match="--peers none"):
+            run_benchmark(BenchConfig(**{**cfg.__dict__, "peers": None}), log=lambda *a: None)
+    finally:
+        torch.set_num_threads(threads)
+    md = write_report(result, tmp_path, plots=False)["markdown"].read_text()
+    assert "repetition penalty 1.1" in md and "--repetition-penalty 1.1" in md
