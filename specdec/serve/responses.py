@@ -103,11 +103,14 @@ class ResponseBuilder:
             for t in tasks:
                 t.cancel()
 
+    def _token_text(self, token_id: int) -> str:
+        return self.tok.decode([token_id], skip_special_tokens=False)
+
     def _logprobs(self, logprobs: list[dict] | None, chat: bool, offset: int) -> dict | None:
         """Engine logprobs ({"token_id", "logprob", "top": [(id, logprob)]}) in the endpoint's format."""
         if logprobs is None:
             return None
-        dec = lambda i: self.tok.decode([i], skip_special_tokens=False)  # noqa: E731
+        dec = self._token_text
         if chat:
             return {"content": [{"token": dec(lp["token_id"]), "logprob": lp["logprob"],
                                  "bytes": list(dec(lp["token_id"]).encode()),
@@ -127,7 +130,7 @@ class ResponseBuilder:
         text = self.tok.decode(prompt_ids)
         if lp is None:
             return text, None
-        dec = lambda i: self.tok.decode([i], skip_special_tokens=False)  # noqa: E731
+        dec = self._token_text
         tokens = [dec(t) for t in prompt_ids]
         offsets, pos = [], 0
         for t in tokens:
@@ -144,7 +147,7 @@ class ResponseBuilder:
         for the token itself and the top n."""
         if prompt_lps is None:
             return None
-        dec = lambda i: self.tok.decode([i], skip_special_tokens=False)  # noqa: E731
+        dec = self._token_text
         return [None] + [{str(t): {"logprob": v, "decoded_token": dec(t)}
                           for t, v in [(x["token_id"], x["logprob"])] + list(x["top"])} for x in prompt_lps[1:]]
 
