@@ -39,17 +39,18 @@ def row_prefixes(tokens: list[int], parents: list[int] | None = None) -> list[li
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
-                    prefixes: list[list[int]] | None = None, eos_ids=()) -> torch.Tensor:
-    """logits [T, V] -> penalized fp32 logits [T, V] (logits itself when nothing changes).
-    prefixes[i]: the drafted tokens before row i (row_prefixes); None: no drafts (every row sees
-    output_ids alone). eos_ids: the tokenizer's, for min_tokens. Only the columns of tokens a
-    penalty, the bias or min_tokens can touch are computed (prompt, output, drafts, biased and stop
-    ids: U of them), so a row costs ~U, not the vocabulary."""
+                    drafts: list[int] = (), parents: list[int] | None = None, eos_ids=()) -> torch.Tensor:
+    """logits [T, V] of a pass over [last, drafts...] (T = len(drafts) + 1; parents: a token tree's, None
+    for a chain) -> penalized fp32 logits [T, V] (logits itself when nothing changes); row i sees
+    output_ids plus the drafts before it (row_prefixes). eos_ids: the tokenizer's, for min_tokens. Only
+    the columns of tokens a penalty, the bias or min_tokens can touch are computed (prompt, output,
+    drafts, biased and stop ids: U of them), so a row costs ~U, not the vocabulary."""
     if not params.adjusts_logits:
         return logits
     if params.allowed_token_ids is not None:
         logits = _only_allowed(logits, params.allowed_token_ids)
-    prefixes = prefixes or [[] for _ in range(logits.shape[0])]
+    prefixes = row_prefixes(list(drafts), parents)
+    assert len(prefixes) == logits.shape[0], "one row of logits per drafted token, plus one"
     stops = _min_tokens_stops(params, len(output_ids), prefixes, eos_ids)
     if not (params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
             or params.logit_bias or stops):

@@ -57,7 +57,7 @@ def test_each_row_sees_the_output_plus_its_drafts(penalty, parents):
     params = SamplingParams(temperature=0, **penalty)
     prefixes = row_prefixes(drafts, parents)
     logits = torch.randn(len(prefixes), V, generator=g) * 3
-    got = apply_penalties(logits, params, prompt, output, prefixes)
+    got = apply_penalties(logits, params, prompt, output, drafts, parents)
     want = torch.stack([reference_row(logits[i], params, prompt, output + p) for i, p in enumerate(prefixes)])
     assert torch.allclose(got, want, atol=1e-6)
     # negative control: rows that ignore their drafts are not what the test accepts
@@ -67,7 +67,7 @@ def test_each_row_sees_the_output_plus_its_drafts(penalty, parents):
 
 def test_no_penalty_returns_the_logits_themselves():
     logits = torch.randn(3, 10)
-    assert apply_penalties(logits, SamplingParams(temperature=0), [1], [2, 3], [[], [4], [4, 5]]) is logits
+    assert apply_penalties(logits, SamplingParams(temperature=0), [1], [2, 3], [4, 5]) is logits
 
 
 @pytest.mark.parametrize("kw", [dict(presence_penalty=2.5), dict(frequency_penalty=-3), dict(repetition_penalty=0),
@@ -119,27 +119,27 @@ def test_greedy_with_penalties_equals_plain_tiny(tiny_dir, method, k):
 def test_rows_blind_to_their_drafts_break_equivalence(tiny_dir, monkeypatch):
     """Negative control: a verifier that penalizes every row as if no draft preceded it (the bug
     this module prevents) no longer reproduces plain decoding."""
-    import specdec.spec.decoder as decoder
+    import specdec.penalties as penalties
     d = tiny_dir("llama")
     plain, spec = llm(d), llm(d, {"method": "draft_model", "model": str(d), "num_speculative_tokens": 4})
     ids = plain.tokenizer.encode(REPEAT)
     params = greedy(frequency_penalty=2.0, presence_penalty=2.0)
     want = plain.generate_one(ids, params).token_ids
     assert spec.generate_one(ids, params).token_ids == want
-    monkeypatch.setattr(decoder, "row_prefixes", lambda tokens, parents=None: [[] for _ in range(len(tokens) + 1)])
+    monkeypatch.setattr(penalties, "row_prefixes", lambda tokens, parents=None: [[] for _ in range(len(tokens) + 1)])
     assert spec.generate_one(ids, params).token_ids != want
 
 
 def test_min_tokens_masks_stops_on_rows_short_of_it():
     logits = torch.zeros(4, 10)
     params = SamplingParams(temperature=0, min_tokens=5, max_tokens=9, stop_token_ids=(3,))
-    out = apply_penalties(logits, params, [1, 2], [4, 4, 4], row_prefixes([6, 7, 8]), eos_ids={0})
+    out = apply_penalties(logits, params, [1, 2], [4, 4, 4], [6, 7, 8], eos_ids={0})
     # rows 0 and 1 follow 3 and 4 output tokens (< 5): EOS 0 and stop id 3 masked; rows 2, 3 follow 5, 6
     assert torch.isinf(out[:2, [0, 3]]).all() and torch.isfinite(out[2:]).all()
     assert torch.isfinite(out[:2, [1, 2, 4, 5]]).all()
-    ignoring = apply_penalties(logits, replace(params, ignore_eos=True), [1], [4, 4, 4], [[]], eos_ids={0})
+    ignoring = apply_penalties(logits[:1], replace(params, ignore_eos=True), [1], [4, 4, 4], eos_ids={0})
     assert torch.isfinite(ignoring[0, 0]) and torch.isinf(ignoring[0, 3])  # EOS is no stop then
-    assert apply_penalties(logits, params, [1], [4] * 5, row_prefixes([6, 7, 8]), eos_ids={0}) is logits
+    assert apply_penalties(logits, params, [1], [4] * 5, [6, 7, 8], eos_ids={0}) is logits
 
 
 @pytest.mark.parametrize("method", ["draft_model", "ngram"])

@@ -27,7 +27,7 @@ from specdec.engine.sequence import Sequence, SpecChoice
 from specdec.engine.speculation import Speculation, profile_sizes, verify_rows
 from specdec.model.cuda_graph import GraphedModel
 from specdec.model.llama import ForwardOutput
-from specdec.penalties import apply_penalties, check_bias, row_prefixes
+from specdec.penalties import apply_penalties, check_bias
 from specdec.sampler import argmax, make_generator, prompt_logprobs_of, sample, warp
 from specdec.sampling_params import SamplingParams
 from specdec.spec.adaptive import PRIOR_ACCEPTANCE, AdaptiveK
@@ -250,8 +250,8 @@ class Engine:
             logits = logits.masked_fill(~seq.grammar.row_masks(proposal.tokens), float("-inf"))
         reported = logits  # logprobs: before penalties (vLLM's raw logprobs)
         # each row penalized after the output plus the drafts before it (what plain decoding would see)
-        logits = apply_penalties(logits, seq.params, seq.prompt_ids, seq.output_ids, row_prefixes(proposal.tokens),
-                                 self.tokenizer.eos_token_ids)
+        logits = apply_penalties(logits, seq.params, seq.prompt_ids, seq.output_ids, proposal.tokens,
+                                 eos_ids=self.tokenizer.eos_token_ids)
         if best is not None and seq.params.greedy and seq.grammar is None and not seq.params.adjusts_logits:
             verdict = verify_greedy(proposal.tokens, best[-(k + 1):])
         elif k:

@@ -48,7 +48,7 @@ def draft_chains(logits: torch.Tensor, step: Callable[[list[int], list[int]], to
             state = states[b]
             params = state.params
             # penalized as the target's rows are (after the output and this row's drafts so far)
-            row = apply_penalties(logits[i][None], params, state.prompt_ids, state.output_ids, [tokens[b]])[0]
+            row = apply_penalties(logits[i][None], params, state.prompt_ids, state.output_ids + tokens[b])[0]
             if params.greedy:
                 tok = int(argmax(row))
             else:

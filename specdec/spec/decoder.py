@@ -18,7 +18,7 @@ import torch
 from specdec.cache.kept_prefix import KeptPrefix
 from specdec.model.cuda_graph import synchronize
 from specdec.model.tokenizer import IncrementalDetokenizer, Tokenizer
-from specdec.penalties import apply_penalties, check_bias, row_prefixes
+from specdec.penalties import apply_penalties, check_bias
 from specdec.sampler import argmax, logprobs_of, make_generator, prompt_logprobs_of, sample, warp
 from specdec.sampling_params import SamplingParams
 from specdec.spec.adaptive import AdaptiveK, CostModel
@@ -272,8 +272,8 @@ class SpeculativeDecoder:
         synchronize(dev)  # the verify time is the device's (verification reads the logits next anyway)
         t2 = time.perf_counter()
         # each row penalized after the output plus the drafts before it (what plain decoding would see)
-        logits = apply_penalties(raw, state.params, state.prompt_ids, state.output_ids,
-                                 row_prefixes(proposal.tokens, proposal.parents), self.tokenizer.eos_token_ids)
+        logits = apply_penalties(raw, state.params, state.prompt_ids, state.output_ids, proposal.tokens,
+                                 proposal.parents, self.tokenizer.eos_token_ids)
         row_argmax = fwd.row_argmax if logits is raw else None
         if proposal.is_tree:
             from specdec.spec.tree import verify_tree
