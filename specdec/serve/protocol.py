@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from specdec.penalties import check_bias
 from specdec.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
 
 MAX_N = 16
@@ -112,25 +113,22 @@ class _Common(BaseModel):
         return {"method": None if method in ("off", "none") else method, "num_speculative_tokens": k}
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
-        bias = self._logit_bias(vocab_size)
+        """The request's SamplingParams; a value out of range (SamplingParams) or a token id outside the
+        vocabulary (check_bias) is a 400 naming its field."""
         try:
-            return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            params = SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                                   seed=self.seed, max_tokens=max_tokens, stop=tuple(self.stop or ()),
                                   stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
                                   logprobs=logprobs, n=self.n, skip_special_tokens=self.skip_special_tokens,
                                   presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                                  repetition_penalty=self.repetition_penalty, logit_bias=bias,
+                                  repetition_penalty=self.repetition_penalty, logit_bias=self._logit_bias(),
                                   min_tokens=self.min_tokens, prompt_logprobs=self._prompt_logprobs(logprobs),
-                                  allowed_token_ids=self._allowed(vocab_size))
-        except ValueError as e:  # "<field> must be ...": name the field
+                                  allowed_token_ids=self.allowed_token_ids)
+            check_bias(params, vocab_size)
+        except ValueError as e:  # "<field> must be ..." / "<field>: ...": name the field
             field = str(e).split(" ", 1)[0].rstrip(":")
             raise APIError(400, str(e), field if field in type(self).model_fields else None) from None
-
-    def _allowed(self, vocab_size: int) -> list[int] | None:
-        ids = self.allowed_token_ids
-        if ids is not None and any(not 0 <= t < vocab_size for t in ids):
-            raise APIError(400, f"allowed_token_ids must be token ids in [0, {vocab_size})", "allowed_token_ids")
-        return ids
+        return params
 
     def _prompt_logprobs(self, logprobs: int | None) -> int | None:
         """vLLM's prompt_logprobs, or the completions API's echo with logprobs (the prompt's come back too)."""
@@ -138,16 +136,11 @@ class _Common(BaseModel):
             return self.prompt_logprobs
         return logprobs if getattr(self, "echo", False) and logprobs is not None else None
 
-    def _logit_bias(self, vocab_size: int) -> dict[int, float]:
-        """OpenAI's {"token id": bias}: ids as decimal strings in [0, vocab_size), biases in [-100, 100]."""
-        out = {}
-        for key, value in (self.logit_bias or {}).items():
-            if not (key.isascii() and key.isdigit() and len(key) <= 9) or int(key) >= vocab_size:
-                raise APIError(400, f"logit_bias: {key!r} is not a token id in [0, {vocab_size})", "logit_bias")
-            if not -100.0 <= value <= 100.0:
-                raise APIError(400, f"logit_bias: the bias of token {key} must be in [-100, 100]", "logit_bias")
-            out[int(key)] = value
-        return out
+    def _logit_bias(self) -> dict[int, float]:
+        """OpenAI's {"token id": bias} with the ids parsed (decimal strings); ranges: SamplingParams, check_bias."""
+        if any(not (key.isascii() and key.isdigit() and len(key) <= 9) for key in self.logit_bias or {}):
+            raise ValueError("logit_bias: the keys must be token ids (decimal strings)")
+        return {int(key): value for key, value in (self.logit_bias or {}).items()}
 
 
 class CompletionRequest(_Common):
