@@ -331,11 +331,10 @@ class Engine:
         start, seq.sent_text = seq.sent_text, end
         toks = seq.output_ids[seq.sent_tokens:]
         lps = seq.out.logprobs[seq.sent_tokens:] if seq.params.logprobs is not None else None
+        first = seq.sent_tokens == 0 and bool(toks)  # the choice's first tokens: its prompt logprobs go with them
         seq.sent_tokens = len(seq.output_ids)
         out = SeqOutput(seq.request_id, seq.index, text[start:end], toks, lps, seq.text_pieces(start, end),
-                        method=seq.spec.method)
-        if seq.prompt_logprobs is not None and seq.output_ids and not seq.sent_prompt_logprobs:
-            out.prompt_logprobs, seq.sent_prompt_logprobs = seq.prompt_logprobs, True
+                        method=seq.spec.method, prompt_logprobs=seq.prompt_logprobs if first else None)
         if seq.finished:
             out.finished, out.finish_reason, out.stop_reason = True, seq.finish_reason, seq.out.stop_reason
             out.num_prompt_tokens, out.num_output_tokens = len(seq.prompt_ids), len(seq.output_ids)

@@ -74,8 +74,8 @@ class Sequence:
     text_marks: list[tuple[int, bool]] = field(default_factory=list)
     sent_text: int = 0  # characters already delivered
     # SamplingParams.prompt_logprobs: per prompt token, None first, filled chunk by chunk; delivered once
+    # (with the first tokens sent)
     prompt_logprobs: list | None = None
-    sent_prompt_logprobs: bool = False
     sent_tokens: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None

@@ -130,17 +130,12 @@ class ResponseBuilder:
         text = self.tok.decode(prompt_ids)
         if lp is None:
             return text, None
-        dec = self._token_text
-        tokens = [dec(t) for t in prompt_ids]
-        offsets, pos = [], 0
-        for t in tokens:
-            offsets.append(pos)
-            pos += len(t)
-        rest = (prompt_lps or [None])[1:]
-        return text, {"tokens": tokens + lp["tokens"],
-                      "token_logprobs": [None] + [x["logprob"] for x in rest] + lp["token_logprobs"],
-                      "top_logprobs": [None] + [{dec(t): v for t, v in x["top"]} for x in rest] + lp["top_logprobs"],
-                      "text_offset": offsets + [o + len(text) for o in lp["text_offset"]]}
+        first = self._token_text(prompt_ids[0])
+        rest = self._logprobs((prompt_lps or [None])[1:], False, len(first))  # prompt tokens 1..: engine entries
+        return text, {"tokens": [first] + rest["tokens"] + lp["tokens"],
+                      "token_logprobs": [None] + rest["token_logprobs"] + lp["token_logprobs"],
+                      "top_logprobs": [None] + rest["top_logprobs"] + lp["top_logprobs"],
+                      "text_offset": [0] + rest["text_offset"] + [o + len(text) for o in lp["text_offset"]]}
 
     def _vllm_prompt_logprobs(self, prompt_lps: list | None) -> list | None:
         """vLLM's prompt_logprobs: per prompt token None (the first) or {token id: {logprob, decoded_token}}
