@@ -266,14 +266,31 @@ def test_serve_bench_reports_the_tpot_ratio_of_each_repeat():
     assert (got[16]["min"], got[16]["max"]) == (0.938, 1.1)
 
 
+def _tiny_bench_refusing_peers(tiny_dir, tmp_path, categories: tuple[str, ...], **decoding) -> tuple[dict, str]:
+    """A one-prompt-per-category n-gram bench on the tiny model at these decoding settings: its result and
+    report markdown, after checking that the same settings with the peers are refused."""
+    import torch
+
+    from specdec.config import ConfigError
+
+    threads = torch.get_num_threads()
+    cfg = BenchConfig(model=str(tiny_dir("llama")), categories=categories, prompts_per_category=1, max_tokens=6,
+                      repeats=1, threads=1, methods=("ngram",), peers=(), draft_model=None, sweep_ks=(),
+                      cost_ks=(1, 2), bandwidth_mb=64, first_turn_tokens=6, max_prompt_tokens=160, **decoding)
+    try:
+        result = run_benchmark(cfg, log=lambda *a: None)
+        with pytest.raises(ConfigError, match="--peers none"):
+            run_benchmark(BenchConfig(**{**cfg.__dict__, "peers": None}), log=lambda *a: None)
+    finally:
+        torch.set_num_threads(threads)
+    return result, write_report(result, tmp_path, plots=False)["markdown"].read_text()
+
+
 def test_sampled_bench_seeds_each_prompt_and_says_so(tiny_dir, tmp_path):
     """--temperature: every system samples, each prompt with its own seed (so a system run twice makes the
     same tokens, and plain decoding differs from its greedy run); the report says how it decoded; the peers,
     which run greedy, are refused."""
-    import torch
-
     from specdec.bench.systems import SpecdecSystem
-    from specdec.config import ConfigError
     from specdec.llm import LLM
 
     llm = LLM(str(tiny_dir("llama")), dtype="float32", progress=False, num_threads=1)
@@ -283,18 +300,7 @@ def test_sampled_bench_seeds_each_prompt_and_says_so(tiny_dir, tmp_path):
     first, again = sampled.generate(ids, 16).token_ids, sampled.generate(ids, 16).token_ids
     assert first == again
     assert sampled.generate(ids, 16, greedy=True).token_ids != first  # a random model: sampling wanders
-    threads = torch.get_num_threads()
-    cfg = BenchConfig(model=str(tiny_dir("llama")), categories=("chat", "code"), prompts_per_category=1,
-                      max_tokens=6, repeats=1, threads=1, methods=("ngram",), peers=(), draft_model=None,
-                      sweep_ks=(), cost_ks=(1, 2), bandwidth_mb=64, first_turn_tokens=6, max_prompt_tokens=160,
-                      temperature=0.8)
-    try:
-        result = run_benchmark(cfg, log=lambda *a: None)
-        with pytest.raises(ConfigError, match="--peers none"):
-            run_benchmark(BenchConfig(**{**cfg.__dict__, "peers": None}), log=lambda *a: None)
-    finally:
-        torch.set_num_threads(threads)
-    md = write_report(result, tmp_path, plots=False)["markdown"].read_text()
+    result, md = _tiny_bench_refusing_peers(tiny_dir, tmp_path, ("chat", "code"), temperature=0.8)
     assert "sampled at temperature 0.8" in md and "--temperature 0.8" in md
     assert {r["system"] for r in result["runs"]["float32"]["records"]} == {BASELINE, "specdec:ngram"}
 
@@ -302,10 +308,7 @@ def test_sampled_bench_seeds_each_prompt_and_says_so(tiny_dir, tmp_path):
 def test_penalized_bench_applies_the_penalty_and_says_so(tiny_dir, tmp_path):
     """--repetition-penalty: every system decodes with it (plain decoding's answer changes, the prompts' own
     first turns do not), the report says so and prints the flag; the peers are refused."""
-    import torch
-
     from specdec.bench.systems import SpecdecSystem
-    from specdec.config import ConfigError
     from specdec.llm import LLM
 
     llm = LLM(str(tiny_dir("llama")), dtype="float32", progress=False, num_threads=1)
@@ -316,16 +319,5 @@ def test_penalized_bench_applies_the_penalty_and_says_so(tiny_dir, tmp_path):
     assert penalized.generate(ids, 16, greedy=True).token_ids == plain  # a prompt's own turn: no penalty
     assert penalized.generate(ids, 16).token_ids == llm.generate_one(
         ids, SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.8)).token_ids != plain
-    threads = torch.get_num_threads()
-    cfg = BenchConfig(model=str(tiny_dir("llama")), categories=("code",), prompts_per_category=1, max_tokens=6,
-                      repeats=1, threads=1, methods=("ngram",), peers=(), draft_model=None, sweep_ks=(),
-                      cost_ks=(1, 2), bandwidth_mb=64, first_turn_tokens=6, max_prompt_tokens=160,
-                      repetition_penalty=1.1)
-    try:
-        result = run_benchmark(cfg, log=lambda *a: None)
-        with pytest.raises(ConfigError, match="--peers none"):
-            run_benchmark(BenchConfig(**{**cfg.__dict__, "peers": None}), log=lambda *a: None)
-    finally:
-        torch.set_num_threads(threads)
-    md = write_report(result, tmp_path, plots=False)["markdown"].read_text()
+    _, md = _tiny_bench_refusing_peers(tiny_dir, tmp_path, ("code",), repetition_penalty=1.1)
     assert "repetition penalty 1.1" in md and "--repetition-penalty 1.1" in md

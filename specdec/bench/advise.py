@@ -208,7 +208,6 @@ def advise(model: str, prompts: list[list[int]], dtype: str = "auto", threads: i
         raise ConfigError("--batch-size and --k-max must be >= 1")
     if not 0.0 <= temperature <= 2.0 or not 0.0 < repetition_penalty <= 2.0:
         raise ConfigError("--temperature must be in [0, 2] and --repetition-penalty in (0, 2]")
-    decoding = dict(temperature=temperature, repetition_penalty=repetition_penalty)
     log = log or (lambda *a: None)
     n_threads = set_threads(threads)
     source = resolve_model(model, progress=False)
@@ -223,12 +222,13 @@ def advise(model: str, prompts: list[list[int]], dtype: str = "auto", threads: i
                                               | {top}), prefix_len=context)
     ratio = _rel(curve, batch_size, k_max + 1)
     regime = _regime(ratio, batch_size, k_max)
-    plain = SpecdecSystem(target, tokenizer, source.directory, **decoding)
+    cfg = BenchConfig(model=model, methods=methods, method_configs=method_configs or {}, temperature=temperature,
+                      repetition_penalty=repetition_penalty)
+    plain = SpecdecSystem(target, tokenizer, source.directory, **cfg.decoding)
     plain.setup()
     plain.generate(prompts[0][:32], 4)
     c1 = curve.seconds[0]
     draft_dir = resolve_model(draft_model, progress=False).directory if draft_model else None
-    cfg = BenchConfig(model=model, methods=methods, method_configs=method_configs or {}, **decoding)
     probes, skipped = our_systems(cfg, target, tokenizer, source.directory, draft_dir, _cached_loader(dt, max_len),
                                   k=k_max)
     skipped = [{"method": n.split(":", 1)[1], "reason": r} for n, r in skipped]
@@ -269,7 +269,7 @@ def advise(model: str, prompts: list[list[int]], dtype: str = "auto", threads: i
         if verify:
             rec.update(_verify(plain, best, spec, batch_size, prompts, max_tokens, log,
                                lambda config: SpecdecSystem(target, tokenizer, source.directory, best.method, config,
-                                                            _cached_loader(dt, max_len), **decoding)))
+                                                            _cached_loader(dt, max_len), **cfg.decoding)))
     reason = _reason(regime, ratio, batch_size, k_max, best, rec, len(prompts))
     return Advice(model, str(dt).replace("torch.", ""), n_threads, batch_size, len(prompts), regime, round(ratio, 3),
-                  rec, reason, candidates, skipped, curve.to_dict(), decoding)
+                  rec, reason, candidates, skipped, curve.to_dict(), cfg.decoding)

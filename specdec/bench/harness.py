@@ -190,6 +190,11 @@ class BenchConfig:
     temperature: float = 0.0  # > 0: every system samples, a seed per prompt (our systems only: peers run greedy)
     repetition_penalty: float = 1.0  # != 1: every system applies it (our systems only)
 
+    @property
+    def decoding(self) -> dict:
+        """How every one of our systems decodes (SpecdecSystem's keyword arguments)."""
+        return {"temperature": self.temperature, "repetition_penalty": self.repetition_penalty}
+
 
 def auto_draft_dir(source_dir: Path, target, layers: int) -> Path:
     """A layer-truncated copy of the target (`specdec make-draft`'s default layer choice when that
@@ -245,9 +250,7 @@ def our_systems(cfg: BenchConfig, target, tokenizer, source_dir: Path, draft_dir
     from specdec.spec.proposer import available_methods
 
     methods = available_methods() + list(DEFAULT_PAIRS) if cfg.methods is None else list(cfg.methods)
-    plain = SpecdecSystem(target, tokenizer, source_dir, temperature=cfg.temperature,
-                          repetition_penalty=cfg.repetition_penalty)
-    systems: list[System] = [] if k is not None else [plain]
+    systems: list[System] = [] if k is not None else [SpecdecSystem(target, tokenizer, source_dir, **cfg.decoding)]
     skipped = []
     for name in methods:
         m, _ = split_method(name)
@@ -260,8 +263,7 @@ def our_systems(cfg: BenchConfig, target, tokenizer, source_dir: Path, draft_dir
         label = name
         if k is not None:
             spec["num_speculative_tokens"], label = k, f"{name}@k{k}"
-        systems.append(SpecdecSystem(target, tokenizer, source_dir, name, spec, load_aux, label, cfg.temperature,
-                                     cfg.repetition_penalty))
+        systems.append(SpecdecSystem(target, tokenizer, source_dir, name, spec, load_aux, label, **cfg.decoding))
     return systems, skipped
 
 
@@ -284,8 +286,7 @@ def run_dtype(cfg: BenchConfig, dtype_name: str, prompts: list | None, log=print
     target_rss = None if base_rss is None else rss_mb() - base_rss
     tokenizer = Tokenizer(source.directory)
     load_seconds = time.perf_counter() - t0
-    plain = SpecdecSystem(target, tokenizer, source.directory, temperature=cfg.temperature,
-                          repetition_penalty=cfg.repetition_penalty)
+    plain = SpecdecSystem(target, tokenizer, source.directory, **cfg.decoding)
     plain.setup()
     if prompts is None:
         log("building prompts ...")
