@@ -94,7 +94,11 @@ def test_no_figure_is_a_constant(bench):
     assert all(s != 1.0 for s in speedups)
     tps = [summary["table"][n][c]["tokens_per_s"]["median"] for n in summary["systems"] for c in summary["categories"]]
     assert len(set(tps)) == len(tps)
-    assert len(set(run["cost_curve"]["seconds"])) == len(run["cost_curve"]["seconds"])
+    # measured, not constant; two neighbouring k of a tiny model may cost the same to the microsecond
+    # (CI saw 758 us for k = 1 and 2): the flat start is what the curve exists to show
+    curve = run["cost_curve"]
+    assert len(set(curve["seconds"])) > 1 and curve["relative"][0] == 1.0
+    assert all(0 < low <= mid for low, mid in zip(curve["seconds_min"], curve["seconds"]))
     fd = summary["foundation"]
     assert fd["bound_tokens_per_s"] > 0 and fd["fraction_of_bound"] > 0 and fd["plain_vs_transformers"] > 0
     assert summary["sweep"] and all(p["tokens_per_s"] > 0 for pts in summary["sweep"].values() for p in pts)
