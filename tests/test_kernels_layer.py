@@ -80,7 +80,7 @@ def _quantized(model, scheme):
                          ids=["fp32", "int8", "int4", "bf16", "bf16-dot"])
 def test_fused_layer_is_bitwise_the_per_op_path(tiny_dir, monkeypatch, arch, scheme, mode):
     model = _quantized(load_model(tiny_dir(arch), torch.float32), scheme)
-    ids = torch.randint(0, 1000, (1, MAX_ROWS + 14), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 1000, (1, MAX_ROWS + 18), generator=torch.Generator().manual_seed(0))
     want, want_cache, _ = _run(model, ids, monkeypatch, "per-op")
     got, got_cache, calls = _run(model, ids, monkeypatch, mode)
     n_layers = len(model.layers)

@@ -73,11 +73,32 @@ class BatchKV:
         j = t - (T - n_t)  # [B, T]
         limit = torch.where(j >= 0, past_t + j + 1, torch.ones_like(j))  # pad rows: key 0 only
         mask = torch.arange(self.Lmax)[None, None, :] < limit[:, :, None]  # [B, T, Lmax]
+        self.tails = self._tails(mask, past, num_new, T, row_masks)
         for b, tree in enumerate(row_masks or ()):
             if tree is not None:  # a token tree: its own ancestor mask among the new tokens
                 p, n = past[b], num_new[b]
                 mask[b, T - n:, p:p + n] = tree
         return mask[:, None]  # [B, 1, T, Lmax]
+
+    def _tails(self, chains, past, num_new, T, row_masks) -> tuple | None:
+        """For the attention kernel, when a row is a tree: (mask [B, T, Lmax] with each tree row's root path
+        laid out by depth, tail_start [B, T], tail_path [B, T, T]), as FusedAttention's (attention.c)."""
+        from specdec.spec.tree import root_path_columns
+        trees = [(b, root_path_columns(m)) for b, m in enumerate(row_masks or ()) if m is not None]
+        trees = [(b, paths) for b, paths in trees if paths is not None]
+        if not trees:
+            return None
+        B = len(past)
+        mask = chains.clone()
+        start = torch.full((B, T), self.Lmax, dtype=torch.long)  # Lmax: read the columns as they are
+        path = torch.zeros(B, T, T, dtype=torch.long)
+        for b, (vis, p_b) in trees:
+            p, n = past[b], num_new[b]
+            mask[b, T - n:, p:p + n] = vis
+            start[b, T - n:] = p
+            path[b, T - n:] = p  # past the tree's columns (never seen): its root's
+            path[b, T - n:, :n] = p + p_b
+        return mask, start, path
 
     def attention_mask(self, block_mask, num_new: int) -> torch.Tensor:
         return self.mask

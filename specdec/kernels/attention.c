@@ -10,7 +10,8 @@
  * is the same sequence of operations whatever shares its loads (each score one dot product with a
  * fixed reduction tree, a split's softmax sum over aligned 8-lane chunks, each output element one FMA
  * chain over the split's keys, ascending, the splits folded in order), so a verify pass over k+1
- * tokens gives bitwise the same rows as k+1 single-token passes (batch invariance, as gemv.c).
+ * tokens gives bitwise the same rows as k+1 single-token passes (batch invariance, as gemv.c). A tree
+ * row reads its keys by position (tail_path below), so it equals the single-token passes over its root path.
  * SmolLM2-135M, 30 layers of attention after 1024 cached tokens (2-vCPU AMD EPYC Zen 4, the kernels
  * before and after interleaved in one process, medians of 25): T = 1 / 5 / 8 / 16 new tokens
  * 3.42 / 6.49 / 9.61 / 15.18 ms unsplit, 2.66 / 5.06 / 7.17 / 12.43 ms split.
@@ -21,6 +22,10 @@
  * kc, vc: [Hkv, max_len, D]      this layer's cache; new k/v are written at [past, past + T)
  * mask:  [T, T] uint8 or NULL    which new tokens each new token sees (NULL: causal)
  * out:   [T, Hq * D]             attention output, heads concatenated (o_proj's input layout)
+ * tail_start, tail_path: NULL, or a tree pass's root paths (Remap in attention_split.h): new token t
+ *        reads its virtual column c >= tail_start[t] at column tail_path[t, c - tail_start[t]] (c - start <
+ *        tail_width), and mask row t is then its root path laid out by depth (columns of its ancestors).
+ *        A tree row is then bitwise the single-token pass at its position (specdec.spec.tree.root_path_columns).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -65,15 +70,29 @@ static void write_kv(const float *qkv, const float *cos, const float *sin, const
 static int64_t unit_queries(const float *qkv, const float *cos, const float *sin, const int64_t *pos, int64_t t0,
                             int64_t lo, int64_t hi, int64_t g, int64_t group, int64_t Hq, int64_t Hkv, int64_t D,
                             const uint8_t *vis_rows, int64_t vis_len, float *out, float *q, const uint8_t **vis,
-                            float **outs) {
+                            float **outs, int64_t *tokens) {
     const int64_t row = (Hq + 2 * Hkv) * D;
     for (int64_t i = lo; i < hi; i++) {
         const int64_t t = t0 + i / group, h = g * group + i % group;
         rope(qkv + t * row + h * D, cos + pos[t] * D, sin + pos[t] * D, q + (i - lo) * D, D);
         vis[i - lo] = vis_rows + (i / group) * vis_len;
         outs[i - lo] = out + t * Hq * D + h * D;
+        tokens[i - lo] = t;
     }
     return hi - lo;
+}
+
+/* The queries' remaps (NULL: none) from the tokens' tail_start / tail_path rows; L: no remap. */
+static void unit_remaps(const int64_t *tail_start, const int64_t *tail_path, int64_t width, int64_t L,
+                        const int64_t *tokens, int64_t nq, Remap *rms, const Remap **rm) {
+    for (int64_t m = 0; m < nq; m++) {
+        const int64_t t = tokens[m];
+        rm[m] = NULL;
+        if (tail_start != NULL && tail_start[t] < L) {
+            rms[m] = (Remap){tail_start[t], width, tail_path + t * width};
+            rm[m] = &rms[m];
+        }
+    }
 }
 
 /* One attention call's work: B rows (B = 1 and gather == NULL: the static cache, vis rows [T, L];
@@ -87,10 +106,11 @@ typedef struct {
     const int64_t *pos;
     const float *kc, *vc;
     const int64_t *new_slot, *gather;
+    const int64_t *tail_start, *tail_path; /* [B T], [B T, tail_width] or NULL */
     const uint8_t *vis; /* static: [T, L] visibility; paged: the [B, T, L] mask */
     float *out, *parts;
     _Atomic int64_t *remaining;
-    int64_t B, T, L, Hq, Hkv, D, max_len, group, per_set, units, nsplits;
+    int64_t B, T, L, Hq, Hkv, D, max_len, group, per_set, units, nsplits, tail_width;
     float scale;
     _Atomic int failed;
 } AttendJob;
@@ -113,18 +133,22 @@ static void attend_share(void *ctx, int64_t me, int64_t nth) {
         const int64_t u = i % j->units, unit = (b * j->Hkv + g) * j->units + u;
         const uint8_t *vis[MAX_Q];
         float *outs[MAX_Q], *part[MAX_Q];
+        int64_t tokens[MAX_Q];
+        Remap rms[MAX_Q];
+        const Remap *rm[MAX_Q];
         const int64_t nq = unit_queries(j->qkv, j->cos, j->sin, j->pos, b * j->T, u * j->per_set / j->units,
                                         (u + 1) * j->per_set / j->units, g, j->group, j->Hq, j->Hkv, D,
-                                        j->vis + b * j->T * j->L, j->L, j->out, q, vis, outs);
+                                        j->vis + b * j->T * j->L, j->L, j->out, q, vis, outs, tokens);
+        unit_remaps(j->tail_start, j->tail_path, j->tail_width, j->L, tokens, nq, rms, rm);
         for (int64_t m = 0; m < nq; m++) /* query row r = (outs[m] - out) / D: its partials */
             part[m] = j->nsplits == 1 ? local + m * PART(D) : j->parts + ((outs[m] - j->out) / D * j->nsplits + s) * PART(D);
         const int64_t j0 = s * KEY_SPLIT, j1 = j0 + KEY_SPLIT < j->L ? j0 + KEY_SPLIT : j->L;
         if (paged)
-            attend_split(q, nq, vis, part, j->kc + g * D, j->vc + g * D, j->gather + b * j->L, j->Hkv * D, j0, j1, D,
-                         j->scale, buf);
+            attend_split(q, nq, vis, part, j->kc + g * D, j->vc + g * D, j->gather + b * j->L, rm, j->Hkv * D, j0,
+                         j1, D, j->scale, buf);
         else
-            attend_split(q, nq, vis, part, j->kc + g * j->max_len * D, j->vc + g * j->max_len * D, NULL, D, j0, j1,
-                         D, j->scale, buf);
+            attend_split(q, nq, vis, part, j->kc + g * j->max_len * D, j->vc + g * j->max_len * D, NULL, rm, D, j0,
+                         j1, D, j->scale, buf);
         if (j->nsplits > 1 && atomic_fetch_sub_explicit(&j->remaining[unit], 1, memory_order_acq_rel) != 1)
             continue; /* another split of this unit is still to come: its finisher folds */
         for (int64_t m = 0; m < nq; m++)
@@ -154,7 +178,7 @@ static int run_job(AttendJob *job, int64_t work) {
 int specdec_attention_f32(const float *qkv, const float *cos, const float *sin, const int64_t *pos,
                           float *kc, float *vc, const uint8_t *mask, float *out,
                           int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t past, int64_t max_len,
-                          float scale) {
+                          float scale, const int64_t *tail_start, const int64_t *tail_path, int64_t tail_width) {
     const int64_t group = Hq / Hkv, n_keys = past + T, nsplits = (n_keys + KEY_SPLIT - 1) / KEY_SPLIT;
     const int64_t per_set = T * group, units = units_per_set(per_set, nsplits);
     /* 1. rotary on k, write k and v of the new tokens into the cache */
@@ -167,8 +191,8 @@ int specdec_attention_f32(const float *qkv, const float *cos, const float *sin, 
         for (int64_t j = 0; j < T; j++) vis_rows[t * n_keys + past + j] = mask ? mask[t * T + j] : j <= t;
     }
     /* 3. softmax(q k^T * scale) v for every query, a unit of one kv head's queries at a time */
-    AttendJob job = {qkv, cos, sin, pos, kc, vc, NULL, NULL, vis_rows, out, NULL, NULL, 1, T, n_keys, Hq, Hkv, D,
-                     max_len, group, per_set, units, nsplits, scale, 0};
+    AttendJob job = {qkv, cos, sin, pos, kc, vc, NULL, NULL, tail_start, tail_path, vis_rows, out, NULL, NULL, 1, T,
+                     n_keys, Hq, Hkv, D, max_len, group, per_set, units, nsplits, tail_width, scale, 0};
     const int rc = run_job(&job, Hq * T * n_keys * D);
     free(vis_rows);
     return rc;
@@ -182,17 +206,19 @@ int specdec_attention_f32(const float *qkv, const float *cos, const float *sin, 
  * pos:      [B, T]               positions of the new tokens (rotary)
  * mask:     [B, T, L] uint8      which key columns each query column sees (chain, tree or padding)
  * out:      [B, T, Hq * D]
+ * tail_start, tail_path: NULL or [B, T], [B, T, tail_width]: trees' root paths, as above (absolute columns)
  * A row's value depends only on its own keys, visited in column order with the same dot products
  * and aligned-8 exponentials as above, so it does not depend on B, T, L or the other rows. */
 int specdec_paged_attention_f32(const float *qkv, const float *cos, const float *sin, const int64_t *pos,
                                 float *kc, float *vc, const int64_t *new_slot, const int64_t *gather,
                                 const uint8_t *mask, float *out, int64_t B, int64_t T, int64_t L, int64_t Hq,
-                                int64_t Hkv, int64_t D, float scale) {
+                                int64_t Hkv, int64_t D, float scale, const int64_t *tail_start,
+                                const int64_t *tail_path, int64_t tail_width) {
     const int64_t group = Hq / Hkv, nsplits = (L + KEY_SPLIT - 1) / KEY_SPLIT, slot = Hkv * D;
     const int64_t per_set = T * group, units = units_per_set(per_set, nsplits);
     for (int64_t bt = 0; bt < B * T; bt++)
         if (new_slot[bt] >= 0) write_kv(qkv, cos, sin, pos, kc, vc, bt, Hq, Hkv, D, new_slot[bt] * slot, D);
-    AttendJob job = {qkv, cos, sin, pos, kc, vc, new_slot, gather, mask, out, NULL, NULL, B, T, L, Hq, Hkv, D, 0,
-                     group, per_set, units, nsplits, scale, 0};
+    AttendJob job = {qkv, cos, sin, pos, kc, vc, new_slot, gather, tail_start, tail_path, mask, out, NULL, NULL, B, T,
+                     L, Hq, Hkv, D, 0, group, per_set, units, nsplits, tail_width, scale, 0};
     return run_job(&job, B * Hq * T * L * D);
 }

@@ -17,6 +17,7 @@ import torch
 from specdec.cache.kv_cache import KVCache
 from specdec.cache.paged_cache import BatchKV
 from specdec.kernels import MAX_ROWS, load_kernels
+from specdec.spec.tree import root_path_columns
 
 PAGED_ROWS = 128  # rows (B x T, padding included) per paged kernel call: a wider pass goes in column groups
 KEY_SPLIT = 128  # attention_split.h's: the kernel keeps a partial softmax per query and split of this many keys
@@ -36,9 +37,10 @@ def _load():
     """The kernel library with this module's functions declared, or None."""
     lib, _ = load_kernels()
     if lib is not None:
-        lib.specdec_attention_f32.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 6 + [ctypes.c_float]
+        tail = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]  # tail_start, tail_path, tail_width
+        lib.specdec_attention_f32.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 6 + [ctypes.c_float] + tail
         lib.specdec_attention_f32.restype = ctypes.c_int
-        lib.specdec_paged_attention_f32.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int64] * 6 + [ctypes.c_float]
+        lib.specdec_paged_attention_f32.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int64] * 6 + [ctypes.c_float] + tail
         lib.specdec_paged_attention_f32.restype = ctypes.c_int
     return lib
 
@@ -59,12 +61,22 @@ class FusedAttention:
         self.mask = None if block_mask is None else block_mask.to(torch.uint8).contiguous()  # [T, T]
         self.cache = cache
         self.past = cache.length
+        # a tree: each row reads its root path in the columns of its positions (attention.c's tail_path)
+        self.tail_start = self.tail_path = None
+        paths = None if block_mask is None else root_path_columns(block_mask)
+        if paths is not None:
+            vis, path = paths
+            self.mask = vis.to(torch.uint8).contiguous()  # [T, T]: columns 0..depth of the root path
+            self.tail_start = torch.full((len(path),), self.past, dtype=torch.int64)  # [T]
+            self.tail_path = (self.past + path).contiguous()  # [T, T]
         self.layer_shapes = {}  # layer.c's descriptions of this pass (specdec.kernels.layer), made once
 
     @classmethod
     def build(cls, rotary, positions: torch.Tensor, block_mask, cache, x: torch.Tensor) -> "FusedAttention | None":
         B, T = positions.shape
         D = rotary.cos.shape[1]
+        if block_mask is not None and tuple(block_mask.shape) != (T, T):
+            raise ValueError(f"block_mask must be [{T}, {T}] for {T} new tokens, got {list(block_mask.shape)}")
         if (type(cache) is not KVCache or B != 1 or cache.length + T > cache.max_len
                 or (T > MAX_ROWS and block_mask is not None)
                 or not _kernel_applies(rotary, positions, x, cache.k.dtype)
@@ -82,13 +94,16 @@ class FusedAttention:
         out = torch.empty(1, T, n_heads * head_dim, dtype=torch.float32)
         k, v = self.cache.k[layer, 0], self.cache.v[layer, 0]  # [Hkv, max_len, D], contiguous
         width, lib = qkv.shape[-1], _load()
-        for start in range(0, T, MAX_ROWS):
+        tail = (None, None, 0) if self.tail_path is None else (self.tail_start.data_ptr(), self.tail_path.data_ptr(),
+                                                               self.tail_path.shape[-1])
+        for start in range(0, T, MAX_ROWS):  # (a masked pass, so a tree, is at most MAX_ROWS rows: one call)
             rows = min(MAX_ROWS, T - start)
             rc = lib.specdec_attention_f32(
                 qkv.data_ptr() + 4 * start * width, self.cos.data_ptr(), self.sin.data_ptr(),
                 self.positions.data_ptr() + 8 * start, k.data_ptr(), v.data_ptr(),
                 None if self.mask is None else self.mask.data_ptr(), out.data_ptr() + 4 * start * out.shape[-1],
-                rows, n_heads, n_kv, head_dim, self.past + start, self.cache.max_len, 1.0 / math.sqrt(head_dim))
+                rows, n_heads, n_kv, head_dim, self.past + start, self.cache.max_len, 1.0 / math.sqrt(head_dim),
+                *tail)
             if rc != 0:
                 raise MemoryError("attention kernel: out of memory for its score buffer")
         return out
@@ -106,7 +121,9 @@ class PagedAttention:
         new_slot[cache.rows, cache.cols] = cache.new_slots
         self.new_slot = new_slot  # [B, T], -1 on padding
         self.gather = cache.gather.contiguous()  # [B, L]
-        self.mask = cache.mask[:, 0].to(torch.uint8).contiguous()  # [B, T, L]
+        # [B, T, L]; with trees, their rows' root paths by depth, read through tail_path (as FusedAttention)
+        self.mask = (cache.mask[:, 0] if cache.tails is None else cache.tails[0]).to(torch.uint8).contiguous()
+        self.tail_start, self.tail_path = (None, None) if cache.tails is None else cache.tails[1:]
         # the real tokens' places b * T + t in the grid, ascending; None without padding (layer.c can then
         # run the linears on these rows alone: specdec.kernels.layer)
         real = cache.rows * T + cache.cols  # [N]
@@ -131,18 +148,21 @@ class PagedAttention:
         B, T, _ = qkv.shape
         cols = max(1, PAGED_ROWS // B)
         if T <= cols:
-            return self._attend(qkv.contiguous(), self.positions, self.new_slot, self.mask, layer, n_heads, n_kv,
-                                head_dim)
+            return self._attend(qkv.contiguous(), self.positions, self.new_slot, self.mask, self.tail_start,
+                                self.tail_path, layer, n_heads, n_kv, head_dim)
         out = torch.empty(B, T, n_heads * head_dim, dtype=torch.float32)
         for t0 in range(0, T, cols):  # earlier columns' keys are in the pool when later ones attend
             t1 = min(T, t0 + cols)
+            tails = (None, None) if self.tail_path is None else (self.tail_start[:, t0:t1].contiguous(),
+                                                                 self.tail_path[:, t0:t1].contiguous())
             out[:, t0:t1] = self._attend(qkv[:, t0:t1].contiguous(), self.positions[:, t0:t1].contiguous(),
                                          self.new_slot[:, t0:t1].contiguous(), self.mask[:, t0:t1].contiguous(),
-                                         layer, n_heads, n_kv, head_dim)
+                                         *tails, layer, n_heads, n_kv, head_dim)
         return out
 
-    def _attend(self, qkv, positions, new_slot, mask, layer, n_heads, n_kv, head_dim) -> torch.Tensor:
-        """One kernel call over qkv [B, t, .] with its columns' positions, new slots and mask rows."""
+    def _attend(self, qkv, positions, new_slot, mask, tail_start, tail_path, layer, n_heads, n_kv,
+                head_dim) -> torch.Tensor:
+        """One kernel call over qkv [B, t, .] with its columns' positions, new slots, mask rows and tails."""
         B, T, _ = qkv.shape
         out = torch.empty(B, T, n_heads * head_dim, dtype=torch.float32)
         k, v = self.cache.pool.k[layer], self.cache.pool.v[layer]  # [num_slots, Hkv, D]
@@ -150,7 +170,9 @@ class PagedAttention:
         rc = _load().specdec_paged_attention_f32(
             qkv.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(), positions.data_ptr(), k.data_ptr(),
             v.data_ptr(), new_slot.data_ptr(), self.gather.data_ptr(), mask.data_ptr(), out.data_ptr(),
-            B, T, L, n_heads, n_kv, head_dim, 1.0 / math.sqrt(head_dim))
+            B, T, L, n_heads, n_kv, head_dim, 1.0 / math.sqrt(head_dim),
+            *((None, None, 0) if tail_path is None else (tail_start.data_ptr(), tail_path.data_ptr(),
+                                                         tail_path.shape[-1])))
         if rc != 0:
             raise MemoryError("paged attention kernel: out of memory for its score buffer")
         return out

@@ -9,6 +9,23 @@
 #include <math.h>
 #include "common.h"
 
+/* A query's key columns in the order of their positions. A tree pass writes its new tokens' keys at
+ * columns past, past + 1, .. in node order, so a node's ancestors are not contiguous (siblings sit between
+ * them) and near a multiple of KEY_SPLIT one may fall in the next split. A tree row's virtual column
+ * c >= start (= past) reads column path[c - start] instead (while c - start < width; its visibility row
+ * sees c <= its position): its root path laid out by depth, which is where a single-token pass at its
+ * position finds those keys, so its score lanes, splits and FMA chains are that pass's
+ * (specdec.spec.tree.root_path_columns). NULL: the columns as they are. */
+typedef struct {
+    int64_t start, width;
+    const int64_t *path;
+} Remap;
+
+static inline int64_t key_row(const int64_t *gather, const Remap *rm, int64_t j) {
+    const int64_t col = rm && j >= rm->start && j - rm->start < rm->width ? rm->path[j - rm->start] : j;
+    return gather ? gather[col] : col;
+}
+
 #ifdef __AVX2__
 /* exp(x) for x <= 0 in 8 lanes (Cephes-style: 2^n * poly(r), ~2 ulp), 0 where x = -inf. Applied
  * to aligned chunks of 8 scores, so a score's value never depends on how many keys a row has. */
@@ -62,7 +79,7 @@ static inline void dots_1x4(const float *q, const float *const k[4], int64_t D, 
 static inline __attribute__((always_inline)) void pv_chunk(const float *s0, const float *s1, const float *vc,
                                                             const int64_t *gather, int64_t stride, int64_t base,
                                                             int64_t j0, int64_t j1, int64_t c, const int NR,
-                                                            float *o0, float *o1) {
+                                                            float *o0, float *o1, const Remap *rm) {
     __m256 a[2][4];
     for (int r = 0; r < NR; r++) {
         a[0][r] = _mm256_loadu_ps(o0 + c + 8 * r);
@@ -70,7 +87,7 @@ static inline __attribute__((always_inline)) void pv_chunk(const float *s0, cons
     }
     if (s1)
         for (int64_t j = j0; j < j1; j++) {
-            const float *v = vc + (gather ? gather[j] : j) * stride + c;
+            const float *v = vc + key_row(gather, rm, j) * stride + c;
             const __m256 w0 = _mm256_broadcast_ss(s0 + (j - base)), w1 = _mm256_broadcast_ss(s1 + (j - base));
             for (int r = 0; r < NR; r++) {
                 const __m256 vv = _mm256_loadu_ps(v + 8 * r);
@@ -80,7 +97,7 @@ static inline __attribute__((always_inline)) void pv_chunk(const float *s0, cons
         }
     else
         for (int64_t j = j0; j < j1; j++) {
-            const float *v = vc + (gather ? gather[j] : j) * stride + c;
+            const float *v = vc + key_row(gather, rm, j) * stride + c;
             const __m256 w0 = _mm256_broadcast_ss(s0 + (j - base));
             for (int r = 0; r < NR; r++) a[0][r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v + 8 * r), a[0][r]);
         }
@@ -176,19 +193,24 @@ static float softmax_numerators(float *s, const uint8_t *vis, int64_t n_keys, in
  * row_j * stride (row_j = gather[j], or j when gather is NULL), likewise for v. scores: nq * KEY_SPLIT
  * floats of scratch. */
 static void attend_split(const float *q, int64_t nq, const uint8_t *const *vis, float *const *part, const float *kc,
-                         const float *vc, const int64_t *gather, int64_t stride, int64_t j0, int64_t j1, int64_t D,
-                         float scale, float *scores) {
+                         const float *vc, const int64_t *gather, const Remap *const *rm, int64_t stride, int64_t j0,
+                         int64_t j1, int64_t D, float scale, float *scores) {
 #define ROW(base, j) ((base) + (gather ? gather[j] : (j)) * stride)
+#define QROW(base, m, j) ((base) + key_row(gather, rm[m], j) * stride)
     const int64_t n = j1 - j0, padded = (n + 7) / 8 * 8;
+    int64_t shared = j1; /* columns before this are every query's own (no remap): their loads are shared */
+    for (int64_t m = 0; m < nq; m++)
+        if (rm[m] && rm[m]->start < shared) shared = rm[m]->start;
     for (int64_t b0 = j0; b0 < j1; b0 += KEY_BLOCK) { /* 1. scores of the visible keys */
         const int64_t b1 = b0 + KEY_BLOCK < j1 ? b0 + KEY_BLOCK : j1;
+        const int64_t bs = shared < b0 ? b0 : shared < b1 ? shared : b1;
         for (int64_t m = 0; m < nq; m += 2) {
             const int two = m + 1 < nq;
             float *s0 = scores + m * KEY_SPLIT, *s1 = s0 + KEY_SPLIT; /* column j at [j - j0] */
             int64_t j = b0;
 #ifdef __AVX2__
             if (D % 8 == 0)
-                for (; j + 4 <= b1; j += 4) {
+                for (; j + 4 <= bs; j += 4) {
                     if (!any4(vis[m] + j) && !(two && any4(vis[m + 1] + j))) continue; /* masked below */
                     const float *k[4] = {ROW(kc, j), ROW(kc, j + 1), ROW(kc, j + 2), ROW(kc, j + 3)};
                     if (m == 0) /* the values these keys weigh, on their way while the scores are made */
@@ -198,9 +220,9 @@ static void attend_split(const float *q, int64_t nq, const uint8_t *const *vis, 
                     else dots_1x4(q + m * D, k, D, s0 + (j - j0));
                 }
 #endif
-            for (; j < b1; j++) {
-                if (vis[m][j]) s0[j - j0] = dot(q + m * D, ROW(kc, j), D);
-                if (two && vis[m + 1][j]) s1[j - j0] = dot(q + (m + 1) * D, ROW(kc, j), D);
+            for (; j < b1; j++) { /* the same dot products, one key at a time: the rest, and remapped keys */
+                if (vis[m][j]) s0[j - j0] = dot(q + m * D, QROW(kc, m, j), D);
+                if (two && vis[m + 1][j]) s1[j - j0] = dot(q + (m + 1) * D, QROW(kc, m + 1, j), D);
             }
         }
     }
@@ -210,9 +232,10 @@ static void attend_split(const float *q, int64_t nq, const uint8_t *const *vis, 
     }
     for (int64_t b0 = j0; b0 < j1; b0 += KEY_BLOCK) { /* 3. the weighted values, block by block */
         const int64_t b1 = b0 + KEY_BLOCK < j1 ? b0 + KEY_BLOCK : j1;
+        const int64_t bs = shared < b0 ? b0 : shared < b1 ? shared : b1;
 #ifdef __AVX2__
         if (D % 8 == 0) {
-            for (int64_t m = 0; m < nq; m += 2) {
+            for (int64_t m = 0; m < nq && b0 < bs; m += 2) { /* [b0, bs): pairs share each value load */
                 const int two = m + 1 < nq && part[m + 1][0] != -INFINITY;
                 if (part[m][0] == -INFINITY && !two) continue;
                 /* a query with nothing visible here has weights of 0 on no set key: it pairs as s1 = NULL */
@@ -221,8 +244,16 @@ static void attend_split(const float *q, int64_t nq, const uint8_t *const *vis, 
                 const float *s0 = scores + a * KEY_SPLIT, *s1 = first && two ? scores + (m + 1) * KEY_SPLIT : NULL;
                 float *o0 = part[a] + 2, *o1 = first && two ? part[m + 1] + 2 : NULL;
                 int64_t c = 0;
-                for (; c + 32 <= D; c += 32) pv_chunk(s0, s1, vc, gather, stride, j0, b0, b1, c, 4, o0, o1);
-                for (; c < D; c += 8) pv_chunk(s0, s1, vc, gather, stride, j0, b0, b1, c, 1, o0, o1);
+                for (; c + 32 <= D; c += 32) pv_chunk(s0, s1, vc, gather, stride, j0, b0, bs, c, 4, o0, o1, NULL);
+                for (; c < D; c += 8) pv_chunk(s0, s1, vc, gather, stride, j0, b0, bs, c, 1, o0, o1, NULL);
+            }
+            for (int64_t m = 0; m < nq && bs < b1; m++) { /* [bs, b1): each query its own keys, in order */
+                if (part[m][0] == -INFINITY) continue;
+                int64_t c = 0;
+                for (; c + 32 <= D; c += 32)
+                    pv_chunk(scores + m * KEY_SPLIT, NULL, vc, gather, stride, j0, bs, b1, c, 4, part[m] + 2, NULL, rm[m]);
+                for (; c < D; c += 8)
+                    pv_chunk(scores + m * KEY_SPLIT, NULL, vc, gather, stride, j0, bs, b1, c, 1, part[m] + 2, NULL, rm[m]);
             }
             continue;
         }
@@ -230,10 +261,11 @@ static void attend_split(const float *q, int64_t nq, const uint8_t *const *vis, 
         for (int64_t m = 0; m < nq; m++) {
             if (part[m][0] == -INFINITY) continue;
             for (int64_t j = b0; j < b1; j++)
-                if (scores[m * KEY_SPLIT + j - j0] != 0.f) axpy(scores[m * KEY_SPLIT + j - j0], ROW(vc, j), part[m] + 2, D);
+                if (scores[m * KEY_SPLIT + j - j0] != 0.f) axpy(scores[m * KEY_SPLIT + j - j0], QROW(vc, m, j), part[m] + 2, D);
         }
     }
 #undef ROW
+#undef QROW
 }
 
 /* out[D] = a query's attention from its partials [nsplits, PART(D)], folded in ascending order (splits

@@ -48,6 +48,8 @@ typedef struct {
     const int64_t *new_slot, *gather; /* paged: [B, T] pool slot of each new token (-1: padding), [B, L] */
     int64_t num_real;                 /* paged, packed: rows of x (0: x is the whole grid) */
     const int64_t *real_index;        /* [num_real] ascending places in the [B * T] grid */
+    const int64_t *tail_start, *tail_path; /* a tree's root paths (attention.c) or NULL */
+    int64_t tail_width;
 } LayerShape;
 
 void specdec_linear_f32(const float *x, const float *W, const float *bias, float *y, int64_t T, int64_t K, int64_t N);
@@ -59,11 +61,13 @@ int specdec_qlinear_i4(const float *x, const uint8_t *q, const uint16_t *scales,
                        const float *bias, float *y, int64_t T, int64_t K, int64_t N, int64_t G);
 int specdec_attention_f32(const float *qkv, const float *cos, const float *sin, const int64_t *pos,
                           float *kc, float *vc, const uint8_t *mask, float *out, int64_t T, int64_t Hq,
-                          int64_t Hkv, int64_t D, int64_t past, int64_t max_len, float scale);
+                          int64_t Hkv, int64_t D, int64_t past, int64_t max_len, float scale,
+                          const int64_t *tail_start, const int64_t *tail_path, int64_t tail_width);
 int specdec_paged_attention_f32(const float *qkv, const float *cos, const float *sin, const int64_t *pos,
                                 float *kc, float *vc, const int64_t *new_slot, const int64_t *gather,
                                 const uint8_t *mask, float *out, int64_t B, int64_t T, int64_t L, int64_t Hq,
-                                int64_t Hkv, int64_t D, float scale);
+                                int64_t Hkv, int64_t D, float scale, const int64_t *tail_start,
+                                const int64_t *tail_path, int64_t tail_width);
 void specdec_rmsnorm_f32(const float *x, const float *w, float *y, int64_t T, int64_t H, float eps);
 void specdec_silu_mul_f32(const float *gu, float *y, int64_t T, int64_t I);
 
@@ -104,9 +108,10 @@ static int attention(const float *qkv, const LayerWeights *w, const LayerShape *
     if (s->B > 0)
         return specdec_paged_attention_f32(qkv, s->cos, s->sin, s->pos, w->k_cache, w->v_cache, s->new_slot,
                                            s->gather, s->mask, out, s->B, s->T, s->L, s->Hq, s->Hkv, s->D,
-                                           s->scale);
+                                           s->scale, s->tail_start, s->tail_path, s->tail_width);
     return specdec_attention_f32(qkv, s->cos, s->sin, s->pos, w->k_cache, w->v_cache, s->mask, out, s->T, s->Hq,
-                                 s->Hkv, s->D, s->past, s->max_len, s->scale);
+                                 s->Hkv, s->D, s->past, s->max_len, s->scale, s->tail_start, s->tail_path,
+                                 s->tail_width);
 }
 
 /* Packed rows: the [num_real, n] rows `real` into their places of the [grid, n] `padded`, whose padding

@@ -40,7 +40,8 @@ class _LayerShape(ctypes.Structure):
                 ("T", c_int64), ("H", c_int64), ("Hq", c_int64), ("Hkv", c_int64), ("D", c_int64),
                 ("past", c_int64), ("max_len", c_int64), ("eps", c_float), ("scale", c_float),
                 ("B", c_int64), ("L", c_int64), ("new_slot", c_void_p), ("gather", c_void_p),
-                ("num_real", c_int64), ("real_index", c_void_p)]
+                ("num_real", c_int64), ("real_index", c_void_p),
+                ("tail_start", c_void_p), ("tail_path", c_void_p), ("tail_width", c_int64)]
 
 
 @functools.cache
@@ -207,11 +208,18 @@ def _run(indexed: list, x: torch.Tensor, fused, owner, keep: Sequence[int], pack
 def _layer_shape(fused, T: int, H: int, Hq: int, Hkv: int, D: int, eps: float) -> _LayerShape:
     return _LayerShape(fused.cos.data_ptr(), fused.sin.data_ptr(), fused.positions.data_ptr(),
                        None if fused.mask is None else fused.mask.data_ptr(), T, H, Hq, Hkv, D, fused.past,
-                       fused.cache.max_len, eps, 1.0 / math.sqrt(D), 0, 0, None, None, 0, None)
+                       fused.cache.max_len, eps, 1.0 / math.sqrt(D), 0, 0, None, None, 0, None, *_tails(fused))
 
 
 def _paged_shape(fused, T: int, H: int, Hq: int, Hkv: int, D: int, eps: float) -> _LayerShape:
     B, L = fused.gather.shape
     return _LayerShape(fused.cos.data_ptr(), fused.sin.data_ptr(), fused.positions.data_ptr(),
                        fused.mask.data_ptr(), T, H, Hq, Hkv, D, 0, 0, eps, 1.0 / math.sqrt(D), B, L,
-                       fused.new_slot.data_ptr(), fused.gather.data_ptr(), 0, None)
+                       fused.new_slot.data_ptr(), fused.gather.data_ptr(), 0, None, *_tails(fused))
+
+
+def _tails(fused) -> tuple:
+    """A tree pass's root paths for the attention kernel (tail_start, tail_path, tail_width), or none."""
+    if fused.tail_path is None:
+        return None, None, 0
+    return fused.tail_start.data_ptr(), fused.tail_path.data_ptr(), fused.tail_path.shape[-1]

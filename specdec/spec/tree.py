@@ -49,6 +49,26 @@ def tree_mask(parents: list[int]) -> torch.Tensor:
     return mask
 
 
+def root_path_columns(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """How the attention kernel reads a tree pass's new keys in the order of their positions, as plain
+    decoding does (specdec/kernels/attention.c): None when every row's ancestors are columns 0..depth
+    already (a chain), else
+
+        vis   [T, T] bool   row r sees columns 0..depth_r: its root path, laid out by depth
+        path  [T, T] int64  path[r, d] = the column of row r's ancestor at depth d; past depth_r, d itself
+
+    mask: [T, T] tree_mask (parents before children, so ancestors ascend with depth)."""
+    T = mask.shape[0]
+    cols = torch.arange(T)
+    depth = mask.sum(dim=1) - 1  # [T]
+    ancestors = torch.where(mask, cols[None], T + cols[None]).sort(dim=1).values  # visible columns first
+    vis = cols[None] <= depth[:, None]  # [T, T]
+    path = torch.where(vis, ancestors, cols[None])
+    if torch.equal(path, cols[None].expand(T, T)):
+        return None
+    return vis, path.to(torch.int64)
+
+
 def children_of(parents: list[int]) -> list[list[int]]:
     """children[r] = rows whose parent row is r, in proposal order."""
     kids: list[list[int]] = [[] for _ in range(1 + len(parents))]
