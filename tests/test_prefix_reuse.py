@@ -73,8 +73,8 @@ def test_reuse_equals_cold_tiny(tiny_dir, method):
     _equal_runs(warm_results, _session(cold, llm_.tokenizer))
     cached = [r.num_cached_tokens for r in warm_results]
     assert cached[0] == 0 and all(c >= MIN_REUSE for c in cached[1:]), cached
-    if method != "recycle":  # (recycle verifies trees: its earlier answer's rows are not kept)
-        assert cached[1] > len(_requests(llm_.tokenizer)[0][0])  # the first answer's rows were reused too
+    # the first answer's rows were reused too (recycle's: an accepted tree path, tests/test_tree_rows.py)
+    assert cached[1] > len(_requests(llm_.tokenizer)[0][0])
     assert cached[3] == len(_requests(llm_.tokenizer)[3][0]) - 1  # a repeat reuses all but the last token
 
 
@@ -130,9 +130,10 @@ def test_the_session_test_catches_rows_that_depend_on_the_pass(tiny_dir, monkeyp
 
 
 def test_reuse_equals_cold_real_model(smollm_dir):
-    """SmolLM2-135M: plain and EAGLE-3 (trees, features of the computed rows only) in fp32, plain in bf16
-    where the CPU has bf16 dot products (prompt rows only)."""
-    runs = [("float32", None), ("float32", {"method": "eagle3"})]
+    """SmolLM2-135M: plain and an EAGLE-3 tree (features of the computed rows only; the earlier answer's
+    accepted tree paths reused) in fp32, plain in bf16 where the CPU has bf16 dot products (prompt rows
+    only)."""
+    runs = [("float32", None), ("float32", {"method": "eagle3", "eagle_topk": 2, "num_steps": 3})]
     runs += [("bfloat16", None)] if cpu_has_bf16() else []
     for dtype, spec in runs:
         llm_ = LLM(str(smollm_dir), speculative_config=spec, dtype=dtype, progress=False, max_model_len=1024)
@@ -140,6 +141,8 @@ def test_reuse_equals_cold_real_model(smollm_dir):
         warm_results = _session(warm, llm_.tokenizer)
         _equal_runs(warm_results, _session(cold, llm_.tokenizer))
         assert all(r.num_cached_tokens >= MIN_REUSE for r in warm_results[1:]), (dtype, spec)
+        if dtype == "float32":  # decoded rows kept: the second request reuses the first one's answer
+            assert warm_results[1].num_cached_tokens > len(_requests(llm_.tokenizer)[0][0]), spec
 
 
 def test_engine_prompt_rows_do_not_depend_on_its_chunking(tiny_dir):

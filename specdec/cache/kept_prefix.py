@@ -11,8 +11,8 @@ bitwise the keys and values a cold pass would compute. Which rows qualify (`reus
   "prompt"  bf16 weights on a CPU with bf16 dot products: a prompt's pass rounds its matmuls (oneDNN)
             and decode passes do not, so only rows written by prompt passes are kept;
   None      anything else (q/k-norm models, quantized weights, GPUs, no compiled kernels): never reused.
-A request that verified a token tree keeps its prompt rows only (a kept tree path was written at other
-key columns, where the attention's key splits can group it differently).
+A token tree's accepted path is kept like a chain's: its rows read their root paths' keys by position
+(attention.c), so each equals the single-token pass at its position (tests/test_tree_rows.py).
 """
 from __future__ import annotations
 
@@ -81,9 +81,9 @@ class KeptPrefix:
         cache.rollback(n)
         return cache, n
 
-    def keep(self, cache: KVCache, token_ids: list[int], prompt_len: int, verified_tree: bool) -> None:
+    def keep(self, cache: KVCache, token_ids: list[int], prompt_len: int) -> None:
         """After a request finished: keep its cache for the next one (token_ids: its prompt + output)."""
         if self.level is None:
             return
-        n = cache.length if self.level == "all" and not verified_tree else min(prompt_len, cache.length)
+        n = cache.length if self.level == "all" else min(prompt_len, cache.length)
         self._kept = _Kept(list(token_ids[:n]), cache)

@@ -132,7 +132,6 @@ class SpeculativeDecoder:
         # the previous request's KV cache, for a next prompt that shares its prefix (cache/kept_prefix.py);
         # off by default here (the bench times cold prompts), on in LLM
         self.prefix = KeptPrefix(target) if prefix_caching else None
-        self._verified_tree = False
 
     def _check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
@@ -234,7 +233,6 @@ class SpeculativeDecoder:
         prefill_time = time.perf_counter() - t0
         if self.proposer is not None:
             self.proposer.begin(state, TargetOutput(res, list(range(n - cached))))
-        self._verified_tree = False
         try:
             while out.finish_reason is None:
                 self._step(state, cache, out, metrics, adaptive)
@@ -243,7 +241,7 @@ class SpeculativeDecoder:
                 self.proposer.end(state)
         decode_time = time.perf_counter() - t0 - prefill_time
         if self.prefix is not None:  # (not after an error: the cache may hold a half-written pass)
-            self.prefix.keep(cache, state.token_ids, n, self._verified_tree)
+            self.prefix.keep(cache, state.token_ids, n)
         return GenerationResult(list(prompt_ids), state.output_ids, out.text, out.finish_reason, metrics,
                                 prefill_time, decode_time, out.logprobs if params.logprobs is not None else None,
                                 out.stop_reason, cached, prompt_lps)
@@ -277,7 +275,6 @@ class SpeculativeDecoder:
         row_argmax = fwd.row_argmax if logits is raw else None
         if proposal.is_tree:
             from specdec.spec.tree import verify_tree
-            self._verified_tree = True
             verdict, rows = verify_tree(proposal, logits, state.params, state.generator, row_argmax)
             cache.keep([start + r for r in rows], start)  # the accepted path, packed after the prefix
         else:
