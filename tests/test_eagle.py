@@ -384,3 +384,46 @@ def test_a_head_starts_each_request_fresh(tiny, tmp_path):
     first._accepted, first._tested, first.acceptance = 0.01, 1.0, 0.01
     spec.generate_one(ids, params)
     assert spec.decoder.last_adaptive is not first and spec.decoder.last_adaptive.acceptance > 0.3
+
+
+def test_a_heads_catchup_is_priced_as_step_overhead_not_per_drafted_token(tiny, tmp_path, monkeypatch):
+    """The head digests the rows accepted since it last drafted when it next drafts. That catch-up is
+    reported apart (take_catchup): the prompt's digest prices nothing, a step's few rows are the step's
+    overhead, and the drafted tokens are priced at the rest. (Counted per drafted token, a real prompt's
+    digest made an EAGLE-3 head's first step cost 12 ms a token and kept it off for 15 steps.)"""
+    import time as time_mod
+
+    from specdec.llm import LLM
+    from specdec.proposers import eagle as eagle_mod
+    from specdec.spec.adaptive import AdaptiveK, Choice
+
+    d, plain = tiny
+    head = random_head(plain.model, "eagle3", tmp_path / "head", draft_vocab=512)
+    spec = LLM(str(d), dtype="float32", progress=False,
+               speculative_config={"method": "eagle3", "model": str(head), "num_steps": 4})
+    commit = eagle_mod.Eagle3Proposer._commit
+    DIGEST_ROW = 0.004  # seconds a digested row costs (slept), far above the head's own
+
+    def slow_commit(self, work):
+        time_mod.sleep(DIGEST_ROW * sum(len(toks) for _, _, toks in work))
+        return commit(self, work)
+
+    monkeypatch.setattr(eagle_mod.Eagle3Proposer, "_commit", slow_commit)
+    reported, observed = [], []
+    take, observe = eagle_mod.Eagle3Proposer.take_catchup, AdaptiveK.observe_step
+    monkeypatch.setattr(eagle_mod.Eagle3Proposer, "take_catchup", lambda self: reported.append(take(self)) or reported[-1])
+    monkeypatch.setattr(AdaptiveK, "choose", lambda self, *args: Choice(2, False))  # draft on every step
+    monkeypatch.setattr(AdaptiveK, "observe_step", lambda self, n, draft, other, model=True: (
+        observed.append((n, draft, other)), observe(self, n, draft, other, model))[1])
+    ids = plain.tokenizer.encode("Hello there, 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20")
+    r = spec.generate_one(ids, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    assert r.token_ids == plain.generate_one(ids, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)).token_ids
+    drafting = [(rep, obs) for rep, obs in zip(reported, observed) if obs[0] > 0]
+    assert drafting
+    (seconds, rows), (n, draft, other) = drafting[0]
+    assert rows >= len(ids) - 1 and seconds >= DIGEST_ROW * rows  # the first proposal digests the prompt
+    assert draft < DIGEST_ROW and other < DIGEST_ROW  # ... which prices nothing
+    steady = [(rep, obs) for rep, obs in drafting[1:] if 0 < rep[1] <= spec.decoder.k_max + 1]
+    assert steady
+    for (seconds, rows), (n, draft, other) in steady:
+        assert other >= seconds >= DIGEST_ROW * rows and draft < DIGEST_ROW  # the step's overhead

@@ -18,6 +18,7 @@ Greedy and tree proposals are deterministic (verified as one-hot drafts); a samp
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -89,6 +90,7 @@ class _EagleBase(Proposer):
         self.draft_ids = self.head.draft_ids  # [Vd] target id per draft id
         self.num_steps, self.topk = cfg.num_steps, cfg.eagle_topk
         self.budget = cfg.num_draft_tokens - 1  # drafted nodes (SGLang counts the root token too)
+        self._catchup = (0.0, 0)  # seconds and rows of digests since take_catchup last reported them
         # a CUDA-graphed target (the single-request decoder on a GPU): the head's passes are graphed too
         self.graphed = None
         if isinstance(ctx.target, GraphedModel):
@@ -210,7 +212,18 @@ class _EagleBase(Proposer):
         """Digest the rows the target accepted since each request last drafted (one head pass for all)."""
         work = [(state, *rows) for state in states if (rows := self._take_pending(state)) is not None]
         if work:
-            self._commit(work)
+            self._timed_commit(work)
+
+    def _timed_commit(self, work: list[tuple[RequestState, torch.Tensor, list[int]]]) -> None:
+        """_commit, its time and rows added to the catch-up take_catchup reports."""
+        t0 = time.perf_counter()
+        self._commit(work)  # (on a GPU, the time to queue it: the verify pass's synchronize waits for it)
+        seconds, rows = self._catchup
+        self._catchup = (seconds + time.perf_counter() - t0, rows + sum(len(toks) for _, _, toks in work))
+
+    def take_catchup(self) -> tuple[float, int]:
+        catchup, self._catchup = self._catchup, (0.0, 0)
+        return catchup
 
     def _graphed_proposal(self, state: RequestState, k: int, tree: bool) -> Proposal | None:
         """This step's proposal through the head's graphs: the digest and the whole chain (k of num_steps
@@ -219,7 +232,7 @@ class _EagleBase(Proposer):
         st = state.draft
         rows = self._take_pending(state)
         if rows is not None and len(rows[1]) > TOKEN_BUCKETS[-1]:  # a prompt's first digest: its own pass
-            self._commit([(state, *rows)])
+            self._timed_commit([(state, *rows)])
             rows = None
         st["cache"].length = st["len"]
         feats, tokens = rows if rows is not None else (None, [])

@@ -66,6 +66,9 @@ class HybridProposer(Proposer):
     def tree_shares(self) -> list[float] | None:
         return self.model.tree_shares()
 
+    def take_catchup(self) -> tuple[float, int]:
+        return self.model.take_catchup()
+
     def begin(self, state: RequestState, prefill: TargetOutput | None = None) -> None:
         self.model.begin(_view(state, "model"), prefill)
         self.lookup.begin(_view(state, "lookup"), prefill)

@@ -128,6 +128,13 @@ class Proposer(ABC):
         """Up to k tokens from the model drafter alone (a pairing's without its lookup)."""
         return self.propose(state, k)
 
+    def take_catchup(self) -> tuple[float, int]:
+        """(seconds, rows) the last proposal spent catching up on rows the target accepted before it
+        (a head digesting its queued features), reset to (0, 0): adaptive k prices that as the step's
+        overhead, not per drafted token (spec/decoder.py). (0.0, 0) for a proposer that catches up
+        elsewhere (a draft model's, in on_verified) or not at all."""
+        return 0.0, 0
+
     def tree_shares(self) -> list[float] | None:
         """A static-tree drafter's prior chance that each node it drafts lies on the accepted path, in
         drafting order (a step drafting k nodes drafts the first k); adaptive k prices a tree of k nodes
