@@ -75,7 +75,8 @@ def hf_logits(directory: Path, ids: list[int]) -> torch.Tensor:
 
 
 def full_pass(model, ids: list[int]) -> torch.Tensor:
-    return model(torch.tensor([ids]), torch.arange(len(ids))[None], model.new_cache(64)).logits[0]
+    """A prompt's pass (one SDPA call a layer under the sliding_mask: see RowAttention for the others)."""
+    return model(torch.tensor([ids]), torch.arange(len(ids))[None], model.new_cache(64), prefill=True).logits[0]
 
 
 @pytest.mark.parametrize("softcap", [None, 3.0])
@@ -336,3 +337,43 @@ def test_real_cli_generate(gemma_real):
     out = json.loads(r.stdout.strip().splitlines()[-1])
     want = gemma_real.generate("The three primary colors are", SamplingParams(temperature=0, max_tokens=16))[0]
     assert out["token_ids"] == want.outputs[0].token_ids and len(out["token_ids"]) == 16
+
+
+def _single_token_rows(model, prompt, tokens, parents):
+    """Each row's logits from single-token passes over its root path: plain decoding's passes."""
+    paths = [[0]]
+    for j, par in enumerate(parents):
+        paths.append(paths[par + 1] + [j + 1])
+    rows = []
+    for path in paths:
+        cache = model.new_cache(64)
+        model(torch.tensor([prompt]), torch.arange(len(prompt))[None], cache, prefill=True)
+        for node in path:
+            out = model(torch.tensor([[tokens[node]]]), torch.tensor([[cache.length]]), cache).logits[0, -1]
+        rows.append(out)
+    return torch.stack(rows)
+
+
+def _verify_rows(model, prompt, tokens, parents):
+    from specdec.spec.tree import tree_mask, tree_positions
+    cache = model.new_cache(64)
+    model(torch.tensor([prompt]), torch.arange(len(prompt))[None], cache, prefill=True)
+    chain = parents == list(range(-1, len(parents) - 1))
+    return model(torch.tensor([tokens]), (len(prompt) + tree_positions(parents))[None], cache,
+                 block_mask=None if chain else tree_mask(parents)).logits[0]
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3"])  # the torch attention path: q/k norms (both), windows
+def test_verify_rows_equal_single_token_passes(gemma_dir, tiny_dir, arch, monkeypatch):
+    """A chain and a tree past the sliding window (6): every row bitwise what plain decoding computes,
+    as RowAttention attends each row alone; one batched SDPA call (the control) does not give that."""
+    from specdec.model import row_attention
+
+    model = load_model(gemma_dir() if arch == "gemma3" else tiny_dir("qwen3"))
+    prompt, tokens = IDS[:12], [IDS[12], 777] + IDS[13:20]
+    cases = [list(range(-1, 7)), [-1, -1, 1, 2, 3, 4, 5, 6]]  # a chain of 9 rows; a tree whose leaf 777 splits it
+    for parents in cases:
+        assert torch.equal(_verify_rows(model, prompt, tokens, parents), _single_token_rows(model, prompt, tokens, parents))
+    monkeypatch.setattr(row_attention.RowAttention, "build", classmethod(lambda cls, *a: None))
+    assert any(not torch.equal(_verify_rows(model, prompt, tokens, p), _single_token_rows(model, prompt, tokens, p))
+               for p in cases)

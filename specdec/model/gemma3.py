@@ -29,6 +29,7 @@ from specdec.config import ConfigError, ModelConfig
 from specdec.kernels import linear
 from specdec.model.layers import RMSNorm, Rotary, apply_rotary, rounded_linear, sdpa
 from specdec.model.llama import ForwardOutput
+from specdec.model.row_attention import RowAttention
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -61,7 +62,10 @@ class Gemma3Layer(torch.nn.Module):
         v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         k_all, v_all = cache.write(layer_idx, k, v)  # [B, Hkv, past+T, D]
-        attn = sdpa(q, k_all, v_all, mask, scale=self.scale, enable_gqa=True)
+        if isinstance(mask, tuple):  # (RowAttention, window): row by row, as single-token passes
+            attn = mask[0].attend(q, k_all, v_all, scale=self.scale, window=mask[1])
+        else:
+            attn = sdpa(q, k_all, v_all, mask, scale=self.scale, enable_gqa=True)
         attn = attn.transpose(1, 2).reshape(B, T, -1)  # [B, T, Hq D]
         x = x + self.post_attn_norm(rounded_linear(attn, self.o_proj.weight, None, dt))
         gate, up = rounded_linear(self.pre_ffn_norm(x), self.gate_up.weight, None, dt).chunk(2, dim=-1)  # [B, T, I]
@@ -132,6 +136,9 @@ class Gemma3Model(torch.nn.Module):
         kinds = {self.layer_types[i] for i in layer_ids}
         full = cache.attention_mask(block_mask, T)  # paged caches make their own
         masks = {FULL: full, SLIDING: self.sliding_mask(full, positions, cache) if SLIDING in kinds else None}
+        rows = RowAttention.build(full, positions, cache, prefill)  # decode / verify: row by row
+        if rows is not None:  # each row's window is made as a single-token pass makes it
+            masks = {FULL: (rows, None), SLIDING: (rows, self.config.sliding_window)}
         rope = {kind: (self.rotary if kind == FULL else self.rotary_local)(positions, x.dtype) for kind in kinds}
         kept = {} if output_layers else None
         for i in layer_ids:

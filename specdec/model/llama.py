@@ -21,6 +21,7 @@ from specdec.kernels import linear, silu_mul
 from specdec.kernels.attention import FusedAttention, fused_attention
 from specdec.kernels.layer import decoder_layer, decoder_layers, packs, unpack
 from specdec.model.layers import RMSNorm, Rotary, apply_rotary, grouped_sdpa, rounded_linear, sdpa
+from specdec.model.row_attention import RowAttention
 
 
 @dataclass
@@ -87,8 +88,10 @@ class DecoderLayer(torch.nn.Module):
         B, T, _ = qkv.shape
         q, k, v = self.heads(qkv, cos, sin)
         k_all, v_all = cache.write(layer_idx, k, v)  # [B, Hkv, past+T, D]
-        # mask None: one token (sees everything), or a prompt into an empty cache (causal, T == S)
-        attn = sdpa(q, k_all, v_all, mask, is_causal=mask is None and T > 1, enable_gqa=True)
+        if isinstance(mask, RowAttention):  # row by row, each as a single-token pass (row_attention.py)
+            attn = mask.attend(q, k_all, v_all)
+        else:  # mask None: one token (sees everything), or a prompt into an empty cache (causal, T == S)
+            attn = sdpa(q, k_all, v_all, mask, is_causal=mask is None and T > 1, enable_gqa=True)
         return attn.transpose(1, 2).reshape(B, T, -1)
 
     def attention_static(self, qkv, cos, sin, cache: KVCache, layer_idx: int, slots, mask) -> torch.Tensor:
@@ -148,6 +151,8 @@ class LlamaModel(torch.nn.Module):
             # a prompt into an empty cache is plain causal: None lets SDPA skip the masked half
             prompt = type(cache) is KVCache and cache.length == 0 and block_mask is None
             mask = None if prompt else cache.attention_mask(block_mask, T)  # paged caches make their own
+            rows = RowAttention.build(mask, positions, cache, prefill)  # decode / verify: row by row
+            mask = mask if rows is None else rows
         else:
             cos = sin = mask = None
         layer_ids = list(range(len(self.layers)) if layers is None else layers)
