@@ -233,6 +233,7 @@ class SpeculativeDecoder:
         prefill_time = time.perf_counter() - t0
         if self.proposer is not None:
             self.proposer.begin(state, TargetOutput(res, list(range(n - cached))))
+            self.proposer.take_catchup()  # not this request's (the serving engine's proposals never take it)
         try:
             while out.finish_reason is None:
                 self._step(state, cache, out, metrics, adaptive)
