@@ -1,0 +1,82 @@
+"""A differential sweep: every speculative configuration's greedy output against plain greedy decoding
+on a real model and the benchmark's prompts, in one process. Not a test (minutes per dtype), a net for
+numerics: session 30's sweep found a tree row and the torch attention path leaving plain decoding at
+near ties, which the tiny models' tests had not shown (docs/benchmarks/methods.md, session 30).
+
+    python scripts/sweep_exactness.py --model smollm2-135m --dtype bfloat16 --prompts-per-category 2
+    python scripts/sweep_exactness.py --model gemma3-270m --configs '[{"method": "ngram"}]'
+
+Prints each configuration's mismatches (category, prompt, first differing token) and exits 1 if any.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from specdec.bench.prompts import CATEGORIES, build_prompts
+from specdec.config import ConfigError, SpeculativeConfig
+from specdec.llm import LLM
+from specdec.sampling_params import SamplingParams
+from specdec.spec.decoder import SpeculativeDecoder
+from specdec.spec.proposer import ProposerContext, make_proposer
+
+CONFIGS = [{"method": "ngram"}, {"method": "ngram", "num_speculative_tokens": 7}, {"method": "suffix"},
+           {"method": "lookahead"}, {"method": "layerskip"}, {"method": "qdraft"},
+           {"method": "qdraft", "lookup": "ngram"}, {"method": "eagle3"}, {"method": "eagle3", "lookup": "ngram"},
+           {"method": "eagle3", "eagle_topk": 3, "num_steps": 4, "num_draft_tokens": 10},
+           {"method": "medusa"}, {"method": "recycle"}]
+
+
+def decoder(llm: LLM, config: dict | None) -> SpeculativeDecoder:
+    """A decoder over llm's target (shared) with its own proposer; no kept prefix (cold prompts)."""
+    cfg = SpeculativeConfig.from_dict(config)
+    proposer = None
+    if cfg is not None:
+        proposer = make_proposer(ProposerContext(llm.model, llm.tokenizer, cfg, llm.source.directory, llm.dtype,
+                                                 llm.model.max_len, llm._load_aux))
+    return SpeculativeDecoder(llm.model, llm.tokenizer, proposer, cfg, prefix_caching=False)
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--prompts-per-category", type=int, default=2)
+    ap.add_argument("--categories", default=",".join(CATEGORIES))
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--configs", default=None, help="JSON list of speculative_config dicts (default: CONFIGS)")
+    args = ap.parse_args()
+    llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, progress=False)
+    prompts = build_prompts(llm.tokenizer, args.prompts_per_category, tuple(args.categories.split(",")))
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    plain = decoder(llm, None)
+    reference = [plain.generate(p.token_ids, params).token_ids for p in prompts]
+    mismatches = 0
+    for config in json.loads(args.configs) if args.configs else CONFIGS:
+        t0 = time.perf_counter()
+        try:
+            spec = decoder(llm, config)
+        except (ConfigError, OSError, ValueError) as e:  # a drafter this model cannot have (no shipped head, ...)
+            print(f"skipped {json.dumps(config)}: {e}")
+            continue
+        found = []
+        for p, want in zip(prompts, reference):
+            got = spec.generate(p.token_ids, params).token_ids
+            if got != want:
+                found.append(f"{p.category} {p.source} @{first_difference(want, got)}")
+        mismatches += len(found)
+        print(f"{json.dumps(config)}: {len(found)} of {len(prompts)} differ ({time.perf_counter() - t0:.0f} s)"
+              + "".join(f"\n    {f}" for f in found), flush=True)
+    print(f"{args.model} {args.dtype}: {mismatches} mismatches")
+    return 1 if mismatches else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
