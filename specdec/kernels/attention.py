@@ -45,6 +45,13 @@ def _load():
     return lib
 
 
+def tail_args(tail_start: torch.Tensor | None, tail_path: torch.Tensor | None) -> tuple:
+    """A tree pass's root paths as the kernels take them (tail_start, tail_path, tail_width), or none."""
+    if tail_path is None:
+        return None, None, 0
+    return tail_start.data_ptr(), tail_path.data_ptr(), tail_path.shape[-1]
+
+
 def _kernel_applies(rotary, positions: torch.Tensor, x: torch.Tensor, kv_dtype: torch.dtype) -> bool:
     """What both attention kernels need: fp32 on the CPU, positions inside the rotary tables, the library."""
     return (x.dtype is torch.float32 and x.device.type == "cpu" and kv_dtype is torch.float32
@@ -94,8 +101,7 @@ class FusedAttention:
         out = torch.empty(1, T, n_heads * head_dim, dtype=torch.float32)
         k, v = self.cache.k[layer, 0], self.cache.v[layer, 0]  # [Hkv, max_len, D], contiguous
         width, lib = qkv.shape[-1], _load()
-        tail = (None, None, 0) if self.tail_path is None else (self.tail_start.data_ptr(), self.tail_path.data_ptr(),
-                                                               self.tail_path.shape[-1])
+        tail = tail_args(self.tail_start, self.tail_path)
         for start in range(0, T, MAX_ROWS):  # (a masked pass, so a tree, is at most MAX_ROWS rows: one call)
             rows = min(MAX_ROWS, T - start)
             rc = lib.specdec_attention_f32(
@@ -171,8 +177,7 @@ class PagedAttention:
             qkv.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(), positions.data_ptr(), k.data_ptr(),
             v.data_ptr(), new_slot.data_ptr(), self.gather.data_ptr(), mask.data_ptr(), out.data_ptr(),
             B, T, L, n_heads, n_kv, head_dim, 1.0 / math.sqrt(head_dim),
-            *((None, None, 0) if tail_path is None else (tail_start.data_ptr(), tail_path.data_ptr(),
-                                                         tail_path.shape[-1])))
+            *tail_args(tail_start, tail_path))
         if rc != 0:
             raise MemoryError("paged attention kernel: out of memory for its score buffer")
         return out

@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 
 from specdec.kernels import MAX_ROWS, load_kernels
-from specdec.kernels.attention import PAGED_ROWS, FusedAttention, PagedAttention
+from specdec.kernels.attention import PAGED_ROWS, FusedAttention, PagedAttention, tail_args
 
 LIN_F32, LIN_I8, LIN_I4, LIN_BF16, LIN_BF16_DOT = 0, 1, 2, 3, 4
 
@@ -208,18 +208,14 @@ def _run(indexed: list, x: torch.Tensor, fused, owner, keep: Sequence[int], pack
 def _layer_shape(fused, T: int, H: int, Hq: int, Hkv: int, D: int, eps: float) -> _LayerShape:
     return _LayerShape(fused.cos.data_ptr(), fused.sin.data_ptr(), fused.positions.data_ptr(),
                        None if fused.mask is None else fused.mask.data_ptr(), T, H, Hq, Hkv, D, fused.past,
-                       fused.cache.max_len, eps, 1.0 / math.sqrt(D), 0, 0, None, None, 0, None, *_tails(fused))
+                       fused.cache.max_len, eps, 1.0 / math.sqrt(D), 0, 0, None, None, 0, None,
+                       *tail_args(fused.tail_start, fused.tail_path))
 
 
 def _paged_shape(fused, T: int, H: int, Hq: int, Hkv: int, D: int, eps: float) -> _LayerShape:
     B, L = fused.gather.shape
     return _LayerShape(fused.cos.data_ptr(), fused.sin.data_ptr(), fused.positions.data_ptr(),
                        fused.mask.data_ptr(), T, H, Hq, Hkv, D, 0, 0, eps, 1.0 / math.sqrt(D), B, L,
-                       fused.new_slot.data_ptr(), fused.gather.data_ptr(), 0, None, *_tails(fused))
+                       fused.new_slot.data_ptr(), fused.gather.data_ptr(), 0, None,
+                       *tail_args(fused.tail_start, fused.tail_path))
 
-
-def _tails(fused) -> tuple:
-    """A tree pass's root paths for the attention kernel (tail_start, tail_path, tail_width), or none."""
-    if fused.tail_path is None:
-        return None, None, 0
-    return fused.tail_start.data_ptr(), fused.tail_path.data_ptr(), fused.tail_path.shape[-1]
