@@ -65,6 +65,7 @@ class BatchKV:
         self.new_slots = torch.cat(new_slots)  # [N] N = sum(num_new)
         self.rows, self.cols, self.key_cols = torch.tensor(rows), torch.tensor(cols), torch.tensor(key_cols)
         self.mask = self._mask(past, num_new, T, row_masks)
+        self.tails = self._tails(past, num_new, T, row_masks)
 
     def _mask(self, past, num_new, T, row_masks) -> torch.Tensor:
         # query column t of row b is new token j = t - (T - n_b); a chain sees keys < past_b + j + 1
@@ -73,14 +74,13 @@ class BatchKV:
         j = t - (T - n_t)  # [B, T]
         limit = torch.where(j >= 0, past_t + j + 1, torch.ones_like(j))  # pad rows: key 0 only
         mask = torch.arange(self.Lmax)[None, None, :] < limit[:, :, None]  # [B, T, Lmax]
-        self.tails = self._tails(mask, past, num_new, T, row_masks)
         for b, tree in enumerate(row_masks or ()):
             if tree is not None:  # a token tree: its own ancestor mask among the new tokens
                 p, n = past[b], num_new[b]
                 mask[b, T - n:, p:p + n] = tree
         return mask[:, None]  # [B, 1, T, Lmax]
 
-    def _tails(self, chains, past, num_new, T, row_masks) -> tuple | None:
+    def _tails(self, past, num_new, T, row_masks) -> tuple | None:
         """For the attention kernel, when a row is a tree: (mask [B, T, Lmax] with each tree row's root path
         laid out by depth, tail_start [B, T], tail_path [B, T, T]), as FusedAttention's (attention.c)."""
         from specdec.spec.tree import root_path_columns
@@ -89,7 +89,7 @@ class BatchKV:
         if not trees:
             return None
         B = len(past)
-        mask = chains.clone()
+        mask = self.mask[:, 0].clone()  # each tree row's block replaced below
         start = torch.full((B, T), self.Lmax, dtype=torch.long)  # Lmax: read the columns as they are
         path = torch.zeros(B, T, T, dtype=torch.long)
         for b, (vis, p_b) in trees:

@@ -135,10 +135,11 @@ class Gemma3Model(torch.nn.Module):
         layer_ids = range(len(self.layers)) if layers is None else layers
         kinds = {self.layer_types[i] for i in layer_ids}
         full = cache.attention_mask(block_mask, T)  # paged caches make their own
-        masks = {FULL: full, SLIDING: self.sliding_mask(full, positions, cache) if SLIDING in kinds else None}
         rows = RowAttention.build(full, positions, cache, prefill)  # decode / verify: row by row
         if rows is not None:  # each row's window is made as a single-token pass makes it
             masks = {FULL: (rows, None), SLIDING: (rows, self.config.sliding_window)}
+        else:
+            masks = {FULL: full, SLIDING: self.sliding_mask(full, positions, cache) if SLIDING in kinds else None}
         rope = {kind: (self.rotary if kind == FULL else self.rotary_local)(positions, x.dtype) for kind in kinds}
         kept = {} if output_layers else None
         for i in layer_ids:

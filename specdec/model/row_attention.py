@@ -33,12 +33,12 @@ class _Row:
     t: int
     keys: slice | torch.Tensor  # the row's key columns: the first n, or a tree's root path (ascending)
     position: int
-    key_positions: torch.Tensor | None  # [n] sequence positions of those keys (sliding windows)
 
 
 class RowAttention:
-    def __init__(self, rows: list[_Row]):
+    def __init__(self, rows: list[_Row], key_positions):
         self.rows = rows
+        self._key_positions = key_positions  # () -> [B, L] sequence positions of the keys, or None
         self._windows: dict[int, list[torch.Tensor | None]] = {}
 
     @classmethod
@@ -53,25 +53,28 @@ class RowAttention:
                 or torch.is_grad_enabled()):
             return None
         visible = mask.reshape(B if mask.dim() == 4 else 1, T, mask.shape[-1]).expand(B, T, -1)  # [B, T, L]
-        key_positions = getattr(cache, "key_positions", None)
-        kp = key_positions(positions) if key_positions is not None else None  # [B, L]
         pos = positions.tolist()
         rows = []
         for b in range(B):
             for t in range(T):
                 cols = visible[b, t].nonzero().flatten()
                 n = len(cols)
-                keys = slice(0, n) if n and int(cols[-1]) == n - 1 else cols
-                rows.append(_Row(b, t, keys, pos[b][t], None if kp is None else kp[b, keys]))
-        return cls(rows)
+                rows.append(_Row(b, t, slice(0, n) if n and int(cols[-1]) == n - 1 else cols, pos[b][t]))
+        key_positions = getattr(cache, "key_positions", None)  # only a sliding window needs them
+        return cls(rows, None if key_positions is None else lambda: key_positions(positions))
 
     def _window_masks(self, window: int) -> list[torch.Tensor | None]:
         """Per row, what a single-token pass adds in a sliding layer: None while its position is below
         the window, else [1, 1, 1, n] keys at positions > p - window."""
         if window not in self._windows:
-            self._windows[window] = [
-                None if r.position < window or r.key_positions is None
-                else (r.key_positions > r.position - window)[None, None, None, :] for r in self.rows]
+            kp = None
+            if any(r.position >= window for r in self.rows):
+                if self._key_positions is None:
+                    raise ValueError("this cache does not give key positions, which sliding-window attention "
+                                     f"needs past {window} tokens")
+                kp = self._key_positions()  # [B, L]
+            self._windows[window] = [None if r.position < window else
+                                     (kp[r.b, r.keys] > r.position - window)[None, None, None, :] for r in self.rows]
         return self._windows[window]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
