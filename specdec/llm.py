@@ -15,6 +15,7 @@ from specdec.config import SpeculativeConfig
 from specdec.model.cuda_graph import GraphedModel, check_pass_width
 from specdec.model.loader import DEFAULT_MODEL, load_model, resolve_device, resolve_dtype, resolve_model
 from specdec.model.tokenizer import Tokenizer
+from specdec.quant.bf16 import use_amx_tiles
 from specdec.sampling_params import SamplingParams
 from specdec.spec.decoder import GenerationResult, SpeculativeDecoder
 from specdec.spec.metrics import SpecMetrics
@@ -54,10 +55,13 @@ class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, speculative_config: dict | SpeculativeConfig | None = None,
                  dtype: str | torch.dtype = "auto", max_model_len: int | None = None,
                  num_threads: int | None = None, progress: bool = True, device: str = "auto",
-                 enforce_eager: bool = False, pass_width: int = 1, enable_prefix_caching: bool = True):
+                 enforce_eager: bool = False, pass_width: int = 1, enable_prefix_caching: bool = True,
+                 amx: bool = False):
         torch.set_num_threads(num_threads or os.cpu_count() or 1)
         check_pass_width(pass_width)  # a no-op on the CPU, whose kernels are batch-invariant at any width
         self.source, self.model, self.tokenizer = load_target(model, dtype, max_model_len, progress, device)
+        # bf16 on an AMX CPU: decode/verify matmuls on AMX tiles, for this model and its drafters (use_amx_tiles)
+        self.amx = amx and use_amx_tiles(self.model) > 0
         if self.model.device.type == "cuda" and not enforce_eager and hasattr(self.model, "forward_static"):
             self.model = GraphedModel(self.model, pass_width=pass_width)  # decode/verify passes replay CUDA graphs
         self.dtype = self.model.dtype  # the activations' (bf16 on a CPU stores weights in bf16, computes in fp32)
@@ -77,8 +81,9 @@ class LLM:
     def _load_aux(self, name: str):
         """Load another model (a drafter) at the target's dtype and context length."""
         source = resolve_model(name)
-        return (load_model(source.directory, self.load_dtype, self.model.max_len, str(self.model.device)),
-                Tokenizer(source.directory), source)
+        model = load_model(source.directory, self.load_dtype, self.model.max_len, str(self.model.device))
+        use_amx_tiles(model, self.amx)
+        return model, Tokenizer(source.directory), source
 
     def _encode(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -127,6 +132,7 @@ class LLM:
                 "weights": describe(self.model), "activations": str(self.dtype).replace("torch.", ""),
                 "prefill_matmuls": str(self.model.prefill_matmul_dtype or self.dtype).replace("torch.", ""),
                 "matmul_inputs": "bfloat16" if _rounds_inputs(self.model) else str(self.dtype).replace("torch.", ""),
+                "amx_tiles": self.amx,
                 "device": str(self.model.device),
                 "max_model_len": self.model.max_len, "threads": torch.get_num_threads(), "kernels": kernel_status(),
                 "speculative_config": None if self.speculative_config is None else self.speculative_config.method,

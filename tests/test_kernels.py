@@ -68,6 +68,36 @@ def test_bf16_linear_with_rounded_inputs(T, K, N):
     assert kernels.bf16_dot_native() == cpu_has_bf16()  # -march=native builds the vdpbf16ps path where it runs
 
 
+def test_amx_tiles_layout():
+    """amx_tiles: tile (g, b) row r column c is W[16 g + r, 32 b + c], zero past W's edges, every matrix
+    in one buffer in the given order (pure torch: runs on any CPU)."""
+    w1, w2 = torch.randn(37, 70).bfloat16(), torch.randn(16, 32).bfloat16()
+    t1, t2 = kernels.amx_tiles([w1, w2])
+    assert t1.shape == (3, 3, 16, 32) and t2.shape == (1, 1, 16, 32)
+    assert t2.data_ptr() == t1.data_ptr() + 2 * t1.numel()  # one buffer, in order
+    assert torch.equal(t1[1, 2, 3, :6], w1[19, 64:70]) and torch.equal(t1[2, 0, 4], w1[36, :32])
+    assert not t1[2, :, 5:].any() and not t1[:, 2, :, 6:].any()  # rows 37..47 and columns 70..95: zeros
+    assert torch.equal(t2[0, 0], w2)
+
+
+@pytest.mark.parametrize("T,K,N", [(1, 576, 960), (3, 576, 1537), (4, 100, 7), (8, 1536, 576), (16, 64, 64),
+                                   (17, 100, 33), (64, 1536, 577)])
+def test_bf16_linear_on_amx_tiles(T, K, N):
+    """AMX tiles (bf16amx.c): bf16(x) @ float(W)^T with fp32 sums, as vdpbf16ps up to summation order; each
+    row bitwise what it is alone, at widths below, at and above a tile's 16 inputs, and padded edges."""
+    if not kernels.amx_active():
+        pytest.skip("no AMX tiles on this CPU")
+    torch.manual_seed(0)
+    x, w, b = torch.randn(T, K), torch.randn(N, K).bfloat16(), torch.randn(N)
+    tiles, = kernels.amx_tiles([w])
+    got = kernels.linear_bf16(x, w, b, True, tiles)
+    want = F.linear(x.bfloat16().double(), w.double(), b.double())
+    assert (got.double() - want).abs().max().item() < 1e-5 * K ** 0.5 * want.abs().max().item()
+    assert not torch.equal(got, kernels.linear_bf16(x, w, b, True)) or K <= 32  # another summation order
+    rows = torch.cat([kernels.linear_bf16(x[i:i + 1], w, b, True, tiles) for i in range(T)])
+    assert torch.equal(got, rows)
+
+
 @pytest.mark.parametrize("round_inputs", [False, True])
 def test_bf16_linear_takes_wide_passes_in_kernel_sized_parts(round_inputs):
     """More than MAX_ROWS rows: MAX_ROWS per kernel call, so each row is bitwise what it is alone."""

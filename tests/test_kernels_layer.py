@@ -7,7 +7,8 @@ import specdec.model.llama as llama
 from specdec.kernels import MAX_ROWS
 from specdec.kernels import layer as fused_layer
 from specdec.model.loader import load_model
-from specdec.quant.bf16 import Bf16Scheme, set_bf16_inputs
+from specdec.kernels import amx_active
+from specdec.quant.bf16 import Bf16Scheme, set_bf16_inputs, use_amx_tiles
 from specdec.quant.qmodel import quantize_model
 from specdec.quant.schemes import QuantScheme
 from specdec.spec.tree import tree_mask, tree_positions
@@ -62,22 +63,28 @@ def _run(model, ids, monkeypatch, mode: str):
 
 
 BF16_DOT = "bf16 weights, bf16 inputs"  # Bf16Scheme with set_bf16_inputs (bf16dot.c)
+BF16_AMX = "bf16 weights, bf16 inputs, AMX tiles"  # and use_amx_tiles (bf16amx.c; skipped without AMX)
 
 
 def _quantized(model, scheme):
     if scheme is None:
         return model
-    if scheme == BF16_DOT:
+    if scheme in (BF16_DOT, BF16_AMX):
         model = quantize_model(model, Bf16Scheme())
-        assert set_bf16_inputs(model, True) > 0
+        weights = set_bf16_inputs(model, True)
+        assert weights > 0
+        if scheme == BF16_AMX:
+            if not amx_active():
+                pytest.skip("no AMX tiles on this CPU")
+            assert use_amx_tiles(model) == weights
         return model
     return quantize_model(model, scheme)
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
-@pytest.mark.parametrize("scheme", [None, QuantScheme(8, 32, True), QuantScheme(4, 32, False), Bf16Scheme(), BF16_DOT],
-                         ids=["fp32", "int8", "int4", "bf16", "bf16-dot"])
+@pytest.mark.parametrize("scheme", [None, QuantScheme(8, 32, True), QuantScheme(4, 32, False), Bf16Scheme(), BF16_DOT,
+                                    BF16_AMX], ids=["fp32", "int8", "int4", "bf16", "bf16-dot", "bf16-amx"])
 def test_fused_layer_is_bitwise_the_per_op_path(tiny_dir, monkeypatch, arch, scheme, mode):
     model = _quantized(load_model(tiny_dir(arch), torch.float32), scheme)
     ids = torch.randint(0, 1000, (1, MAX_ROWS + 18), generator=torch.Generator().manual_seed(0))
@@ -130,8 +137,8 @@ def _run_paged(model, monkeypatch, mode: str):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("scheme", [None, QuantScheme(4, 32, False), Bf16Scheme(), BF16_DOT],
-                         ids=["fp32", "int4", "bf16", "bf16-dot"])
+@pytest.mark.parametrize("scheme", [None, QuantScheme(4, 32, False), Bf16Scheme(), BF16_DOT, BF16_AMX],
+                         ids=["fp32", "int4", "bf16", "bf16-dot", "bf16-amx"])
 def test_fused_layer_on_the_paged_batch_is_bitwise_the_per_op_path(tiny_dir, monkeypatch, scheme, mode):
     model = _quantized(load_model(tiny_dir("qwen2"), torch.float32), scheme)
     want, _, want_pool, _ = _run_paged(model, monkeypatch, "per-op")

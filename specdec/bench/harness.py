@@ -189,6 +189,7 @@ class BenchConfig:
     max_prompt_tokens: int = 1536
     temperature: float = 0.0  # > 0: every system samples, a seed per prompt (our systems only: peers run greedy)
     repetition_penalty: float = 1.0  # != 1: every system applies it (our systems only)
+    amx: bool = False  # bf16 on an AMX CPU: every model of ours on AMX tiles (quant/bf16.py use_amx_tiles)
 
     @property
     def decoding(self) -> dict:
@@ -222,15 +223,18 @@ def _draft_layers(draft_dir: Path) -> list[int] | None:
     return json.loads(meta.read_text()).get("layers") if meta.exists() else None
 
 
-def _cached_loader(dtype, max_len):
+def _cached_loader(dtype, max_len, amx: bool = False):
     from specdec.model.loader import load_model, resolve_model
     from specdec.model.tokenizer import Tokenizer
+    from specdec.quant.bf16 import use_amx_tiles
     loaded: dict[str, tuple] = {}
 
     def load(name: str):
         if name not in loaded:
             src = resolve_model(name, progress=False)
-            loaded[name] = (load_model(src.directory, dtype, max_len), Tokenizer(src.directory), src)
+            model = load_model(src.directory, dtype, max_len)
+            use_amx_tiles(model, amx)
+            loaded[name] = (model, Tokenizer(src.directory), src)
         return loaded[name]
     return load
 
@@ -275,6 +279,7 @@ def run_dtype(cfg: BenchConfig, dtype_name: str, prompts: list | None, log=print
     from specdec.bench.prompts import CATEGORIES, build_prompts
     from specdec.model.loader import load_model, resolve_dtype, resolve_model
     from specdec.model.tokenizer import Tokenizer
+    from specdec.quant.bf16 import use_amx_tiles
 
     threads = set_threads(cfg.threads)
     dtype = resolve_dtype(dtype_name)
@@ -283,6 +288,7 @@ def run_dtype(cfg: BenchConfig, dtype_name: str, prompts: list | None, log=print
     max_len = cfg.max_prompt_tokens + cfg.max_tokens + 160
     base_rss = rss_mb()
     target = load_model(source.directory, dtype, max_len)
+    amx_tiles = use_amx_tiles(target, cfg.amx)
     target_rss = None if base_rss is None else rss_mb() - base_rss
     tokenizer = Tokenizer(source.directory)
     load_seconds = time.perf_counter() - t0
@@ -297,7 +303,7 @@ def run_dtype(cfg: BenchConfig, dtype_name: str, prompts: list | None, log=print
     result = {"dtype": str(dtype).replace("torch.", ""), "threads": threads, "model_dir": str(source.directory),
               "cost_curve": curve.to_dict(), "bandwidth_gb_s": round(measure_bandwidth(cfg.bandwidth_mb), 2),
               "weight_bytes_per_token": weight_bytes_per_token(target), "base_rss_mb": base_rss,
-              "target_rss_mb": target_rss, "load_seconds": round(load_seconds, 3)}
+              "target_rss_mb": target_rss, "load_seconds": round(load_seconds, 3), "amx_tiles": amx_tiles > 0}
     draft_dir = None
     if cfg.draft_model == "auto":
         draft_dir = auto_draft_dir(source.directory, target, cfg.draft_layers)
@@ -305,7 +311,7 @@ def run_dtype(cfg: BenchConfig, dtype_name: str, prompts: list | None, log=print
         draft_dir = resolve_model(cfg.draft_model, progress=False).directory
     result["draft_model"] = None if draft_dir is None else {"dir": str(draft_dir), "auto": cfg.draft_model == "auto",
                                                              "layers": _draft_layers(draft_dir)}
-    load_aux = _cached_loader(dtype, max_len)
+    load_aux = _cached_loader(dtype, max_len, cfg.amx)
     ours, skipped = our_systems(cfg, target, tokenizer, source.directory, draft_dir, load_aux)
     peers, peer_skips = ([], []) if cfg.peers == () else make_peers(
         source.directory, dtype, threads, max_len + 64, sorted(tokenizer.eos_token_ids), draft_dir, cfg.peers)

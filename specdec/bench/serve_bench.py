@@ -46,6 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--threads", type=int, default=None, help="server CPU threads (default: all cores)")
+    p.add_argument("--amx", action=argparse.BooleanOptionalAction, default=True,
+                   help="bf16 on an AMX CPU: the servers' passes on AMX tiles (serve's default; --no-amx: vdpbf16ps)")
     p.add_argument("--speculative-method", default="ngram",
                    help="the 'on' setting's method; METHOD+LOOKUP pairs a model drafter with a lookup (qdraft+ngram)")
     p.add_argument("--num-speculative-tokens", type=int, default=None, help="fix k (default: adaptive)")
@@ -189,6 +191,7 @@ def start_server(args, speculative: bool) -> tuple[subprocess.Popen, str]:
             str(port), "--max-num-seqs", str(args.max_num_seqs), "--max-queued-requests", "1024"]
     if args.threads:
         argv += ["--threads", str(args.threads)]
+    argv += ["--amx" if args.amx else "--no-amx"]
     if speculative:
         method, lookup = split_method(args.speculative_method)  # "qdraft+ngram": qdraft with an n-gram lookup
         argv += ["--speculative-method", method] + (["--speculative-lookup", lookup] if lookup else [])

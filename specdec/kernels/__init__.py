@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -92,7 +93,7 @@ def prune_builds(newest: Path, keep: int) -> list[Path]:
 
 # every kernel file goes into ONE library, so that all of them share pool.c's worker threads (two
 # pools would spin against each other between a layer stack's call and the LM head's)
-_SOURCES = tuple(_SRC.with_name(f) for f in ("layer.c", "gemv.c", "bf16dot.c", "qgemv.c", "attention.c", "topk.c",
+_SOURCES = tuple(_SRC.with_name(f) for f in ("layer.c", "gemv.c", "bf16dot.c", "bf16amx.c", "qgemv.c", "attention.c", "topk.c",
                                               "pool.c"))
 
 
@@ -106,9 +107,14 @@ def load_kernels() -> tuple[ctypes.CDLL | None, str | None]:
     if os.environ.get("SPECDEC_KERNELS", "1") == "0" or platform.machine() not in ("x86_64", "AMD64"):
         return None, "disabled"
     try:
-        return ctypes.CDLL(str(_build())), None
+        lib = ctypes.CDLL(str(_build()))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         return None, (str(e).splitlines()[0] if str(e) else type(e).__name__)
+    # the kernel's permission for AMX tiles where the CPU has them (bf16amx.c; a model uses them only when
+    # asked: quant/bf16.py use_amx_tiles); SPECDEC_AMX=0 never asks
+    lib.specdec_amx_enable.argtypes = [ctypes.c_int]
+    lib.specdec_amx_enable(int(os.environ.get("SPECDEC_AMX", "1") != "0"))
+    return lib, None
 
 
 def _load():
@@ -122,6 +128,8 @@ def _load():
             lib.specdec_linear_bf16.restype = None
             lib.specdec_linear_bf16_dot.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
             lib.specdec_linear_bf16_dot.restype = ctypes.c_int
+            lib.specdec_linear_bf16_tiles.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+            lib.specdec_linear_bf16_tiles.restype = ctypes.c_int
             lib.specdec_rmsnorm_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
             lib.specdec_rmsnorm_f32.restype = None
             lib.specdec_silu_mul_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
@@ -138,6 +146,8 @@ def kernel_status() -> str:
         return f"torch ({_load_error})"
     lanes = {16: 'AVX-512', 8: 'AVX2'}.get(lib.specdec_gemv_lanes(), 'scalar')
     dot = "bf16 dot products" if lib.specdec_bf16_dot_native() else "bf16 inputs widened"
+    if lib.specdec_amx_active():
+        dot += ", AMX tiles on request"
     return f"gemv.c ({lanes}, {dot}, OpenMP on the main thread, own pool elsewhere; fp32 and bf16 weights)"
 
 
@@ -172,12 +182,13 @@ WIDE_BF16_ROWS = 4 * MAX_ROWS
 
 
 def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                round_inputs: bool = False) -> torch.Tensor | None:
+                round_inputs: bool = False, tiles: torch.Tensor | None = None) -> torch.Tensor | None:
     """x [..., K] fp32 @ weight [N, K] bfloat16 ^T (+ bias) with fp32 sums through the C kernels: the
     weight is widened exactly, so this is F.linear(x, weight.float(), bias) up to summation order; with
     round_inputs, F.linear(x.bfloat16().float(), weight.float(), bias) (bf16dot.c: bf16 dot products where
-    the CPU has them). More than MAX_ROWS rows go MAX_ROWS per kernel call. None where the kernel does not
-    apply (not CPU fp32, autograd, no compiled library; over WIDE_BF16_ROWS rows without round_inputs)."""
+    the CPU has them; tiles: the weight as amx_tiles packed it, multiplied on AMX). More than MAX_ROWS rows
+    go MAX_ROWS per kernel call. None where the kernel does not apply (not CPU fp32, autograd, no compiled
+    library; over WIDE_BF16_ROWS rows without round_inputs)."""
     rows = x.numel() // x.shape[-1]
     if (x.dtype is not torch.float32 or x.device.type != "cpu" or weight.dtype is not torch.bfloat16
             or (rows > WIDE_BF16_ROWS and not round_inputs) or (bias is not None and bias.dtype is not torch.float32)
@@ -187,6 +198,8 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     N, K = weight.shape
     y = torch.empty(*x.shape[:-1], N, dtype=torch.float32)
     run = _lib.specdec_linear_bf16_dot if round_inputs else _lib.specdec_linear_bf16
+    if round_inputs and tiles is not None:
+        run, weight = _lib.specdec_linear_bf16_tiles, tiles
     b = None if bias is None else bias.contiguous().data_ptr()
     # more than MAX_ROWS rows (a wide serving batch, a recomputed chunk): MAX_ROWS at a time, so every row
     # gets the kernel's sums (batch invariance at any width); torch would widen the whole matrix per call
@@ -194,8 +207,33 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     for start in range(0, rows, MAX_ROWS):
         n = min(MAX_ROWS, rows - start)
         if run(x.data_ptr() + 4 * start * K, weight.data_ptr(), b, y.data_ptr() + 4 * start * N, n, K, N):
-            raise MemoryError("bf16dot.c could not allocate its rounded inputs")  # the widening kernel returns None
+            raise MemoryError("bf16dot.c could not allocate its rounded inputs")  # (the widening kernel returns None)
     return y
+
+
+def amx_active() -> bool:
+    """Whether bf16-input matmuls can run on AMX tiles here (bf16amx.c: an Intel CPU with AMX, the kernel's
+    permission, SPECDEC_AMX not 0)."""
+    lib = _load()
+    return lib is not None and bool(lib.specdec_amx_active())
+
+
+def amx_tiles(weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """bf16 [N, K] matrices as bf16amx.c reads them: each [N / 16, K / 32, 16, 32] (a 16 x 32 tile is one
+    1 KB block, a group of 16 rows one sequential stream), zero-padded to whole tiles, all in one buffer
+    in the given order (the order a forward pass reads them: the hardware prefetcher then streams on from
+    one matrix into the next, as it does over the model's own weights; separately allocated, the layers'
+    matmuls of SmolLM2-135M were ~8% slower than vdpbf16ps at one token, in one buffer within ~2%)."""
+    shapes = [((N + 15) // 16, (K + 31) // 32, 16, 32) for N, K in (w.shape for w in weights)]
+    flat = torch.empty(sum(math.prod(s) for s in shapes), dtype=torch.bfloat16)
+    out, offset = [], 0
+    for w, shape in zip(weights, shapes):
+        N, K = w.shape
+        tiles = flat[offset:offset + math.prod(shape)].view(shape)
+        tiles.copy_(F.pad(w, (0, -K % 32, 0, -N % 16)).view(shape[0], 16, shape[1], 32).permute(0, 2, 1, 3))
+        out.append(tiles)
+        offset += tiles.numel()
+    return out
 
 
 def bf16_dot_native() -> bool:

@@ -19,6 +19,8 @@
  * while the input tiles pass over one block the next is prefetched, spread evenly over the tiles (without
  * it the kernel waited on DRAM: T = 1 / 4 rows 12.8 / 18.2 ms instead of 10.4 / 12.5).
  *
+ * Where AMX is on, a matrix packed as tiles goes to bf16amx.c instead (specdec_linear_bf16_tiles).
+ *
  * Without AVX512-BF16 the same function rounds x and calls gemv.c's widening kernel: the same values up
  * to summation order (and batch invariant too), so the semantics can be tested on any x86 machine.
  */
@@ -29,6 +31,8 @@
 
 void specdec_linear_bf16(const float *x, const uint16_t *W, const float *bias, float *y, int64_t T, int64_t K,
                          int64_t N);
+int specdec_amx_linear(const uint16_t *xb, const uint16_t *W, const float *bias, float *y, int64_t T, int64_t K,
+                       int64_t N);
 
 #define DOT_ROWS 4   /* weight rows per tile */
 #define DOT_T 4      /* input rows per tile */
@@ -172,4 +176,19 @@ int specdec_linear_bf16_dot(const float *x, const uint16_t *W, const float *bias
     specdec_linear_bf16(xr, W, bias, y, T, K, N);
 #endif
     return 0;
+}
+
+/* The same product from Wp, W packed as AMX tiles (bf16amx.c): the inputs rounded here, multiplied there.
+ * 0, or -1 where AMX is off or a buffer cannot be allocated. */
+int specdec_linear_bf16_tiles(const float *x, const uint16_t *Wp, const float *bias, float *y, int64_t T, int64_t K,
+                              int64_t N) {
+#if defined(__AVX512BF16__)
+    uint16_t *xb = input_buffer((int64_t)sizeof(uint16_t) * T * K);
+    if (xb == NULL) return -1;
+    round_rows(x, xb, T * K);
+    return specdec_amx_linear(xb, Wp, bias, y, T, K, N);
+#else
+    (void)x, (void)Wp, (void)bias, (void)y, (void)T, (void)K, (void)N;
+    return -1;
+#endif
 }

@@ -22,11 +22,12 @@
 #include <string.h>
 #include "common.h"
 
-enum { LIN_F32 = 0, LIN_I8 = 1, LIN_I4 = 2, LIN_BF16 = 3, LIN_BF16_DOT = 4 };
+enum { LIN_F32 = 0, LIN_I8 = 1, LIN_I4 = 2, LIN_BF16 = 3, LIN_BF16_DOT = 4, LIN_BF16_TILES = 5 };
 
 typedef struct {
-    int64_t kind;                  /* LIN_F32, LIN_I8, LIN_I4, LIN_BF16 or LIN_BF16_DOT (inputs rounded to bf16) */
-    const void *weight;            /* fp32 or bf16 [N, K], or the packed integers */
+    int64_t kind;                  /* LIN_F32, LIN_I8, LIN_I4, LIN_BF16, LIN_BF16_DOT (inputs rounded to bf16) or
+                                      LIN_BF16_TILES (the same on AMX) */
+    const void *weight;            /* fp32 or bf16 [N, K], bf16 packed as AMX tiles, or the packed integers */
     const uint16_t *scales, *zeros; /* fp16 [N, K / G] (packed kinds; zeros may be NULL for int8) */
     const float *bias;             /* [N] or NULL */
     int64_t N, K, G;
@@ -55,6 +56,7 @@ typedef struct {
 void specdec_linear_f32(const float *x, const float *W, const float *bias, float *y, int64_t T, int64_t K, int64_t N);
 void specdec_linear_bf16(const float *x, const uint16_t *W, const float *bias, float *y, int64_t T, int64_t K, int64_t N);
 int specdec_linear_bf16_dot(const float *x, const uint16_t *W, const float *bias, float *y, int64_t T, int64_t K, int64_t N);
+int specdec_linear_bf16_tiles(const float *x, const uint16_t *Wp, const float *bias, float *y, int64_t T, int64_t K, int64_t N);
 int specdec_qlinear_i8(const float *x, const uint8_t *q, const uint16_t *scales, const uint16_t *zeros,
                         const float *bias, float *y, int64_t T, int64_t K, int64_t N, int64_t G);
 int specdec_qlinear_i4(const float *x, const uint8_t *q, const uint16_t *scales, const uint16_t *zeros,
@@ -82,6 +84,7 @@ static int apply(const Linear *l, const float *x, float *y, int64_t T) {
         return 0;
     }
     if (l->kind == LIN_BF16_DOT) return specdec_linear_bf16_dot(x, (const uint16_t *)l->weight, l->bias, y, T, l->K, l->N);
+    if (l->kind == LIN_BF16_TILES) return specdec_linear_bf16_tiles(x, (const uint16_t *)l->weight, l->bias, y, T, l->K, l->N);
     if (l->kind == LIN_I8) return specdec_qlinear_i8(x, l->weight, l->scales, l->zeros, l->bias, y, T, l->K, l->N, l->G);
     return specdec_qlinear_i4(x, l->weight, l->scales, l->zeros, l->bias, y, T, l->K, l->N, l->G);
 }
@@ -188,4 +191,4 @@ int specdec_decoder_layers_f32(float *x, LayerWeights *const *layers, int64_t n,
     return 0;
 }
 
-int specdec_layer_abi(void) { return 6; }
+int specdec_layer_abi(void) { return 7; }

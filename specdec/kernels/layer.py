@@ -22,7 +22,7 @@ import torch
 from specdec.kernels import MAX_ROWS, load_kernels
 from specdec.kernels.attention import PAGED_ROWS, FusedAttention, PagedAttention, tail_args
 
-LIN_F32, LIN_I8, LIN_I4, LIN_BF16, LIN_BF16_DOT = 0, 1, 2, 3, 4
+LIN_F32, LIN_I8, LIN_I4, LIN_BF16, LIN_BF16_DOT, LIN_BF16_TILES = 0, 1, 2, 3, 4, 5
 
 
 class _Linear(ctypes.Structure):
@@ -72,6 +72,9 @@ def _describe(weight, bias: torch.Tensor | None) -> _Linear | None:
     q = getattr(weight, "qweight", None)  # a packed specdec.quant weight: bf16, int8/int4 (not fp8)
     if q is not None and q.dtype is torch.bfloat16 and q.device.type == "cpu" and q.is_contiguous():
         N, K = q.shape
+        tiles = getattr(weight, "tiles", None)
+        if getattr(weight, "round_inputs", False) and tiles is not None:
+            return _Linear(LIN_BF16_TILES, tiles.data_ptr(), None, None, b, N, K, 0)
         kind = LIN_BF16_DOT if getattr(weight, "round_inputs", False) else LIN_BF16
         return _Linear(kind, q.data_ptr(), None, None, b, N, K, 0)
     if q is None or q.device.type != "cpu" or getattr(weight, "bits", None) not in (4, 8):
@@ -103,7 +106,7 @@ def _tensors(layer) -> tuple:
            _member(qkv, "bias")]
     for lin in (qkv, _member(layer, "o_proj"), _member(layer, "gate_up"), _member(layer, "down")):
         w = _member(lin, "weight")
-        out += [w] if isinstance(w, torch.Tensor) else [_member(w, "qweight"), _member(w, "scales")]
+        out += [w] if isinstance(w, torch.Tensor) else [_member(w, "qweight"), _member(w, "scales"), _member(w, "tiles")]
         flags.append(_member(w, "round_inputs"))
     return tuple(None if t is None else t.data_ptr() for t in out) + tuple(flags)
 

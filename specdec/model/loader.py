@@ -99,6 +99,15 @@ def cpu_has_bf16() -> bool:
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
+def cpu_has_amx() -> bool:
+    """Whether the CPU has AMX bf16 tiles (Intel Sapphire Rapids on): oneDNN's bf16 GEMM runs on them there,
+    summing a row differently at 1-32 rows than at more (specdec/cache/kept_prefix.py)."""
+    try:
+        return "amx_bf16" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
 def resolve_device(device: str = "auto") -> str:
     """auto: CUDA when available, else CPU. Asking for CUDA without it is an error, not a fallback."""
     if device == "auto":

@@ -9,7 +9,8 @@ on the CPU, chosen once by the loader (to_cpu_bf16):
   llama.cpp's BF16 matmul does (its CPU vec_dot_type for BF16 is BF16) and as torch's bf16 matmul does.
   Every product is then exact and only the sums round. bf16dot.c runs decode, verify and draft passes on
   vdpbf16ps, twice the multiply-adds of an fp32 FMA: on a 2-vCPU Zen 4 a verify pass over 8 tokens costs
-  ~1.1x a single-token step instead of ~1.8x. A prompt's layer matmuls also round their outputs to bf16
+  ~1.1x a single-token step instead of ~1.8x (on a 2-vCPU Xeon ~1.8x: there `use_amx_tiles` moves them
+  to AMX tiles, bf16amx.c, from a tile-packed copy of each matrix held beside it). A prompt's layer matmuls also round their outputs to bf16
   (prefill_matmul_dtype, oneDNN's bf16 matmul at twice the fp32 FLOP/s: an 867-token prompt 0.87 s
   instead of 1.37 s); attention, norms, residual, cache and the LM head stay fp32 there.
 - without: the input stays fp32 and each weight is widened exactly (a 16-bit shift), so the only rounding
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specdec.kernels import linear_bf16
+from specdec.kernels import amx_active, amx_tiles, linear_bf16
 from specdec.quant.schemes import StoredWeight
 
 
@@ -57,6 +58,9 @@ class Bf16Weight(StoredWeight):
         self.register_buffer("qweight", weight.detach().to(torch.bfloat16).contiguous())  # the stored matrix
         self.compute_dtype = compute_dtype
         self.round_inputs = False  # x rounded to bf16 before the product (set_bf16_inputs)
+        # use_amx_tiles: the matrix packed as AMX tiles (kernels.amx_tiles), what decode and verify passes
+        # read; qweight stays for prompt passes and the embedding. Not a buffer: never saved.
+        self.tiles: torch.Tensor | None = None
 
     def extra_repr(self) -> str:
         inputs = "bf16" if self.round_inputs else "fp32"
@@ -64,7 +68,7 @@ class Bf16Weight(StoredWeight):
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., K] -> [..., N]."""
-        y = linear_bf16(x, self.qweight, bias, self.round_inputs)
+        y = linear_bf16(x, self.qweight, bias, self.round_inputs, self.tiles)
         if y is not None:
             return y
         if self.round_inputs:
@@ -96,8 +100,29 @@ def to_cpu_bf16(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def set_bf16_inputs(model: torch.nn.Module, on: bool) -> int:
-    """Round every Bf16Weight's matmul input to bf16 (on) or not; how many weights it set."""
+    """Round every Bf16Weight's matmul input to bf16 (on) or not; how many weights it set. (Turning the
+    rounding off drops AMX tiles: they multiply rounded inputs.)"""
     weights = [m for m in model.modules() if isinstance(m, Bf16Weight)]
     for w in weights:
         w.round_inputs = on
+        if not on:
+            w.tiles = None
     return len(weights)
+
+
+def use_amx_tiles(model: torch.nn.Module, on: bool = True) -> int:
+    """Run every bf16 matmul with rounded inputs on AMX tiles (on, where the CPU has AMX) or on vdpbf16ps;
+    how many weights now run on tiles. A choice per model, made before it decodes: plain and speculative
+    passes of one model must share it (each kernel is batch-invariant; the two sum in different orders).
+
+    Measured on a 2-vCPU Xeon with AMX, SmolLM2-135M bf16 (docs/benchmarks/methods.md, session 31): a
+    single-token pass ~5% slower than on vdpbf16ps, an 8-token verify pass 1.2x a single-token one
+    instead of 1.8x, the serving engine at 16 sequences ~1.2x the tokens/s; hence off by default, on
+    for `specdec serve`."""
+    weights = [m for m in model.modules() if isinstance(m, Bf16Weight)]  # (in forward order: layer by layer)
+    for w in weights:
+        w.tiles = None
+    packed = [w for w in weights if w.round_inputs and w.qweight.device.type == "cpu"] if on and amx_active() else []
+    for w, tiles in zip(packed, amx_tiles([w.qweight for w in packed])):
+        w.tiles = tiles
+    return len(packed)
