@@ -325,3 +325,19 @@ def test_penalized_bench_applies_the_penalty_and_says_so(tiny_dir, tmp_path):
         ids, SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.8)).token_ids != plain
     _, md = _tiny_bench_refusing_peers(tiny_dir, tmp_path, ("code",), repetition_penalty=1.1)
     assert "repetition penalty 1.1" in md and "--repetition-penalty 1.1" in md
+
+
+def test_auto_draft_from_a_bf16_target(tiny_dir, tmp_path, monkeypatch):
+    """`--dtype bfloat16` alone, with no draft in the cache yet: the layer-truncated copy is cut from the
+    source's weights (a bf16 target's packed weights cannot be saved as a model directory)."""
+    import torch
+
+    from specdec.bench.harness import auto_draft_dir
+    from specdec.model.loader import load_model
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    target = load_model(tiny_dir("llama"), torch.bfloat16)
+    out = auto_draft_dir(tiny_dir("llama"), target, 1)
+    draft, source = load_model(out, torch.float32), load_model(tiny_dir("llama"), torch.float32)
+    kept = json.loads((out / "specdec_draft.json").read_text())["layers"]
+    assert draft.config.num_hidden_layers == len(kept) == 1
+    assert torch.equal(draft.layers[0].qkv.weight, source.layers[kept[0]].qkv.weight)  # fp32, not bf16-rounded

@@ -213,6 +213,9 @@ def auto_draft_dir(source_dir: Path, target, layers: int) -> Path:
     key = hashlib.sha1(f"{source_dir.resolve()}|{st.st_size}|{st.st_mtime_ns}|{kept}".encode()).hexdigest()[:10]
     out = cache_root() / "bench" / "drafts" / f"{source_dir.name}-{how}{n}-{key}"
     if not (out / "tokenizer.json").exists():  # written last by save_model_dir
+        if not isinstance(target.layers[0].qkv.weight, torch.Tensor):  # packed (bf16, int8/int4): from the source
+            from specdec.model.loader import load_model
+            target = load_model(source_dir, torch.float32)
         save_model_dir(target, source_dir, out, layers=kept)
         (out / "specdec_draft.json").write_text(json.dumps({"target": str(source_dir), "layers": kept}))
     return out
