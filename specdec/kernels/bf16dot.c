@@ -65,6 +65,13 @@ static void round_rows(const float *x, uint16_t *xb, int64_t n) {
     for (; i < n; i++) xb[i] = round_bf16(x[i]);
 }
 
+/* x [n] rounded to bf16 in the calling thread's input buffer; NULL if it cannot grow. */
+static const uint16_t *rounded(const float *x, int64_t n) {
+    uint16_t *xb = input_buffer((int64_t)sizeof(uint16_t) * n);
+    if (xb != NULL) round_rows(x, xb, n);
+    return xb;
+}
+
 static inline __attribute__((always_inline)) void dot_tile(const uint16_t *W, const uint16_t *x, float *y,
                                                            const int nr, const int nt, int64_t K, int64_t N) {
     __m512 acc[DOT_ROWS][DOT_T];
@@ -160,9 +167,8 @@ int specdec_bf16_dot_native(void) {
 int specdec_linear_bf16_dot(const float *x, const uint16_t *W, const float *bias, float *y, int64_t T, int64_t K,
                             int64_t N) {
 #if defined(__AVX512BF16__)
-    uint16_t *xb = input_buffer((int64_t)sizeof(uint16_t) * T * K);
+    const uint16_t *xb = rounded(x, T * K);
     if (xb == NULL) return -1;
-    round_rows(x, xb, T * K);
     DotJob job = {W, xb, bias, y, T, K, N};
     specdec_parallel(dot_share, &job, specdec_num_threads());
 #else
@@ -183,10 +189,8 @@ int specdec_linear_bf16_dot(const float *x, const uint16_t *W, const float *bias
 int specdec_linear_bf16_tiles(const float *x, const uint16_t *Wp, const float *bias, float *y, int64_t T, int64_t K,
                               int64_t N) {
 #if defined(__AVX512BF16__)
-    uint16_t *xb = input_buffer((int64_t)sizeof(uint16_t) * T * K);
-    if (xb == NULL) return -1;
-    round_rows(x, xb, T * K);
-    return specdec_amx_linear(xb, Wp, bias, y, T, K, N);
+    const uint16_t *xb = rounded(x, T * K);
+    return xb == NULL ? -1 : specdec_amx_linear(xb, Wp, bias, y, T, K, N);
 #else
     (void)x, (void)Wp, (void)bias, (void)y, (void)T, (void)K, (void)N;
     return -1;
