@@ -9,10 +9,12 @@
  * Layout (roles swapped, y^T = W @ xb^T, so that the weights are the A operand):
  *     A tile = 16 weight rows x 32 k: W packed once at load, [N / 16][K / 32][16][32], zero-padded (amx_tiles
  *              in specdec/kernels/__init__.py): a row group's tiles are one sequential 1 KB stream. Read in
- *              place from the row-major matrix (stride 2K), 64 rows in flight, a single-token pass was
- *              10-18% slower than vdpbf16ps; packed, it is even (1-2%, within the noise).
- *     B tile = 16 k-pairs x 16 input rows x 2: the rounded inputs, repacked per call, zero-padded
- *     C tile = 16 weight rows x 16 input rows, fp32
+ *              place from the row-major matrix (stride 2K, 64 rows in flight) the layers' linears took
+ *              10-18% longer than on vdpbf16ps at one token; packed, 1-5% (a whole single-token forward
+ *              5-10%: methods.md, session 31). Software prefetching only slowed the packed stream.
+ *     B tile = 16 k-pairs x `width` inputs x 2 (width = T up to 16, else 16): the rounded inputs, repacked
+ *              per call, a partial last chunk zero-padded; a single-token pass reads 64-byte B rows
+ *     C tile = 16 weight rows x `width` inputs, fp32
  * Each y[t, n] is one C element: tdpbf16ps over the k-pairs of each 32-wide block, the blocks in order.
  * That order depends on neither the number of input rows nor the thread split, so a verify pass over
  * T rows equals T single-row passes bit for bit (batch invariance), as in bf16dot.c.
@@ -68,7 +70,7 @@ static void configure_tiles(int64_t width) {
     _tile_loadconfig(&cfg);
 }
 
-/* One C tile's 16 weight rows x 16 inputs, transposed into y (t < nt) with the bias. */
+/* One C tile's 16 weight rows x nt inputs (stored 16 floats a row), transposed into y with the bias. */
 static void scatter(const float *c, const float *bias, float *y, int64_t n, int64_t rows, int64_t t0, int64_t nt,
                     int64_t N) {
     for (int64_t t = 0; t < nt; t++)
@@ -117,7 +119,7 @@ typedef void (*group_fn)(const uint16_t *, const uint16_t *, float *, int64_t, i
 static const group_fn groups_of[GROUP_TILES] = {group1, group2, group3, group4};
 
 typedef struct {
-    const uint16_t *Wp, *xp; /* packed weights [N / 16][B][16][32]; packed inputs [chunks][B][16 pairs][16 inputs][2] */
+    const uint16_t *Wp, *xp; /* packed weights [N / 16][B][16][32]; packed inputs [chunks][B][16 pairs][width][2] */
     const float *bias;
     float *y;
     int64_t T, B, N, width; /* width: inputs per B tile, T up to 16, else 16 */

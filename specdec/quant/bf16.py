@@ -9,9 +9,9 @@ on the CPU, chosen once by the loader (to_cpu_bf16):
   llama.cpp's BF16 matmul does (its CPU vec_dot_type for BF16 is BF16) and as torch's bf16 matmul does.
   Every product is then exact and only the sums round. bf16dot.c runs decode, verify and draft passes on
   vdpbf16ps, twice the multiply-adds of an fp32 FMA: on a 2-vCPU Zen 4 a verify pass over 8 tokens costs
-  ~1.1x a single-token step instead of ~1.8x (on a 2-vCPU Xeon ~1.8x: there `use_amx_tiles` moves them
-  to AMX tiles, bf16amx.c, from a tile-packed copy of each matrix held beside it). A prompt's layer matmuls also round their outputs to bf16
-  (prefill_matmul_dtype, oneDNN's bf16 matmul at twice the fp32 FLOP/s: an 867-token prompt 0.87 s
+  ~1.1x a single-token step instead of ~1.8x (on a 2-vCPU Xeon still ~1.8x: there `use_amx_tiles` moves
+  them to AMX tiles, bf16amx.c, from a tile-packed copy of each matrix held beside it). A prompt's layer
+  matmuls also round their outputs to bf16 (prefill_matmul_dtype, oneDNN's bf16 matmul at twice the fp32 FLOP/s: an 867-token prompt 0.87 s
   instead of 1.37 s); attention, norms, residual, cache and the LM head stay fp32 there.
 - without: the input stays fp32 and each weight is widened exactly (a 16-bit shift), so the only rounding
   is the weights': the model is the fp32 model over bf16-rounded weights (rounding the inputs too would
@@ -116,9 +116,9 @@ def use_amx_tiles(model: torch.nn.Module, on: bool = True) -> int:
     passes of one model must share it (each kernel is batch-invariant; the two sum in different orders).
 
     Measured on a 2-vCPU Xeon with AMX, SmolLM2-135M bf16 (docs/benchmarks/methods.md, session 31): a
-    single-token pass ~5% slower than on vdpbf16ps, an 8-token verify pass 1.2x a single-token one
-    instead of 1.8x, the serving engine at 16 sequences ~1.2x the tokens/s; hence off by default, on
-    for `specdec serve`."""
+    single-token pass 5-10% slower than on vdpbf16ps, an 8-token verify pass 1.2x a single-token one
+    instead of 1.8x, the serving engine at 16 sequences 1.2-1.4x the tokens/s; hence off by default,
+    on for `specdec serve`."""
     weights = [m for m in model.modules() if isinstance(m, Bf16Weight)]  # (in forward order: layer by layer)
     for w in weights:
         w.tiles = None
