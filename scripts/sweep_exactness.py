@@ -5,6 +5,7 @@ near ties, which the tiny models' tests had not shown (docs/benchmarks/methods.m
 
     python scripts/sweep_exactness.py --model smollm2-135m --dtype bfloat16 --prompts-per-category 2
     python scripts/sweep_exactness.py --model gemma3-270m --configs '[{"method": "ngram"}]'
+    python scripts/sweep_exactness.py --amx      # bf16 decode and verify passes on AMX tiles
 
 Prints each configuration's mismatches (category, prompt, first differing token) and exits 1 if any.
 """
@@ -52,8 +53,12 @@ def main() -> int:
     ap.add_argument("--categories", default=",".join(CATEGORIES))
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--configs", default=None, help="JSON list of speculative_config dicts (default: CONFIGS)")
+    ap.add_argument("--amx", action="store_true", help="bf16 on AMX tiles (a CPU with AMX; LLM(amx=True))")
     args = ap.parse_args()
-    llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, progress=False)
+    llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, progress=False, amx=args.amx)
+    if args.amx and not llm.amx:
+        print("--amx: this CPU has no AMX tiles (or the dtype is not bfloat16)", file=sys.stderr)
+        return 1
     prompts = build_prompts(llm.tokenizer, args.prompts_per_category, tuple(args.categories.split(",")))
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     plain = decoder(llm, None)
