@@ -341,3 +341,14 @@ def test_auto_draft_from_a_bf16_target(tiny_dir, tmp_path, monkeypatch):
     kept = json.loads((out / "specdec_draft.json").read_text())["layers"]
     assert draft.config.num_hidden_layers == len(kept) == 1
     assert torch.equal(draft.layers[0].qkv.weight, source.layers[kept[0]].qkv.weight)  # fp32, not bf16-rounded
+
+
+def test_report_says_when_the_run_used_amx_tiles():
+    """`specdec bench --amx`: the report's setting line and its regenerate command say so."""
+    from dataclasses import asdict
+
+    from specdec.bench.harness import BenchConfig
+    from specdec.bench.report import _cli_flags, decoding
+    on, off = asdict(BenchConfig(amx=True)), asdict(BenchConfig())
+    assert "--amx" in _cli_flags(on) and "--amx" not in _cli_flags(off)
+    assert "AMX tiles" in decoding(on) and "AMX" not in decoding(off)

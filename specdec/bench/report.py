@@ -309,7 +309,8 @@ def decoding(cfg: dict) -> str:
     """How the run decoded: greedy, or sampled (every system, a seed per prompt)."""
     t, r = cfg.get("temperature") or 0.0, cfg.get("repetition_penalty") or 1.0
     how = "greedy" if t == 0 else f"sampled at temperature {t:g} (a seed per prompt, the same for every system)"
-    return how if r == 1.0 else f"{how}, repetition penalty {r:g}"
+    how = how if r == 1.0 else f"{how}, repetition penalty {r:g}"
+    return f"{how}; bf16 decode and verify matmuls on AMX tiles (--amx)" if cfg.get("amx") else how
 
 
 def _cli_flags(cfg: dict) -> list[str]:
@@ -322,6 +323,8 @@ def _cli_flags(cfg: dict) -> list[str]:
         flags.append(f"--repetition-penalty {cfg['repetition_penalty']:g}")
     if cfg.get("threads"):
         flags.append(f"--threads {cfg['threads']}")
+    if cfg.get("amx"):
+        flags.append("--amx")
     if cfg.get("categories"):
         flags.append(f"--categories {','.join(cfg['categories'])}")
     if cfg.get("methods") is not None:

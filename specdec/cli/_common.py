@@ -22,7 +22,7 @@ def add_model_args(p: argparse.ArgumentParser, positional: bool = True) -> None:
                         "speculative passes run the same GPU kernels (the CPU kernels agree at any width)")
     p.add_argument("--amx", action=argparse.BooleanOptionalAction, default=None,
                    help="bf16 on an Intel CPU with AMX: decode and verify passes on AMX tiles (cheap multi-token "
-                        "passes, a single token ~5%% slower; default: on for serve, off elsewhere)")
+                        "passes, a single token 5-10%% slower; default: on for serve, off elsewhere)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="never reuse an earlier request's keys/values for a shared prompt prefix (generate/chat: "
                         "the previous request's, where exact; serve: the engine's block cache)")
