@@ -112,8 +112,8 @@ def load_kernels() -> tuple[ctypes.CDLL | None, str | None]:
         return None, (str(e).splitlines()[0] if str(e) else type(e).__name__)
     # the kernel's permission for AMX tiles where the CPU has them (bf16amx.c; a model uses them only when
     # asked: quant/bf16.py use_amx_tiles); SPECDEC_AMX=0 never asks
-    lib.specdec_amx_enable.argtypes = [ctypes.c_int]
-    lib.specdec_amx_enable(int(os.environ.get("SPECDEC_AMX", "1") != "0"))
+    if os.environ.get("SPECDEC_AMX", "1") != "0":
+        lib.specdec_amx_enable()
     return lib, None
 
 

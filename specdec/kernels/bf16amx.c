@@ -47,12 +47,13 @@ typedef struct {
 
 static int amx_on = 0;
 
-/* Turn the tiles on (asking the kernel for their state once) or off; 1 if this library now multiplies on
- * AMX. Set when the library loads (specdec/kernels/__init__.py), before any matmul: a process keeps one choice. */
-int specdec_amx_enable(int want) {
-    static int permitted = -1;
-    if (want && permitted < 0) permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    amx_on = want && permitted > 0;
+/* Ask the kernel for the tile state (once; the library's loader does, unless SPECDEC_AMX=0); 1 if granted. */
+int specdec_amx_enable(void) {
+    static int asked = 0;
+    if (!asked) {
+        asked = 1;
+        amx_on = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    }
     return amx_on;
 }
 
@@ -161,7 +162,8 @@ static void pack_inputs(const uint16_t *xb, uint16_t *xp, int64_t T, int64_t K, 
 }
 
 /* y[T, N] = xb[T, K] @ W^T (+ bias) from Wp, W [N, K] packed as tiles (specdec/kernels/__init__.py:
- * amx_tiles). 0, or -1 if AMX is off or the packed inputs cannot be allocated. */
+ * amx_tiles). 0, or -1 if the kernel refused the tiles (no matrix is packed then) or the packed inputs
+ * cannot be allocated. */
 int specdec_amx_linear(const uint16_t *xb, const uint16_t *Wp, const float *bias, float *y, int64_t T, int64_t K,
                        int64_t N) {
     static __thread void *buf = NULL;
@@ -177,10 +179,7 @@ int specdec_amx_linear(const uint16_t *xb, const uint16_t *Wp, const float *bias
     return 0;
 }
 #else
-int specdec_amx_enable(int want) {
-    (void)want;
-    return 0;
-}
+int specdec_amx_enable(void) { return 0; }
 
 int specdec_amx_active(void) { return 0; }
 

@@ -72,10 +72,10 @@ def _describe(weight, bias: torch.Tensor | None) -> _Linear | None:
     q = getattr(weight, "qweight", None)  # a packed specdec.quant weight: bf16, int8/int4 (not fp8)
     if q is not None and q.dtype is torch.bfloat16 and q.device.type == "cpu" and q.is_contiguous():
         N, K = q.shape
-        tiles = getattr(weight, "tiles", None)
-        if getattr(weight, "round_inputs", False) and tiles is not None:
+        rounded, tiles = getattr(weight, "round_inputs", False), getattr(weight, "tiles", None)
+        if rounded and tiles is not None:
             return _Linear(LIN_BF16_TILES, tiles.data_ptr(), None, None, b, N, K, 0)
-        kind = LIN_BF16_DOT if getattr(weight, "round_inputs", False) else LIN_BF16
+        kind = LIN_BF16_DOT if rounded else LIN_BF16
         return _Linear(kind, q.data_ptr(), None, None, b, N, K, 0)
     if q is None or q.device.type != "cpu" or getattr(weight, "bits", None) not in (4, 8):
         return None

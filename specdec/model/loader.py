@@ -91,21 +91,22 @@ def read_config(directory: Path) -> ModelConfig:
     return ModelConfig.from_hf(raw)
 
 
-def cpu_has_bf16() -> bool:
+def _cpuinfo() -> str:
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        return Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
+        return ""
+
+
+def cpu_has_bf16() -> bool:
+    flags = _cpuinfo()
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
 def cpu_has_amx() -> bool:
     """Whether the CPU has AMX bf16 tiles (Intel Sapphire Rapids on): oneDNN's bf16 GEMM runs on them there,
     summing a row differently at 1-32 rows than at more (specdec/cache/kept_prefix.py)."""
-    try:
-        return "amx_bf16" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+    return "amx_bf16" in _cpuinfo()
 
 
 def resolve_device(device: str = "auto") -> str:

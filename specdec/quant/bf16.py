@@ -99,10 +99,14 @@ def to_cpu_bf16(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def _bf16_weights(model: torch.nn.Module) -> list[Bf16Weight]:
+    return [m for m in model.modules() if isinstance(m, Bf16Weight)]
+
+
 def set_bf16_inputs(model: torch.nn.Module, on: bool) -> int:
     """Round every Bf16Weight's matmul input to bf16 (on) or not; how many weights it set. (Turning the
     rounding off drops AMX tiles: they multiply rounded inputs.)"""
-    weights = [m for m in model.modules() if isinstance(m, Bf16Weight)]
+    weights = _bf16_weights(model)
     for w in weights:
         w.round_inputs = on
         if not on:
@@ -119,7 +123,7 @@ def use_amx_tiles(model: torch.nn.Module, on: bool = True) -> int:
     single-token pass 5-10% slower than on vdpbf16ps, an 8-token verify pass 1.2x a single-token one
     instead of 1.8x, the serving engine at 16 sequences 1.2-1.4x the tokens/s; hence off by default,
     on for `specdec serve`."""
-    weights = [m for m in model.modules() if isinstance(m, Bf16Weight)]  # (in forward order: layer by layer)
+    weights = _bf16_weights(model)  # (in forward order: layer by layer)
     for w in weights:
         w.tiles = None
     packed = [w for w in weights if w.round_inputs and w.qweight.device.type == "cpu"] if on and amx_active() else []
