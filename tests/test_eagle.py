@@ -397,6 +397,48 @@ def test_a_head_starts_each_request_fresh(tiny, tmp_path, monkeypatch):
     assert starts == [pytest.approx(spec.proposer.acceptance_prior)]  # the prior, not the previous 0.01
 
 
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_a_kept_prefix_keeps_the_heads_context(tiny, tmp_path, monkeypatch, kind):
+    """A request whose prompt prefix comes from the kept prefix (prefilled only from there on) drafts
+    what it would with a cold prefill: the head gets the cached rows' features kept from the request
+    before. Without them (the negative control) the head sees only the new rows, and drafts otherwise."""
+    from specdec.llm import LLM
+    from specdec.proposers import eagle as eagle_mod
+
+    d, plain = tiny
+    head = random_head(plain.model, kind, tmp_path / "head", draft_vocab=512 if kind == "eagle3" else 0)
+    shared = "A long shared system prompt: 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20."
+    prompts = [plain.tokenizer.encode(shared + t) for t in (" First question?", " Second one, longer?")]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    config = {"method": kind, "model": str(head), "num_speculative_tokens": 3, "adaptive": False}
+    proposals = []
+    propose = eagle_mod._EagleBase.propose_batch
+
+    def recording(self, states, ks):
+        out = propose(self, states, ks)
+        proposals.append([list(p.tokens) for p in out])
+        return out
+
+    monkeypatch.setattr(eagle_mod._EagleBase, "propose_batch", recording)
+
+    def second_request_drafts(prefix_caching: bool) -> tuple[list, int]:
+        spec = LLM(str(d), dtype="float32", progress=False, speculative_config=config,
+                   enable_prefix_caching=prefix_caching)
+        spec.generate({"prompt_token_ids": prompts[0]}, params)
+        proposals.clear()
+        out = spec.generate({"prompt_token_ids": prompts[1]}, params)[0]
+        assert out.outputs[0].token_ids == plain.generate({"prompt_token_ids": prompts[1]}, params)[0].outputs[0].token_ids
+        return list(proposals), out.num_cached_tokens
+
+    cold, cached_cold = second_request_drafts(False)
+    warm, cached_warm = second_request_drafts(True)
+    assert cached_cold == 0 and cached_warm >= 16  # the kept prefix served the shared part
+    assert warm == cold and len(cold) >= 3
+    monkeypatch.setattr(eagle_mod._EagleBase, "_with_kept_prefix", lambda self, state, feats: feats)
+    blind, _ = second_request_drafts(True)
+    assert blind != cold
+
+
 def test_a_heads_catchup_is_priced_as_step_overhead_not_per_drafted_token(tiny, tmp_path, monkeypatch):
     """The head digests the rows accepted since it last drafted when it next drafts. That catch-up is
     reported apart (take_catchup): the prompt's digest prices nothing, a step's few rows are the step's
@@ -438,3 +480,35 @@ def test_a_heads_catchup_is_priced_as_step_overhead_not_per_drafted_token(tiny, 
     assert steady
     for (seconds, rows), (n, draft, other) in steady:
         assert other >= seconds >= DIGEST and draft < DIGEST / 2  # the step's overhead
+
+
+def test_heldout_decode_tau_is_the_engines_tokens_per_pass():
+    """The trainer's held-out decode_tau, on the real model and the shipped head, counts the target
+    passes greedy chain decoding makes: the same sequences (prompt + the target's greedy answer) through
+    the engine, pass for pass (within one: the head's attention sums its rows in another order there).
+    Its `tau` averages over every start position instead: it is not what decoding sees."""
+    from specdec.llm import LLM
+    from specdec.proposers.eagle import ASSETS, PROMPT_WINDOW
+    from specdec.proposers.heads import load_head
+    from specdec.train.features import compute_features
+    from specdec.train.trainer import chain_acceptance
+
+    head_dir = ASSETS / "smollm2-135m-eagle3"
+    head = load_head(head_dir)
+    plain = LLM("smollm2-135m", dtype="float32", progress=False, enable_prefix_caching=False)
+    spec = LLM("smollm2-135m", dtype="float32", progress=False, enable_prefix_caching=False,
+               speculative_config={"method": "eagle3", "model": str(head_dir), "num_steps": 5, "eagle_topk": 1,
+                                   "adaptive": False})
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    for text in ("List three uses of a paperclip.", "Explain what a prime number is to a child."):
+        ids = plain.tokenizer.encode(plain.tokenizer.apply_chat_template([{"role": "user", "content": text}]))
+        assert len(ids) < PROMPT_WINDOW  # the engine's head then sees every prompt row, as training does
+        answer = plain.generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids
+        out = spec.generate({"prompt_token_ids": ids}, params)[0].outputs[0]
+        assert list(out.token_ids) == list(answer)
+        engine_passes = out.metrics["target_forward_passes"] - 1  # the prompt's pass gave the first token
+        seq = compute_features(plain.model, list(ids) + list(answer), len(ids), tuple(head.cfg.aux_layers))
+        ev = chain_acceptance(head, plain.model, [seq], 5, tuple(head.cfg.aux_layers))
+        offline_passes = (len(answer) - 1) / ev["decode_tau"]
+        assert abs(offline_passes - engine_passes) <= 1, (offline_passes, engine_passes)
+        assert engine_passes < len(answer) - 1  # the head drafted something right: the test compares counts

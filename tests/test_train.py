@@ -70,6 +70,26 @@ def test_train_resume_and_eval(dataset, tmp_path, kind):
     assert 1.0 <= ev["tau"] <= 3.0 and len(ev["acceptance_by_position"]) == 2
 
 
+def test_decode_passes_start_each_chain_where_the_last_ended():
+    """Greedy decoding with chains of depth 2 over a response at positions 3..10 (guessed[p]: p + 2 is a
+    response token): the first chain starts at p = 2 (the prompt pass gave position 3's token)."""
+    from specdec.train.trainer import _decode_passes
+
+    guessed = [False] + [True] * 8  # M - 1 = 9 start rows; the response is positions 3..10
+    hit = [[True] * 9, [True] * 9]
+    # every draft right: each pass 2 drafts + the target's token; 7 tokens after the prompt pass's
+    assert _decode_passes(hit, guessed) == (7, 3)
+    miss = [[False] * 9, [False] * 9]
+    assert _decode_passes(miss, guessed) == (7, 7)  # one token a pass
+    # depth 0 right only at p = 2: the pass at 2 yields 2 tokens, then p = 4.. one each
+    first = [[p == 2 for p in range(9)], [False] * 9]
+    assert _decode_passes(first, guessed) == (7, 6)
+    # the chain from 2 misses (1 token), so 3 starts one; it accepts both drafts (depth 1 from 3: match[1][4])
+    odd = [[p == 3 for p in range(9)], [p == 4 for p in range(9)]]
+    assert _decode_passes(odd, guessed) == (7, 5)
+    assert _decode_passes(hit, [False] * 9) == (0, 0)
+
+
 def test_resume_on_more_data_keeps_the_checkpoint_vocabulary(dataset, tmp_path):
     """A run resumed with other shards ranks another top-Vd token set; the checkpoint's must win,
     or the head's rows, the loss's target distribution and the exported d2t map disagree."""

@@ -37,6 +37,12 @@ ASSETS = Path(__file__).resolve().parent.parent / "assets"
 # of a 64-token bf16 answer, and adaptive k drafts that once per request to measure the head (run S16:
 # eagle3 0.87x on rag). The drafts may change; verification keeps the output exact.
 PROMPT_WINDOW = 128
+# A prompt whose prefix was cached (the offline kept prefix, the engine's prefix cache) is computed from
+# there on, and the head would see none of the cached rows: a chat's system prompt, an earlier turn.
+# The features of the last request's rows (at most KEPT_ROWS, from position 0) are kept for the next
+# request that shares its prefix. Without them (the system prompt cached), a chain of 5 on MT-bench's
+# first turns gave 1.78 tokens a pass instead of 1.85, on held-out ShareGPT 2.23 instead of 2.27 (fp32).
+KEPT_ROWS = 4096
 
 
 def default_head(kind: str, target_cfg) -> Path:
@@ -91,6 +97,7 @@ class _EagleBase(Proposer):
         self.num_steps, self.topk = cfg.num_steps, cfg.eagle_topk
         self.budget = cfg.num_draft_tokens - 1  # drafted nodes (SGLang counts the root token too)
         self._catchup = (0.0, 0)  # seconds and rows of digests since take_catchup last reported them
+        self._kept: tuple[list[int], torch.Tensor] | None = None  # the last request's tokens, rows' features
         # a CUDA-graphed target (the single-request decoder on a GPU): the head's passes are graphed too
         self.graphed = None
         if isinstance(ctx.target, GraphedModel):
@@ -147,7 +154,10 @@ class _EagleBase(Proposer):
         st["cache"] = (self.graphed.new_cache() if self.graphed is not None else
                        DraftKV(self.head.cfg, committed + self._speculative_rows(), self.ctx.dtype, self.device))
         feats = self._features(prefill.forward, prefill.accepted_rows)  # [m, .]: the prompt's last m positions
-        m = feats.shape[0]  # m < n where the serving engine's prefix cache held the first n - m (not computed)
+        feats = self._with_kept_prefix(state, feats)
+        m = feats.shape[0]  # m < n where a prefix cache held the first n - m (not computed, not kept here)
+        # every row's features from position 0 (at most KEPT_ROWS), kept at the end for the next request
+        st["context"], st["context_rows"] = ([feats] if m == n else None), m
         st["len"] = 0
         st["offset"] = n - m  # position of the cache's row 0 (rows before the first draft's window are skipped)
         st["pending"] = [(feats, state.token_ids[n - m + 1:n + 1])]
@@ -166,7 +176,7 @@ class _EagleBase(Proposer):
             return
         if self.feature_layers and target.forward.layer_hidden is None:
             st["pending"].clear()
-            st["queued"], st["resting"] = 0, True
+            st["queued"], st["resting"], st["context"] = 0, True, None
             return
         rows = target.accepted_rows
         nxt = state.output_ids[-len(rows):]  # accepted drafts + the recovered/bonus token, all emitted this step
@@ -174,9 +184,25 @@ class _EagleBase(Proposer):
             return  # the request stopped inside the block: it ends here
         if st.pop("resting", False):  # row 0 of this pass sits at position len(tokens) - len(nxt) - 1
             st["offset"], st["len"] = state.num_tokens - len(nxt) - 1, 0
-        st["pending"].append((self._features(target.forward, rows), nxt))
+        feats = self._features(target.forward, rows)
+        st["pending"].append((feats, nxt))
         st["queued"] += len(nxt)
         self._trim_pending(st)
+        if st["context"] is not None and st["context_rows"] < KEPT_ROWS:
+            st["context"].append(feats)
+            st["context_rows"] += len(nxt)
+
+    def _with_kept_prefix(self, state: RequestState, feats: torch.Tensor) -> torch.Tensor:
+        """feats [m, .] of the prompt's last m rows, preceded by the kept features of the n - m cached
+        ones where the last request that ended had the same tokens there (features depend on the tokens
+        before them alone); as they are otherwise."""
+        cached = len(state.prompt_ids) - feats.shape[0]
+        if cached == 0 or self._kept is None:
+            return feats
+        tokens, kept = self._kept
+        if kept.shape[0] < cached or tokens[:cached] != state.token_ids[:cached]:
+            return feats
+        return torch.cat([kept[:cached], feats])
 
     @staticmethod
     def _trim_pending(st: dict) -> None:
@@ -381,6 +407,10 @@ class _EagleBase(Proposer):
         return _rerank(tok, par, val, budget)
 
     def end(self, state: RequestState) -> None:
+        context = state.draft.get("context")
+        if context:  # rows 0..R-1 in order: R = len(state.prompt_ids) + the accepted rows since
+            feats = torch.cat(context)[:KEPT_ROWS]
+            self._kept = (list(state.token_ids[:feats.shape[0]]), feats)
         state.draft.clear()
 
 

@@ -364,10 +364,14 @@ def chain_acceptance(head, target, seqs: list[Shard.Sequence], depth: int, aux_l
     """Greedy chain acceptance on held-out sequences of the target's own greedy output: from every
     assistant position, the number of consecutive draft tokens (depth at most `depth`) equal to the
     target's tokens. On the accepted path the draft sees exactly the teacher tokens, so this is the
-    chain drafter's tau. Returns tau = 1 + mean accepted and the acceptance rate by position."""
+    chain drafter's tau. Returns tau = 1 + mean accepted and the acceptance rate by position, both
+    averaged over every start position, and `decode_tau`: tokens per target pass as greedy decoding
+    sees them, starting a chain only where the last one ended (after its accepted tokens and the
+    target's own). Decoding moves fast through easy stretches and slowly through hard ones, so it
+    starts more chains in the hard ones: decode_tau is the engine's figure, and lower than tau."""
     draft_ids = head.draft_ids
     embed, lm_head_d = target.embed.weight, target.lm_head.weight[draft_ids]
-    hits_by_pos, starts = [0] * depth, 0
+    hits_by_pos, starts, decoded, passes = [0] * depth, 0, 0, 0
     for i in range(0, len(seqs), batch_size):
         tokens, mask, hidden, aux = _to(_pad(seqs[i:i + batch_size], 10 ** 6, aux_layers), embed.device)
         M = hidden.shape[1]
@@ -385,8 +389,29 @@ def chain_acceptance(head, target, seqs: list[Shard.Sequence], depth: int, aux_l
             for j in range(min(depth, M - 1 - p)):
                 run = run & match[j, :, p + j]
                 hits_by_pos[j] += int(run.sum())
+        for b in range(tokens.shape[0]):
+            tokens_b, passes_b = _decode_passes(match[:, b].tolist(), mask[b, 2:].tolist())
+            decoded, passes = decoded + tokens_b, passes + passes_b
     rate = [h / max(starts, 1) for h in hits_by_pos]
-    return {"tau": 1.0 + sum(rate), "acceptance_by_position": [round(r, 4) for r in rate], "starts": starts}
+    return {"tau": 1.0 + sum(rate), "acceptance_by_position": [round(r, 4) for r in rate], "starts": starts,
+            "decode_tau": decoded / max(passes, 1)}
+
+
+def _decode_passes(match: list[list[bool]], guessed: list[bool]) -> tuple[int, int]:
+    """One sequence decoded greedily with chains: match [depth][M-1] (step j from start p guessed
+    right), guessed [M-1] (position p + 2 is a response token). The first chain starts where the
+    prompt pass's token is known (p = first response position - 1); each pass yields its accepted
+    drafts plus the target's token. Returns (tokens, passes), the prompt pass not counted."""
+    response = [p for p, g in enumerate(guessed) if g]
+    if len(response) < 2:
+        return 0, 0
+    p, end, tokens, passes = response[0] + 1, response[-1], 0, 0
+    while p <= end:
+        accepted = 0
+        while accepted < min(len(match), end - p) and match[accepted][p + accepted]:
+            accepted += 1
+        tokens, passes, p = tokens + accepted + 1, passes + 1, p + accepted + 1
+    return tokens, passes
 
 
 @torch.no_grad()
