@@ -2,6 +2,8 @@
 when a drafter's real cost (draft time, per-step overhead) eats the gain, even at full acceptance."""
 import random
 
+import pytest
+
 from specdec.spec.adaptive import PLAIN_REFRESH, AdaptiveK, CostModel
 
 
@@ -50,15 +52,18 @@ def test_plain_steps_are_refreshed():
     assert [i for i, k in enumerate(ks) if k == 0] == [0, PLAIN_REFRESH, 2 * PLAIN_REFRESH]
 
 
-def test_probes_back_off_while_speculation_keeps_losing():
+@pytest.mark.parametrize("position_weight", [None, 0.1])
+def test_probes_back_off_while_speculation_keeps_losing(position_weight):
     """A losing drafter is probed after 16, 32, 64, 128, 128... plain steps (each probe costs it a
     catch-up), and a probe that finds a gain brings speculation back at once."""
-    ad = AdaptiveK(8, _cost(), probe_interval=16)
+    ad = AdaptiveK(8, _cost(), probe_interval=16, position_weight=position_weight)
     ks = _run(ad, 420, 0.0, draft_s=0.004, overhead_s=0.002)  # nothing is ever accepted
-    probes = [i for i, k in enumerate(ks) if k > 0 and i > 8]
+    off = ks.index(0, 1)  # the first plain step after the first: the estimate has fallen
+    assert off <= 16  # each miss tests one position: about ten steps from the 0.6 prior
+    probes = [i for i, k in enumerate(ks) if k > 0 and i > off]
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert gaps and gaps == sorted(gaps) and max(gaps) >= 128 > min(gaps)
-    assert len(probes) <= 7
+    assert len(probes) <= 6  # after 16, 32, 64, 128 and 128 plain steps
     ks = _run(ad, 300, 1.0, draft_s=0.0001, overhead_s=0.0)  # the drafter became cheap
     assert sum(k > 0 for k in ks[-100:]) >= 90
 
@@ -307,3 +312,43 @@ def test_a_tree_that_yields_nothing_stops_drafting_and_one_that_yields_grows():
     assert sum(k > 0 for k in late_losing) <= 3  # the probes
     assert sum(j > 0 for j in late_paying) >= 0.9 * len(late_paying)
     assert sorted(late_paying)[len(late_paying) // 2] >= 5
+
+
+def test_a_coin_flip_drafter_keeps_drafting():
+    """A drafter whose every position is accepted half the time (seeded draws) pays at every k here.
+    Averaged over its last ~10 tested positions (position_weight 0.1, a head's), its estimate rarely
+    falls far enough to stop it. The per-step average (each step weighted 0.3, however many positions it tested) is the negative
+    control: at k = 1, three misses in a row took it from 0.5 to 0.17, and a stopped drafter's single-
+    token probes kept it stopped (a head on MT-bench: 1.26x where fixed chains gave 1.32x)."""
+    def drafting_steps(position_weight: float | None) -> int:
+        rng, ad, drafted = random.Random(1), AdaptiveK(8, _cost(), position_weight=position_weight), 0
+        for _ in range(400):
+            k = ad.choose(draft_cost_rel=0.01).k
+            m = 0
+            while m < k and rng.random() < 0.5:
+                m += 1
+            ad.update(k, m)
+            ad.observe_step(k, k * 0.004, 0.002 if k else 0.001)
+            drafted += k > 0
+        return drafted
+
+    weighted, per_step = drafting_steps(0.1), drafting_steps(None)
+    assert weighted >= 400 - 400 // PLAIN_REFRESH - 12 > per_step
+
+
+def test_position_weight_counts_positions_not_steps():
+    """Weighted per tested position, one step accepting 4 drafts moves the estimate as 4 one-draft steps
+    do, and a probe (re-measuring a stopped drafter) still weighs a whole step EMA."""
+    from specdec.spec.adaptive import EMA, Acceptance
+
+    one, four = Acceptance(0.5, 0.1), Acceptance(0.5, 0.1)
+    for _ in range(4):
+        one.update(1, 1)
+    four.update(4, 4)
+    assert abs(one.value - four.value) < 1e-12 and abs(four.value - (1 - 0.5 * 0.9 ** 4)) < 1e-12
+    miss = Acceptance(0.5, 0.1)
+    miss.update(1, 0)
+    assert abs(miss.value - 0.45) < 1e-12  # 0.3 weighted per step: 0.35
+    probe = Acceptance(0.1, 0.1)
+    probe.update(1, 1, per_step=True)
+    assert abs(probe.value - (0.1 * (1 - EMA) + EMA)) < 1e-12

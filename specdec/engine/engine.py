@@ -101,7 +101,10 @@ def _choice(proposer, k: int | None = None) -> SpecChoice:
 
 def _adaptive(spec: SpecChoice) -> AdaptiveK:
     """A row's acceptance estimate, starting from its proposer's prior (K itself is the batch's choice)."""
-    return AdaptiveK(0, None, prior=spec.proposer.acceptance_prior if spec.proposer is not None else PRIOR_ACCEPTANCE)
+    if spec.proposer is None:
+        return AdaptiveK(0, None, prior=PRIOR_ACCEPTANCE)
+    return AdaptiveK(0, None, prior=spec.proposer.acceptance_prior,
+                     position_weight=spec.proposer.acceptance_position_weight)
 
 
 class Engine:

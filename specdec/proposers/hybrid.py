@@ -63,6 +63,10 @@ class HybridProposer(Proposer):
     def acceptance_prior(self) -> float:
         return self.model.acceptance_prior
 
+    @property
+    def acceptance_position_weight(self) -> float | None:
+        return self.model.acceptance_position_weight
+
     def tree_shares(self) -> list[float] | None:
         return self.model.tree_shares()
 

@@ -192,17 +192,26 @@ class Acceptance:
     per step, which counts untested positions as failures and so pulled a, and k, down as k grew:
     qdraft at adaptive k drafted 2.5 tokens a step at 0.91 acceptance, 1.49x, where fixed k = 4 gave 1.77x.)"""
 
-    def __init__(self, prior: float):
+    def __init__(self, prior: float, position_weight: float | None = None):
+        """position_weight: each tested position's weight in the averages (a step's weight grows with the
+        positions it tested); None: each step's is EMA, whatever it tested."""
         self.accepted, self.tested = prior, 1.0  # EMAs of positions accepted / observed
+        self.position_weight = position_weight
 
     @property
     def value(self) -> float:
         return min(self.accepted / self.tested, 0.99)
 
-    def update(self, num_drafted: int, num_accepted: int) -> None:
+    def update(self, num_drafted: int, num_accepted: int, per_step: bool = False) -> None:
+        """per_step: weigh this step EMA whatever it tested (a probe: it exists to re-measure)."""
         if num_drafted == 0:
             return
         tested = num_accepted + (1 if num_accepted < num_drafted else 0)
+        if self.position_weight is not None and not per_step:
+            keep = (1 - self.position_weight) ** tested
+            self.accepted = keep * self.accepted + (1 - keep) * num_accepted / tested
+            self.tested = keep * self.tested + (1 - keep)
+            return
         self.accepted = (1 - EMA) * self.accepted + EMA * num_accepted
         self.tested = (1 - EMA) * self.tested + EMA * tested
 
@@ -238,15 +247,18 @@ class AdaptiveK:
     both could draft (proposers/hybrid.py)."""
 
     def __init__(self, k_max: int, cost: CostModel, probe_interval: int = 16, previous: "AdaptiveK | None" = None,
-                 prior: float = PRIOR_ACCEPTANCE, tree_shares: list[float] | None = None, prompt_len: int = 0):
+                 prior: float = PRIOR_ACCEPTANCE, tree_shares: list[float] | None = None, prompt_len: int = 0,
+                 position_weight: float | None = None):
         """prior: the model drafter's acceptance assumed before any step is seen (its acceptance_prior);
         tree_shares: a static-tree drafter's node shares, in drafting order (Proposer.tree_shares);
-        prompt_len: the request's prompt length, 0 if unknown."""
+        prompt_len: the request's prompt length, 0 if unknown; position_weight: the model drafter's
+        estimate weighs each tested position this much instead of each step EMA
+        (Proposer.acceptance_position_weight)."""
         self.k_max = k_max
         self.tree_shares = tree_shares
         self.tree = TreeYield()
         self.cost = cost
-        self.model = Acceptance(prior)  # the model drafter's tokens
+        self.model = Acceptance(prior, position_weight)  # the model drafter's tokens
         # a lookup's chains by match length (min(n, MAX_MATCH_KEY)), fresh per request: a chain after a
         # 6-token match is accepted far more often than one after a 1-token match (see the module doc)
         self.lookups: dict[int, Acceptance] = {}
@@ -295,7 +307,7 @@ class AdaptiveK:
         or by a lookup after a match of match_len tokens."""
         if match_len <= 0 and self.tree_shares is not None and num_drafted > 0:
             self.tree.update(sum(self.tree_shares[:num_drafted]), num_accepted)
-        self._estimate(match_len).update(num_drafted, num_accepted)
+        self._estimate(match_len).update(num_drafted, num_accepted, per_step=self.probes.probed and match_len <= 0)
 
     def expected_tokens(self, k: int, match_len: int = 0, acceptance: float | None = None) -> float:
         """Tokens a step emits when it drafts k: a chain's 1 + a + ... + a^k at the estimated (or given)

@@ -208,7 +208,8 @@ class SpeculativeDecoder:
             carry = self.proposer.draft_cost_per_token > 0 and self.proposer.carries_estimates
             previous = self.last_adaptive if carry else None
             adaptive = AdaptiveK(self.k_max, self.cost, previous=previous, prior=self.proposer.acceptance_prior,
-                                 tree_shares=self.proposer.tree_shares(), prompt_len=len(prompt_ids))
+                                 tree_shares=self.proposer.tree_shares(), prompt_len=len(prompt_ids),
+                                 position_weight=self.proposer.acceptance_position_weight)
             self.last_adaptive = adaptive
 
         capacity = min(self.max_len, len(prompt_ids) + params.max_tokens + self.k_max + 1)

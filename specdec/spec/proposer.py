@@ -106,6 +106,9 @@ class Proposer(ABC):
     # measured cost: its acceptance holds across requests); False: a head, whose acceptance swings with the content
     carries_estimates: ClassVar[bool] = True
     acceptance_prior: float = 0.6  # per-token acceptance adaptive k assumes before a request's first step
+    # adaptive k's estimate of its acceptance weighs each tested position this much (None: each step EMA,
+    # however many positions it tested; spec/adaptive.py's Acceptance)
+    acceptance_position_weight: float | None = None
 
     def __init__(self, ctx: ProposerContext):
         self.ctx = ctx
