@@ -190,7 +190,10 @@ class Acceptance:
     successes and, if m < k, one failure; positions after it were never tested. The estimate is
     (EMA of successes) / (EMA of tested positions), the pooled maximum-likelihood one. (It was m / k
     per step, which counts untested positions as failures and so pulled a, and k, down as k grew:
-    qdraft at adaptive k drafted 2.5 tokens a step at 0.91 acceptance, 1.49x, where fixed k = 4 gave 1.77x.)"""
+    qdraft at adaptive k drafted 2.5 tokens a step at 0.91 acceptance, 1.49x, where fixed k = 4 gave 1.77x.)
+    Each step weighs EMA; with a position_weight w, a step that tested t positions weighs 1 - (1 - w)^t
+    instead, so a drafter of short chains is averaged over its last ~1/w positions, not ~3 steps (a
+    head's choice: proposers/eagle.py)."""
 
     def __init__(self, prior: float, position_weight: float | None = None):
         """position_weight: each tested position's weight in the averages (a step's weight grows with the

@@ -368,7 +368,7 @@ def chain_acceptance(head, target, seqs: list[Shard.Sequence], depth: int, aux_l
     averaged over every start position, and `decode_tau`: tokens per target pass as greedy decoding
     sees them, starting a chain only where the last one ended (after its accepted tokens and the
     target's own). Decoding moves fast through easy stretches and slowly through hard ones, so it
-    starts more chains in the hard ones: decode_tau is the engine's figure, and lower than tau."""
+    starts more chains in the hard ones: decode_tau is the engine's figure, and usually lower than tau."""
     draft_ids = head.draft_ids
     embed, lm_head_d = target.embed.weight, target.lm_head.weight[draft_ids]
     hits_by_pos, starts, decoded, passes = [0] * depth, 0, 0, 0
