@@ -3,8 +3,8 @@
     python -m specdec.bench.gpu_speed --out runs/gpu --head specdec/assets/smollm2-135m-eagle3
 
 One target at one dtype, greedy, batch 1, MT-bench first turns (or `--prompts FILE`, a JSON list of
-strings, for a machine without the MT-bench package). Methods run one after the other with a warm-up
-request each, in two modes on a GPU: eager (`enforce_eager`, the first `--eager-prompts` prompts, as
+strings, for a machine without the MT-bench package). Methods run one after the other, each after an
+untimed run of the first prompt (its CUDA graphs captured), in two modes on a GPU: eager (`enforce_eager`, the first `--eager-prompts` prompts, as
 eager decoding is slow there) and with CUDA graphs (model/cuda_graph.py, all prompts); each row is
 compared with plain decoding of its mode on the same prompts; the "(width 16)" rows compute every pass 16 rows
 wide (`pass_width`), so a 16-node tree's verify and the plain steps run the same kernels. Speculation is not adaptive here (fixed
@@ -90,7 +90,9 @@ def run_method(model: str, config: dict | None, prompts: list[str], max_tokens: 
     llm = LLM(model, speculative_config=config, dtype=dtype, device=device, progress=False, enforce_eager=eager,
               pass_width=pass_width)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=False)
-    llm.chat([{"role": "user", "content": "Say hello."}], params)  # warm-up (kernels, allocator)
+    # warm-up, untimed: kernels, the allocator, and the CUDA graphs of the shapes this method's steps take
+    # (a graph is captured on first use; timed, a 16-node tree's 17 graphs weighed on its row, session 32)
+    llm.chat([{"role": "user", "content": prompts[0]}], params)
     outputs, tokens, seconds, passes, per_prompt = [], 0, 0.0, 0, []
     for p in prompts:
         out = llm.chat([{"role": "user", "content": p}], params)[0].outputs[0]
