@@ -182,8 +182,9 @@ def test_fused_attention_matches_torch(T, tree, past):
 
 
 # head layouts beyond SmolLM2's (9 query heads over 3 kv heads): multi-head, Qwen2.5-0.5B's 7-head
-# groups (work units of 3 and 4 queries), multi-query with D 128, and D 20 (the scalar path: D not a multiple of 8)
-HEAD_LAYOUTS = [(9, 3, 64), (4, 4, 32), (14, 2, 64), (8, 1, 128), (4, 2, 20)]
+# groups (work units of 3 and 4 queries), multi-query with D 128, D 40 (8-lane scores where the CPU has
+# AVX-512: D not a multiple of 16) and D 20 (the scalar path: D not a multiple of 8)
+HEAD_LAYOUTS = [(9, 3, 64), (4, 4, 32), (14, 2, 64), (8, 1, 128), (4, 2, 40), (4, 2, 20)]
 
 
 @pytest.mark.parametrize("past", [45, 300])
