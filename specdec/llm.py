@@ -125,13 +125,15 @@ class LLM:
         from specdec.kernels import kernel_status
         from specdec.quant.qmodel import describe
         cfg = self.model.config
+        inputs = "bfloat16" if _rounds_inputs(self.model) else str(self.dtype).replace("torch.", "")
+        prompt = self.model.prefill_matmul_dtype  # None: a prompt's matmuls are the decode passes'
         return {"model": self.source.origin, "loaded_from": str(self.source.directory), "source_kind": self.source.kind,
                 "architecture": cfg.model_type, "parameters": cfg.num_parameters, "layers": cfg.num_hidden_layers,
                 "hidden_size": cfg.hidden_size, "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
                 "vocab_size": cfg.vocab_size, "dtype": str(self.load_dtype).replace("torch.", ""),
                 "weights": describe(self.model), "activations": str(self.dtype).replace("torch.", ""),
-                "prefill_matmuls": str(self.model.prefill_matmul_dtype or self.dtype).replace("torch.", ""),
-                "matmul_inputs": "bfloat16" if _rounds_inputs(self.model) else str(self.dtype).replace("torch.", ""),
+                "prefill_matmuls": inputs if prompt is None else str(prompt).replace("torch.", ""),
+                "matmul_inputs": inputs,
                 "amx_tiles": self.amx,
                 "device": str(self.model.device),
                 "max_model_len": self.model.max_len, "threads": torch.get_num_threads(), "kernels": kernel_status(),

@@ -93,3 +93,89 @@ def test_real_model_prompt_in_pieces(smollm_dir):
         whole = _prefill(model, ids, (), cap=512)
         for cuts in ((37,), (200,)):
             assert _same(_prefill(model, ids, cuts, cap=512), whole), (dtype, cuts)
+
+
+@pytest.mark.skipif(not cpu_has_amx(), reason="needs a CPU with AMX")
+def test_onednn_bf16_rows_depend_on_the_row_count_on_amx():
+    """Why an AMX CPU's bf16 prompt passes leave oneDNN (quant/bf16.py onednn_prompt_rows_invariant): its bf16
+    GEMM gives a row other bits at 64-512 rows than at 900 (2 threads), so a prompt cut in two would not
+    equal one pass. If this ever fails, oneDNN became row-invariant here."""
+    from specdec.quant.bf16 import onednn_prompt_rows_invariant
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(1536, 576, generator=gen).bfloat16()
+    x = torch.randn(900, 576, generator=gen).bfloat16()
+    full = torch.nn.functional.linear(x, w)
+    assert any(not torch.equal(torch.nn.functional.linear(x[:n], w), full[:n]) for n in (64, 100, 256, 512))
+    assert not onednn_prompt_rows_invariant()
+
+
+@pytest.mark.skipif(not cpu_has_amx(), reason="needs a CPU with AMX")
+def test_bf16_prompt_pass_on_amx_tiles_is_the_same_in_any_pieces_and_as_decoded(tiny_dir):
+    """With the tiles packed a bf16 prompt's matmuls run on them (not oneDNN): the pass does not depend on
+    its cuts, and a decoded token's row equals its prompt-pass row (the kept prefix reuses "all" rows)."""
+    from specdec.cache.kept_prefix import reuse_level
+    from specdec.quant.bf16 import use_amx_tiles
+    model = load_model(tiny_dir("llama"), torch.bfloat16)
+    assert model.prefill_matmul_dtype is torch.bfloat16 and reuse_level(model) is None  # oneDNN: no reuse
+    assert use_amx_tiles(model, True) > 0
+    assert model.prefill_matmul_dtype is None and reuse_level(model) == "all"
+    ids = torch.randint(0, 1000, (1, 2 * MAX_ROWS + 30), generator=torch.Generator().manual_seed(2))
+    whole = _prefill(model, ids, ())
+    for cuts in CUTS:
+        assert _same(_prefill(model, ids, cuts), whole), cuts
+    N, P = ids.shape[1], MAX_ROWS + 20
+    decoded = model.new_cache(400)
+    model(ids[:, :P], torch.arange(P)[None], decoded, prefill=True)
+    for i in range(P, N):
+        last = model(ids[:, i:i + 1], torch.tensor([[i]]), decoded).logits[0, -1]
+    assert torch.equal(decoded.k[..., :N, :], whole[1].k[..., :N, :]) and torch.equal(last, whole[0][-1])
+    use_amx_tiles(model, False)
+    assert model.prefill_matmul_dtype is torch.bfloat16  # off the tiles: oneDNN again
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_engine_keeps_prompt_passes_row_invariant(tiny_dir, monkeypatch, invariant):
+    """The serving engine cuts prompts anywhere (chunked prefill, its prefix cache): where oneDNN's bf16 GEMM
+    is not row-invariant it moves the model's prompt matmuls to our kernels; where it is, it leaves them."""
+    import specdec.quant.bf16 as bf16
+    from specdec.engine.engine import Engine, EngineConfig
+    from specdec.llm import LLM
+    monkeypatch.setattr(bf16, "onednn_prompt_rows_invariant", lambda: invariant)
+    llm = LLM(str(tiny_dir("llama")), dtype="bfloat16", max_model_len=128, progress=False, num_threads=1)
+    llm.model.prefill_matmul_dtype = torch.bfloat16  # as the loader sets it on a CPU with bf16 dot products
+    Engine(llm, EngineConfig(max_num_seqs=2, num_kv_blocks=32, profile_cost=False))
+    assert llm.model.prefill_matmul_dtype is (torch.bfloat16 if invariant else None)
+
+
+@pytest.mark.slow
+def test_real_model_bf16_engine_chunks_equal_offline(smollm_dir, monkeypatch):
+    """SmolLM2-135M in bf16 (on AMX tiles where the CPU has them, as `specdec serve` runs): RAG prompts of
+    ~450-870 tokens prefilled in chunks of a small token budget beside other rows give LLM.generate's greedy
+    tokens. Negative control on an AMX CPU: with oneDNN's prompt matmuls (as before session 33) they do not."""
+    import specdec.quant.bf16 as bf16
+    from specdec.bench.prompts import build_prompts
+    from specdec.engine.engine import Engine, EngineConfig, EngineRequest
+    from specdec.llm import LLM
+    from specdec.sampling_params import SamplingParams
+    llm = LLM("smollm2-135m", dtype="bfloat16", progress=False, enable_prefix_caching=False, amx=cpu_has_amx())
+    prompts = [p.token_ids for p in build_prompts(llm.tokenizer, 4, ("rag",))]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+
+    def offline_and_served():
+        want = [list(llm.generate([p], params)[0].outputs[0].token_ids) for p in prompts]
+        engine = Engine(llm, EngineConfig(max_num_seqs=4, max_num_batched_tokens=100, profile_cost=False))
+        for i, ids in enumerate(prompts):
+            engine.add_request(EngineRequest(str(i), ids, params))
+        got = [[] for _ in prompts]
+        while engine.has_unfinished():
+            for o in engine.step():
+                got[int(o.request_id)].extend(o.token_ids)
+        return want, got
+
+    want, got = offline_and_served()
+    assert got == want
+    if cpu_has_amx():
+        llm.model.prefill_matmul_dtype = torch.bfloat16
+        monkeypatch.setattr(bf16, "onednn_prompt_rows_invariant", lambda: True)  # the engine then keeps oneDNN
+        want, got = offline_and_served()
+        assert got != want

@@ -7,12 +7,12 @@ Exact by construction, not by luck: it serves only a model whose prompt pass doe
 the prompt was cut (our kernels at any row count; tests/test_prompt_pass.py), so a kept prefix holds
 bitwise the keys and values a cold pass would compute. Which rows qualify (`reuse_level`):
   "all"     fp32 weights: decode and verify passes run the same kernels, so a decoded token's row equals
-            its prompt-pass row and a conversation's earlier answer is reused too;
+            its prompt-pass row and a conversation's earlier answer is reused too; so do bf16 weights whose
+            prompt passes run the decode passes' kernels (AMX tiles: quant/bf16.py use_amx_tiles);
   "prompt"  bf16 weights on a CPU with bf16 dot products: a prompt's pass rounds its matmuls (oneDNN)
             and decode passes do not, so only rows written by prompt passes are kept. Not on a CPU with
-            AMX: oneDNN's bf16 GEMM there sums a row one way at 1-32 rows and another at more (2 threads),
-            so a prompt cut in two differs. (Our AMX kernel is row-invariant, but ~2.5x slower than oneDNN
-            on a prompt's 864 rows: prompts stay on oneDNN.)
+            AMX without the tiles: oneDNN's bf16 GEMM there sums a row one way at 1-32 rows and another at
+            more (2 threads), so a prompt cut in two differs (quant/bf16.py onednn_prompt_rows_invariant).
   None      anything else (q/k-norm models, quantized weights, GPUs, no compiled kernels): never reused.
 A token tree's accepted path is kept like a chain's: its rows read their root paths' keys by position
 (attention.c), so each equals the single-token pass at its position (tests/test_tree_rows.py).
@@ -32,16 +32,18 @@ def reuse_level(model) -> str | None:
     """Which kept rows equal a cold prompt pass's for this model: "all", "prompt" or None (see above)."""
     from specdec.kernels import _load
     from specdec.model.llama import LlamaModel
-    from specdec.model.loader import cpu_has_amx
-    from specdec.quant.bf16 import Bf16Weight
+    from specdec.quant.bf16 import Bf16Weight, onednn_prompt_rows_invariant
     if (type(model) is not LlamaModel or model.device.type != "cpu" or model.config.qk_norm
             or model.dtype is not torch.float32 or _load() is None):
         return None
     weight = model.layers[0].qkv.weight
     if isinstance(weight, torch.Tensor) and weight.dtype is torch.float32 and model.prefill_matmul_dtype is None:
         return "all"
-    if isinstance(weight, Bf16Weight) and weight.round_inputs and model.prefill_matmul_dtype is torch.bfloat16:
-        return None if cpu_has_amx() else "prompt"
+    if isinstance(weight, Bf16Weight) and weight.round_inputs:
+        if model.prefill_matmul_dtype is None:  # prompt passes on the decode passes' kernels (AMX tiles)
+            return "all"
+        if model.prefill_matmul_dtype is torch.bfloat16:
+            return "prompt" if onednn_prompt_rows_invariant() else None
     return None
 
 

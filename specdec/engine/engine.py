@@ -28,6 +28,7 @@ from specdec.engine.speculation import Speculation, profile_sizes, verify_rows
 from specdec.model.cuda_graph import GraphedModel
 from specdec.model.llama import ForwardOutput
 from specdec.penalties import apply_penalties, check_bias
+from specdec.quant.bf16 import exact_prompt_passes
 from specdec.sampler import argmax, make_generator, prompt_logprobs_of, sample, warp
 from specdec.sampling_params import SamplingParams
 from specdec.spec.adaptive import PRIOR_ACCEPTANCE, AdaptiveK
@@ -113,6 +114,9 @@ class Engine:
             raise ConfigError("the serving engine runs its batches eagerly: build its LLM with enforce_eager=True")
         self.llm, self.config = llm, config
         self.model, self.tokenizer = llm.model, llm.tokenizer
+        # chunked prefill and the prefix cache cut prompts anywhere: a prompt's bits must not depend on it
+        # (on an AMX CPU without the tiles, oneDNN's bf16 GEMM would make them; exact beats fast)
+        exact_prompt_passes(self.model)
         self.max_model_len = self.model.max_len
         self.spec = Speculation(llm, llm.speculative_config)
         self.default_spec = _choice(llm.proposer) if llm.proposer is not None else SpecChoice()

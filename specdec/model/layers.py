@@ -114,7 +114,7 @@ def build_attention_mask(past_len: int, block_mask: torch.Tensor | None, num_new
 def rounded_linear(x: torch.Tensor, weight, bias, dtype: torch.dtype | None) -> torch.Tensor:
     """linear(x, weight, bias) with its input and output rounded to `dtype` (None: as is): a bf16 model's
     prompt pass (LlamaModel.prefill_matmul_dtype) on oneDNN's bf16 matmul, whose rows come out bitwise the
-    same at any row count (the norms and attention around it still switch kernels with the row count)."""
+    same at any row count on bf16 CPUs without AMX (not with it: quant/bf16.py onednn_prompt_rows_invariant)."""
     if dtype is None:
         return linear(x, weight, bias)
     return linear(x.to(dtype), weight, bias).to(x.dtype)

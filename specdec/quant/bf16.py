@@ -11,8 +11,10 @@ on the CPU, chosen once by the loader (to_cpu_bf16):
   vdpbf16ps, twice the multiply-adds of an fp32 FMA: on a 2-vCPU Zen 4 a verify pass over 8 tokens costs
   ~1.1x a single-token step instead of ~1.8x (on a 2-vCPU Xeon still ~1.8x: there `use_amx_tiles` moves
   them to AMX tiles, bf16amx.c, from a tile-packed copy of each matrix held beside it). A prompt's layer
-  matmuls also round their outputs to bf16 (prefill_matmul_dtype, oneDNN's bf16 matmul at twice the fp32 FLOP/s: an 867-token prompt 0.87 s
-  instead of 1.37 s); attention, norms, residual, cache and the LM head stay fp32 there.
+  matmuls also round their outputs to bf16 (prefill_matmul_dtype, oneDNN's bf16 matmul at twice the fp32
+  FLOP/s: an 867-token prompt 0.87 s instead of 1.37 s); attention, norms, residual, cache and the LM head
+  stay fp32 there. Not where the tiles are packed: oneDNN is not row-invariant on an AMX CPU, so prompts
+  run on the tiles, as decode passes do (use_amx_tiles, exact_prompt_passes).
 - without: the input stays fp32 and each weight is widened exactly (a 16-bit shift), so the only rounding
   is the weights': the model is the fp32 model over bf16-rounded weights (rounding the inputs too would
   cost accuracy and gain nothing on fp32 FMAs).
@@ -99,6 +101,26 @@ def to_cpu_bf16(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def onednn_prompt_rows_invariant() -> bool:
+    """Whether oneDNN's bf16 GEMM (a bf16 prompt pass's matmuls, prefill_matmul_dtype) gives a row the same
+    bits at any row count here: measured so on bf16 CPUs without AMX (AMD Zen 4); with AMX it sums a row one
+    way at 1-32 rows and another at 64-512 (2 threads; tests/test_prompt_pass.py), so a prompt cut in two
+    differs from one pass."""
+    from specdec.model.loader import cpu_has_amx, cpu_has_bf16
+    return cpu_has_bf16() and not cpu_has_amx()
+
+
+def exact_prompt_passes(model: torch.nn.Module) -> bool:
+    """Make a model's prompt pass independent of how the prompt is cut (the serving engine's chunked
+    prefill, its prefix cache): where its bf16 prompt matmuls would run on a oneDNN that is not row-invariant
+    here, they run on our kernels instead (tiles where packed, else bf16dot.c; a 900-token prompt 1.3x /
+    2.8x the time on a 2-vCPU Xeon). True if the model's prompt passes were changed."""
+    if getattr(model, "prefill_matmul_dtype", None) is None or onednn_prompt_rows_invariant():
+        return False
+    model.prefill_matmul_dtype = None
+    return True
+
+
 def _bf16_weights(model: torch.nn.Module) -> list[Bf16Weight]:
     return [m for m in model.modules() if isinstance(m, Bf16Weight)]
 
@@ -129,4 +151,9 @@ def use_amx_tiles(model: torch.nn.Module, on: bool = True) -> int:
     packed = [w for w in weights if w.round_inputs and w.qweight.device.type == "cpu"] if on and amx_active() else []
     for w, tiles in zip(packed, amx_tiles([w.qweight for w in packed])):
         w.tiles = tiles
+    # a prompt's matmuls on the tiles too: row-invariant (oneDNN's bf16 GEMM is not on an AMX CPU), and the
+    # decode passes' kernel, so a prompt-pass row equals a decoded one. oneDNN was 1.3x faster on a
+    # 900-token prompt (2-vCPU Xeon, session 33); off the tiles, oneDNN again (to_cpu_bf16's choice)
+    if hasattr(model, "prefill_matmul_dtype") and weights and weights[0].round_inputs and weights[0].qweight.device.type == "cpu":
+        model.prefill_matmul_dtype = None if packed else torch.bfloat16
     return len(packed)
