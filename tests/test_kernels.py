@@ -81,10 +81,11 @@ def test_amx_tiles_layout():
 
 
 @pytest.mark.parametrize("T,K,N", [(1, 576, 960), (3, 576, 1537), (4, 100, 7), (8, 1536, 576), (16, 64, 64),
-                                   (17, 100, 33), (64, 1536, 577)])
+                                   (17, 100, 33), (37, 576, 96), (64, 1536, 577)])
 def test_bf16_linear_on_amx_tiles(T, K, N):
     """AMX tiles (bf16amx.c): bf16(x) @ float(W)^T with fp32 sums, as vdpbf16ps up to summation order; each
-    row bitwise what it is alone, at widths below, at and above a tile's 16 inputs, and padded edges."""
+    row bitwise what it is alone, at widths below, at and above a tile's 16 inputs, and padded edges (37 x 576:
+    the transposed packing with a partial last chunk; 64 x 1536 x 577: full and partial C tiles)."""
     if not kernels.amx_active():
         pytest.skip("no AMX tiles on this CPU")
     torch.manual_seed(0)

@@ -15,6 +15,9 @@
  *     B tile = 16 k-pairs x `width` inputs x 2 (width = T up to 16, else 16): the rounded inputs, repacked
  *              per call, a partial last chunk zero-padded; a single-token pass reads 64-byte B rows
  *     C tile = 16 weight rows x `width` inputs, fp32
+ *     A full chunk's B tiles and a full C tile are 16 x 16 transposes of 32-bit words in registers
+ *              (transpose16): a 900-token prompt's pass on the tiles took 0.61 s with element-by-element
+ *              packing and scatter, now 0.46 s, as on oneDNN's bf16 GEMM (2-vCPU Xeon, session 33)
  * Each y[t, n] is one C element: tdpbf16ps over the k-pairs of each 32-wide block, the blocks in order.
  * That order depends on neither the number of input rows nor the thread split, so a verify pass over
  * T rows equals T single-row passes bit for bit (batch invariance), as in bf16dot.c.
@@ -71,9 +74,42 @@ static void configure_tiles(int64_t width) {
     _tile_loadconfig(&cfg);
 }
 
-/* One C tile's 16 weight rows x nt inputs (stored 16 floats a row), transposed into y with the bias. */
+/* r[i] <- column i of the 16 x 16 matrix of 32-bit words whose rows are r[0..15] (four rounds of shuffles) */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4)
+        for (int j = 0; j < 2; j++) {
+            r[i + 2 * j] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + j]), _mm512_castps_pd(t[i + j + 2])));
+            r[i + 2 * j + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + j]), _mm512_castps_pd(t[i + j + 2])));
+        }
+    for (int i = 0; i < 16; i += 8)
+        for (int j = 0; j < 4; j++) {
+            t[i + j] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0x88);
+            t[i + j + 4] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0xdd);
+        }
+    for (int j = 0; j < 8; j++) {
+        r[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
+        r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xdd);
+    }
+}
+
+/* One C tile's 16 weight rows x nt inputs (stored 16 floats a row), transposed into y with the bias
+ * (a full tile: one 16 x 16 transpose in registers; the values are only moved, and the bias added). */
 static void scatter(const float *c, const float *bias, float *y, int64_t n, int64_t rows, int64_t t0, int64_t nt,
                     int64_t N) {
+    if (rows == TILE_ROWS && nt == TILE_INPUTS) {
+        __m512 r[16];
+        for (int i = 0; i < 16; i++) r[i] = _mm512_load_ps(c + i * TILE_INPUTS);
+        transpose16(r);
+        const __m512 b = bias ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps();
+        for (int64_t t = 0; t < 16; t++)
+            _mm512_storeu_ps(y + (t0 + t) * N + n, bias ? _mm512_add_ps(r[t], b) : r[t]);
+        return;
+    }
     for (int64_t t = 0; t < nt; t++)
         for (int64_t r = 0; r < rows; r++) y[(t0 + t) * N + n + r] = c[r * TILE_INPUTS + t] + (bias ? bias[n + r] : 0.0f);
 }
@@ -154,6 +190,20 @@ static void amx_share(void *ctx, int64_t me, int64_t nth) {
  * (K zero-padded to B blocks), 16 rows of (input, pair); a last, partial chunk zero-padded. */
 static void pack_inputs(const uint16_t *xb, uint16_t *xp, int64_t T, int64_t K, int64_t B, int64_t width) {
     const int64_t chunk = B * 32 * width, chunks = (T + width - 1) / width;
+    if (width == TILE_INPUTS && K % BLOCK_K == 0) { /* a (k-pair) word per input and pair: 16 x 16 transposes */
+        for (int64_t ch = 0; ch < chunks; ch++)
+            for (int64_t b = 0; b < B; b++) {
+                __m512 r[16];
+                for (int64_t i = 0; i < 16; i++) {
+                    const int64_t t = ch * 16 + i;
+                    r[i] = t < T ? _mm512_castsi512_ps(_mm512_loadu_si512(xb + t * K + b * BLOCK_K)) : _mm512_setzero_ps();
+                }
+                transpose16(r);
+                uint16_t *tile = xp + ch * chunk + b * 32 * width;
+                for (int i = 0; i < 16; i++) _mm512_storeu_ps((float *)(tile + i * 2 * width), r[i]);
+            }
+        return;
+    }
     if (T % width || K % BLOCK_K) memset(xp, 0, sizeof(uint16_t) * chunks * chunk);
     for (int64_t t = 0; t < T; t++) {
         uint16_t *col = xp + t / width * chunk + t % width * 2;

@@ -113,7 +113,7 @@ def onednn_prompt_rows_invariant() -> bool:
 def exact_prompt_passes(model: torch.nn.Module) -> bool:
     """Make a model's prompt pass independent of how the prompt is cut (the serving engine's chunked
     prefill, its prefix cache): where its bf16 prompt matmuls would run on a oneDNN that is not row-invariant
-    here, they run on our kernels instead (tiles where packed, else bf16dot.c; a 900-token prompt 1.3x /
+    here, they run on our kernels instead (tiles where packed, else bf16dot.c: a 900-token prompt as fast /
     2.8x the time on a 2-vCPU Xeon). True if the model's prompt passes were changed."""
     if getattr(model, "prefill_matmul_dtype", None) is None or onednn_prompt_rows_invariant():
         return False
@@ -152,8 +152,8 @@ def use_amx_tiles(model: torch.nn.Module, on: bool = True) -> int:
     for w, tiles in zip(packed, amx_tiles([w.qweight for w in packed])):
         w.tiles = tiles
     # a prompt's matmuls on the tiles too: row-invariant (oneDNN's bf16 GEMM is not on an AMX CPU), and the
-    # decode passes' kernel, so a prompt-pass row equals a decoded one. oneDNN was 1.3x faster on a
-    # 900-token prompt (2-vCPU Xeon, session 33); off the tiles, oneDNN again (to_cpu_bf16's choice)
+    # decode passes' kernel, so a prompt-pass row equals a decoded one; as fast as oneDNN on a 900-token
+    # prompt (2-vCPU Xeon, session 33). Off the tiles, oneDNN again (to_cpu_bf16's choice)
     if hasattr(model, "prefill_matmul_dtype") and weights and weights[0].round_inputs and weights[0].qweight.device.type == "cpu":
         model.prefill_matmul_dtype = None if packed else torch.bfloat16
     return len(packed)
