@@ -6,6 +6,12 @@ near ties, which the tiny models' tests had not shown (docs/benchmarks/methods.m
     python scripts/sweep_exactness.py --model smollm2-135m --dtype bfloat16 --prompts-per-category 2
     python scripts/sweep_exactness.py --model gemma3-270m --configs '[{"method": "ngram"}]'
     python scripts/sweep_exactness.py --amx      # bf16 decode and verify passes on AMX tiles
+    python scripts/sweep_exactness.py --amx --engine 4   # through the serving engine, 4 rows at a time
+
+--engine N runs every configuration (and plain decoding) through the serving engine instead: N
+sequences at a time, a small token budget so that long prompts are prefilled in chunks beside decode
+rows, each against the offline plain reference. Session 33's found a bf16 prompt pass whose bits
+depended on its chunks (oneDNN on an AMX CPU).
 
 Prints each configuration's mismatches (category, prompt, first differing token) and exits 1 if any.
 """
@@ -19,6 +25,7 @@ import time
 from specdec.bench.prompts import CATEGORIES, build_prompts
 from specdec.config import ConfigError, SpeculativeConfig
 from specdec.llm import LLM
+from specdec.quant.bf16 import exact_prompt_passes
 from specdec.sampling_params import SamplingParams
 from specdec.spec.decoder import SpeculativeDecoder
 from specdec.spec.proposer import ProposerContext, make_proposer
@@ -40,6 +47,21 @@ def decoder(llm: LLM, config: dict | None) -> SpeculativeDecoder:
     return SpeculativeDecoder(llm.model, llm.tokenizer, proposer, cfg, prefix_caching=False)
 
 
+def served(llm: LLM, config: dict | None, prompts, params: SamplingParams, num_seqs: int) -> list[list[int]]:
+    """Every prompt through a serving engine with `config` as each request's speculation (None: plain),
+    num_seqs at a time, prompts chunked by a 128-token budget; each request's tokens in prompt order."""
+    from specdec.engine.engine import Engine, EngineConfig, EngineRequest
+    engine = Engine(llm, EngineConfig(max_num_seqs=num_seqs, max_num_batched_tokens=128))
+    spec = {"method": None} if config is None else config
+    for i, p in enumerate(prompts):
+        engine.add_request(EngineRequest(str(i), p.token_ids, params, speculative=spec))
+    got: list[list[int]] = [[] for _ in prompts]
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[int(out.request_id)].extend(out.token_ids)
+    return got
+
+
 def first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -54,6 +76,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--configs", default=None, help="JSON list of speculative_config dicts (default: CONFIGS)")
     ap.add_argument("--amx", action="store_true", help="bf16 on AMX tiles (a CPU with AMX; LLM(amx=True))")
+    ap.add_argument("--engine", type=int, default=0, metavar="N",
+                    help="through the serving engine, N sequences at a time (default: the offline decoder)")
     args = ap.parse_args()
     llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, progress=False, amx=args.amx)
     if args.amx and not llm.amx:
@@ -61,25 +85,31 @@ def main() -> int:
         return 1
     prompts = build_prompts(llm.tokenizer, args.prompts_per_category, tuple(args.categories.split(",")))
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    if args.engine:  # the prompt kernels an engine will use, for the offline reference too (quant/bf16.py)
+        exact_prompt_passes(llm.model)
     plain = decoder(llm, None)
     reference = [plain.generate(p.token_ids, params).token_ids for p in prompts]
     mismatches = 0
-    for config in json.loads(args.configs) if args.configs else CONFIGS:
+    configs = json.loads(args.configs) if args.configs else CONFIGS
+    for config in ([None] if args.engine else []) + configs:  # the engine's plain decoding first
         t0 = time.perf_counter()
         try:
-            spec = decoder(llm, config)
+            if args.engine:
+                outputs = served(llm, config, prompts, params, args.engine)
+            else:
+                spec = decoder(llm, config)
+                outputs = [spec.generate(p.token_ids, params).token_ids for p in prompts]
         except (ConfigError, OSError, ValueError) as e:  # a drafter this model cannot have (no shipped head, ...)
             print(f"skipped {json.dumps(config)}: {e}")
             continue
         found = []
-        for p, want in zip(prompts, reference):
-            got = spec.generate(p.token_ids, params).token_ids
+        for p, want, got in zip(prompts, reference, outputs):
             if got != want:
                 found.append(f"{p.category} {p.source} @{first_difference(want, got)}")
         mismatches += len(found)
         print(f"{json.dumps(config)}: {len(found)} of {len(prompts)} differ ({time.perf_counter() - t0:.0f} s)"
               + "".join(f"\n    {f}" for f in found), flush=True)
-    print(f"{args.model} {args.dtype}: {mismatches} mismatches")
+    print(f"{args.model} {args.dtype}{' engine' if args.engine else ''}: {mismatches} mismatches")
     return 1 if mismatches else 0
 
 
