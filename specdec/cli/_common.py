@@ -21,8 +21,9 @@ def add_model_args(p: argparse.ArgumentParser, positional: bool = True) -> None:
                    help="CUDA graphs: compute every decode/verify pass at least this many rows wide, so plain and "
                         "speculative passes run the same GPU kernels (the CPU kernels agree at any width)")
     p.add_argument("--amx", action=argparse.BooleanOptionalAction, default=None,
-                   help="bf16 on an Intel CPU with AMX: decode and verify passes on AMX tiles (cheap multi-token "
-                        "passes, a single token 5-10%% slower; default: on for serve, off elsewhere)")
+                   help="bf16 on an Intel CPU with AMX: prompt, decode and verify passes on AMX tiles (cheap "
+                        "multi-token passes, a single token 5-10%% slower; default: on for serve, off elsewhere; "
+                        "serve without them runs prompts on vdpbf16ps, slower, since oneDNN's are not row-invariant there)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="never reuse an earlier request's keys/values for a shared prompt prefix (generate/chat: "
                         "the previous request's, where exact; serve: the engine's block cache)")
