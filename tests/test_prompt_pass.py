@@ -158,7 +158,8 @@ def test_engine_keeps_prompt_passes_row_invariant(tiny_dir, monkeypatch, invaria
 def test_real_model_bf16_engine_chunks_equal_offline(smollm_dir, monkeypatch):
     """SmolLM2-135M in bf16 (on AMX tiles where the CPU has them, as `specdec serve` runs): RAG prompts of
     ~450-870 tokens prefilled in chunks of a small token budget beside other rows give LLM.generate's greedy
-    tokens. Negative control on an AMX CPU: with oneDNN's prompt matmuls (as before session 33) they do not."""
+    tokens, with speculation too. Negative control on an AMX CPU: with oneDNN's prompt matmuls (as before
+    session 33) they do not."""
     import specdec.quant.bf16 as bf16
     from specdec.bench.prompts import build_prompts
     from specdec.engine.engine import Engine, EngineConfig, EngineRequest
@@ -168,19 +169,23 @@ def test_real_model_bf16_engine_chunks_equal_offline(smollm_dir, monkeypatch):
     prompts = [p.token_ids for p in build_prompts(llm.tokenizer, 4, ("rag",))]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
 
-    def offline_and_served():
-        want = [list(llm.generate([p], params)[0].outputs[0].token_ids) for p in prompts]
+    def served(speculative=None):
         engine = Engine(llm, EngineConfig(max_num_seqs=4, max_num_batched_tokens=100, profile_cost=False))
         for i, ids in enumerate(prompts):
-            engine.add_request(EngineRequest(str(i), ids, params))
+            engine.add_request(EngineRequest(str(i), ids, params, speculative=speculative))
         got = [[] for _ in prompts]
         while engine.has_unfinished():
             for o in engine.step():
                 got[int(o.request_id)].extend(o.token_ids)
-        return want, got
+        return got
+
+    def offline_and_served():
+        return [list(llm.generate([p], params)[0].outputs[0].token_ids) for p in prompts], served()
 
     want, got = offline_and_served()
     assert got == want
+    # drafted tokens take the chunks' token budget: the prompts are cut elsewhere, the outputs stay
+    assert served({"method": "ngram", "num_speculative_tokens": 4}) == want
     if cpu_has_amx():
         llm.model.prefill_matmul_dtype = torch.bfloat16
         monkeypatch.setattr(bf16, "onednn_prompt_rows_invariant", lambda: True)  # the engine then keeps oneDNN
