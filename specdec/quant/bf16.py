@@ -148,12 +148,13 @@ def use_amx_tiles(model: torch.nn.Module, on: bool = True) -> int:
     weights = _bf16_weights(model)  # (in forward order: layer by layer)
     for w in weights:
         w.tiles = None
-    packed = [w for w in weights if w.round_inputs and w.qweight.device.type == "cpu"] if on and amx_active() else []
+    eligible = [w for w in weights if w.round_inputs and w.qweight.device.type == "cpu"]
+    packed = eligible if on and amx_active() else []
     for w, tiles in zip(packed, amx_tiles([w.qweight for w in packed])):
         w.tiles = tiles
     # a prompt's matmuls on the tiles too: row-invariant (oneDNN's bf16 GEMM is not on an AMX CPU), and the
     # decode passes' kernel, so a prompt-pass row equals a decoded one; as fast as oneDNN on a 900-token
     # prompt (2-vCPU Xeon, session 33). Off the tiles, oneDNN again (to_cpu_bf16's choice)
-    if hasattr(model, "prefill_matmul_dtype") and weights and weights[0].round_inputs and weights[0].qweight.device.type == "cpu":
+    if eligible and hasattr(model, "prefill_matmul_dtype"):
         model.prefill_matmul_dtype = None if packed else torch.bfloat16
     return len(packed)
