@@ -352,3 +352,46 @@ def test_position_weight_counts_positions_not_steps():
     probe = Acceptance(0.1, 0.1)
     probe.update(1, 1, per_step=True)
     assert abs(probe.value - (0.1 * (1 - EMA) + EMA)) < 1e-12
+
+
+def test_a_dynamic_trees_shares_are_learned_per_rank():
+    """An EAGLE-2 tree's node i is its drafter's i-th likeliest: each rank's share is the EMA of its
+    being on the accepted path over the steps that drafted it, a rank never drafted keeps its prior, and
+    no rank is valued above the ones before it."""
+    prior = [0.5, 0.4, 0.3, 0.2, 0.1, 0.05]
+    ad = AdaptiveK(6, _cost(), tree_shares=prior, dynamic_tree_depth=3)
+    for step in range(200):  # rank 0 always accepted, rank 2 every other step, rank 1 never; 4 nodes
+        ad.update(4, 1 + step % 2, accepted_nodes=[0, 2] if step % 2 else [0])
+    shares = ad.tree.shares
+    assert shares[0] == pytest.approx(1.0, abs=1e-6) and shares[1] == pytest.approx(0.0, abs=1e-6)
+    assert shares[2] == pytest.approx(0.5, abs=0.06) and shares[3] == pytest.approx(0.0, abs=1e-6)
+    assert shares[4:] == prior[4:]  # never drafted
+    assert ad.expected_tokens(6) == pytest.approx(2.0, abs=1e-6)  # ranks 2..5 capped by rank 1's 0
+    static = AdaptiveK(6, _cost(), tree_shares=prior)  # the negative control: a static tree scales its prior
+    for step in range(200):
+        static.update(4, 1 + step % 2)
+    assert static.expected_tokens(6) > 2.5
+
+
+def test_a_dynamic_tree_costs_a_drafting_pass_per_depth():
+    """A dynamic tree of k nodes is drafted in min(k, depth) passes: its measured draft time is kept per
+    pass and a tree of 8 nodes 3 deep is priced as 3 passes, not 8 drafted tokens."""
+    prior = [0.45 * 0.75 ** r for r in range(8)]
+    tree = AdaptiveK(8, _cost(), tree_shares=prior, dynamic_tree_depth=3)
+    tree.observe_step(8, 0.006, 0.001)  # 8 nodes in 3 passes of 2 ms
+    assert tree.draft_seconds == pytest.approx(0.002)
+    assert [tree.draft_passes(k) for k in (1, 2, 3, 8)] == [1, 2, 3, 3]
+    per_token = AdaptiveK(8, _cost(), tree_shares=prior)  # a static tree: a pass per node
+    per_token.observe_step(8, 0.006, 0.001)
+    assert per_token.draft_seconds == pytest.approx(0.00075)
+    per_token.draft_seconds = tree.draft_seconds
+    assert tree.expected_speedup(8, 0.0) > per_token.expected_speedup(8, 0.0)
+
+
+def test_no_pass_is_priced_above_a_longer_one():
+    """A pass over T tokens is priced at most as a longer pass: an estimate for a seldom-chosen T may be
+    old or hold a stall, and adaptive k would avoid that T for the rest of the request."""
+    cost = _cost()
+    cost.seconds[7] = 3 * cost.seconds[8]  # a stalled 7-token pass
+    assert cost.relative(7) == cost.relative(8) < cost.relative(9)
+    assert cost.relative(3) == pytest.approx(cost.seconds[3] / cost.seconds[1])

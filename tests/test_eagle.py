@@ -55,6 +55,42 @@ def test_greedy_equivalence(tiny, tmp_path, kind, shape):
     assert r.metrics.num_drafts > 0
 
 
+def test_rerank_orders_the_cut_likeliest_first_with_parents_before_children():
+    from specdec.proposers.eagle import _rerank
+    # root children 0 (-0.1), 1 (-1.0), 2 (-2.0); 3, 4 under 0; 5 under 3 (equal to its parent: a sure token)
+    tok, par = [10, 11, 12, 13, 14, 15], [-1, -1, -1, 0, 0, 3]
+    val = [-0.1, -1.0, -2.0, -0.5, -3.0, -0.5]
+    p = _rerank(tok, par, val, 4)
+    assert p.tokens == [10, 13, 15, 11]  # -0.1, -0.5, -0.5 (the parent first), -1.0
+    assert p.parents == [-1, 0, 1, -1]
+
+
+def test_a_smaller_tree_is_the_first_nodes_of_a_larger_one(tiny, tmp_path):
+    """Node i of an EAGLE-2 tree is its i-th likeliest, and a tree of b nodes, drafted b deep at most,
+    is the first b nodes of the full-depth tree: adaptive k prices a rank by the trees that drafted it."""
+    from specdec.llm import LLM
+    from specdec.spec.proposer import RequestState, TargetOutput
+
+    d, plain = tiny
+    head = random_head(plain.model, "eagle3", tmp_path / "head", draft_vocab=512)
+    spec = LLM(str(d), dtype="float32", progress=False, speculative_config={
+        "method": "eagle3", "model": str(head), "eagle_topk": 3, "num_steps": 4, "num_draft_tokens": 13})
+    proposer = spec.proposer
+    assert proposer.dynamic_tree_depth == 4 and len(proposer.tree_shares()) == 12
+    state = RequestState(plain.tokenizer.encode("Hello there, 1 2 3 4"), SamplingParams(temperature=0.0))
+    n = len(state.prompt_ids)  # the target's prefill, as the decoder runs it
+    res = spec.model(torch.tensor([state.prompt_ids]), torch.arange(n)[None], spec.model.new_cache(64),
+                     num_logits=1, output_layers=proposer.feature_layers, prefill=True)
+    state.output_ids.append(int(res.logits[0, -1].argmax()))
+    proposer.begin(state, TargetOutput(res, list(range(n))))
+    full = proposer.propose(state, 12)
+    assert len(full) == 12 and all(p < i for i, p in enumerate(full.parents))
+    for b in (2, 3, 5):
+        small = proposer.propose(state, b)
+        assert small.tokens == full.tokens[:b] and small.parents == full.parents[:b]
+    proposer.end(state)
+
+
 def test_sampling_is_seeded(tiny, tmp_path):
     from specdec.llm import LLM
     d, plain = tiny

@@ -66,7 +66,7 @@ def test_lookup_steps_leave_the_model_drafters_estimate_alone(tiny, monkeypatch)
     updates = []
     real = adaptive.AdaptiveK.update
     monkeypatch.setattr(adaptive.AdaptiveK, "update",
-                        lambda self, n, a, match_len=0: updates.append(match_len) or real(self, n, a, match_len))
+                        lambda self, n, a, match_len=0, **kw: updates.append(match_len) or real(self, n, a, match_len, **kw))
     before = spec.proposer.lookup_steps
     r = spec.generate_one(ids, greedy(32))
     lookup_steps = spec.proposer.lookup_steps - before

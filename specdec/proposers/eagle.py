@@ -66,9 +66,11 @@ def default_head(kind: str, target_cfg) -> Path:
 
 
 def _rerank(tok: list[int], par: list[int], val: list[float], budget: int) -> Proposal:
-    """EAGLE-2's final cut: the `budget` nodes of highest cumulative log-probability, in node order. A stable
-    sort keeps a parent ahead of an equal-valued child, so the cut is a tree."""
-    keep = sorted(sorted(range(len(tok)), key=lambda n: -val[n])[:budget])
+    """EAGLE-2's final cut: the `budget` nodes of highest cumulative log-probability, in that order (node i
+    is the i-th most likely: adaptive k learns each rank's acceptance, spec/adaptive.py's RankShares). A
+    child's value is at most its parent's and the sort is stable, so a parent comes before its children and
+    the cut is a tree, in topological order."""
+    keep = sorted(range(len(tok)), key=lambda n: -val[n])[:budget]
     index = {n: i for i, n in enumerate(keep)}
     return Proposal([tok[n] for n in keep], None, [index[par[n]] if par[n] != -1 else -1 for n in keep])
 
@@ -85,6 +87,9 @@ class _EagleBase(Proposer):
     # prompts, decode): eagle3 fp32 1.24x -> 1.30x (a fixed chain of 3: 1.30x), bf16 1.06x -> 1.16x;
     # eagle3+ngram 1.36x -> 1.42x, 1.18x -> 1.23x. qdraft+ngram moved -4%..+4% between runs: not taken
     acceptance_position_weight = 0.1
+    # an EAGLE-2 tree's prior share of rank r: FIRST_RANK_SHARE * RANK_DECAY^r (the shipped eagle3 head,
+    # 3 candidates a node, measured 0.44, 0.32, 0.22, 0.15, 0.14, 0.11, 0.08, 0.08, ...: spec/tree_shares.py)
+    FIRST_RANK_SHARE, RANK_DECAY = 0.45, 0.75
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -104,12 +109,20 @@ class _EagleBase(Proposer):
         self.draft_ids = self.head.draft_ids  # [Vd] target id per draft id
         self.num_steps, self.topk = cfg.num_steps, cfg.eagle_topk
         self.budget = cfg.num_draft_tokens - 1  # drafted nodes (SGLang counts the root token too)
+        # a tree's nodes come likeliest first (_rerank), k of them drafted in min(k, num_steps) head passes
+        self.dynamic_tree_depth = self.num_steps if self.topk > 1 else 0
         self._catchup = (0.0, 0)  # seconds and rows of digests since take_catchup last reported them
         self._kept: tuple[list[int], torch.Tensor] | None = None  # the last request's tokens, rows' features
         # a CUDA-graphed target (the single-request decoder on a GPU): the head's passes are graphed too
         self.graphed = None
         if isinstance(ctx.target, GraphedModel):
             self.graphed = GraphedHead(self.head, ctx.max_len + self._speculative_rows(), ctx.dtype, self.device)
+
+    def tree_shares(self) -> list[float] | None:
+        """A tree's prior share per rank (None: this head drafts chains, eagle_topk 1)."""
+        if self.topk == 1:
+            return None
+        return [self.FIRST_RANK_SHARE * self.RANK_DECAY ** r for r in range(self.budget)]
 
     def _speculative_rows(self) -> int:
         """Draft cache rows one proposal may add: a chain's, or the tree's frontier forwards (<= topk a depth)."""
@@ -383,7 +396,9 @@ class _EagleBase(Proposer):
         tok = self.draft_ids[top.indices].tolist()
         par, val, dep = [-1] * K, top.values.tolist(), [1] * K
         frontier, outs, slot = list(range(K)), {-1: state.draft["g"][0, 0]}, {}
-        for depth in range(2, self.num_steps + 1):
+        # the `budget` likeliest nodes lie at most `budget` deep (each has its ancestors before it): the
+        # expansion stops there, and a small budget drafts the same nodes in fewer head passes
+        for depth in range(2, min(self.num_steps, budget) + 1):
             # forward the frontier: each row sees the prefix, its forwarded ancestors and itself
             m, base = len(frontier), state.draft["cache"].length
             mask = torch.zeros(m, base + m, dtype=torch.bool)  # built on the host, one copy (a GPU's)

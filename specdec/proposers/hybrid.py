@@ -70,6 +70,10 @@ class HybridProposer(Proposer):
     def tree_shares(self) -> list[float] | None:
         return self.model.tree_shares()
 
+    @property
+    def dynamic_tree_depth(self) -> int:
+        return self.model.dynamic_tree_depth
+
     def take_catchup(self) -> tuple[float, int]:
         return self.model.take_catchup()
 

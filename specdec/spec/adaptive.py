@@ -42,16 +42,9 @@ curve: one estimate 1.28-2.99x per category, one per match length 1.41-2.97x (su
 1.69x, rag 1.78x -> 1.88x, chat 1.65x -> 1.70x, code 1.28x -> 1.41x); measured, interleaved, 64 tokens,
 n-gram decode: summarization 1.35x -> 1.49x, rag 1.10x -> 1.20x, chat 1.46x -> 1.57x.
 
-A static-tree drafter (Token Recycling, Medusa) drafts k NODES, not a chain of k tokens, and the chain
-formula has the wrong shape for a tree: it values the i-th drafted token at a^i, while a tree's nodes are
-worth their chance of lying on the accepted path (recycling's first nodes: 0.40, 0.16, 0.08, 0.065,
-0.064, ...; its 3rd to 5th nodes, siblings at depths 1 to 3, are worth several times a^3..a^5). Such a
-proposer gives those prior chances (tree_shares), and a tree of k nodes is priced at
-1 + s * sum(shares[:k]) tokens (each node's scaled share at most 1), where s = EMA(accepted) /
-EMA(sum of the drafted nodes' shares) is what this request measures against the prior. Recycling,
-chain-priced vs tree-priced vs plain, interleaved per prompt (6 categories x 6 prompts, 64 tokens, a
-2-vCPU Zen 4): fp32 1.013x -> 1.049x (every category at least as fast); bf16 0.977x -> 0.973x (its
-verify passes cost 1.3x a plain one there: neither pricing finds a gain).
+A tree drafter drafts k NODES, not a chain of k tokens, and is priced by its nodes' chances of lying on
+the accepted path (spec/tree_shares.py): a static tree's prior shares scaled by what it yields, a
+dynamic (EAGLE-2) tree's shares learned per rank.
 """
 from __future__ import annotations
 
@@ -61,6 +54,7 @@ from typing import NamedTuple
 import torch
 
 from specdec.model.cuda_graph import synchronize
+from specdec.spec.tree_shares import RankShares, TreeYield
 
 PRIOR_ACCEPTANCE = 0.6
 EMA = 0.3
@@ -180,9 +174,15 @@ class CostModel:
             self.seconds[T] = robust_ema(self.seconds[T], seconds)
 
     def relative(self, T: int) -> float:
+        """A pass over T tokens against a single-token one. No pass is priced above a longer one: an estimate
+        for a T seldom chosen is old and may hold a stall (a tree of 7 nodes once priced at 1.6x, 8 nodes
+        at 1.25x, and adaptive k avoided 7 for the rest of the request)."""
         T = min(max(T, 1), self.max_tokens)
         base = self.seconds[1]
-        return (self.seconds[T] or base * T) / base if base else float(T)
+        if not base:
+            return float(T)
+        known = [s for s in self.seconds[T:] if s is not None]
+        return min(known) / base if known else T
 
 
 class Acceptance:
@@ -219,27 +219,6 @@ class Acceptance:
         self.tested = (1 - EMA) * self.tested + EMA * tested
 
 
-class TreeYield:
-    """A static-tree drafter's accepted tokens against what its node shares predicted: the pooled ratio
-    of EMAs (1 until a step is seen), the scale adaptive k applies to the shares."""
-
-    MAX_SCALE = 3.0  # a request far above its prior saturates anyway: every node's share is capped at 1
-    # slower than the chains' EMA: a small tree's step mostly accepts 0 or 1 token, and at 0.3 a run of
-    # misses at a 40% node drove the estimate to a quarter of its truth and switched a paying tree off
-    EMA = 0.1
-
-    def __init__(self):
-        self.accepted, self.predicted = 1.0, 1.0
-
-    @property
-    def scale(self) -> float:
-        return min(self.accepted / self.predicted, self.MAX_SCALE) if self.predicted > 0 else 1.0
-
-    def update(self, predicted: float, accepted: int) -> None:
-        self.accepted = (1 - self.EMA) * self.accepted + self.EMA * accepted
-        self.predicted = (1 - self.EMA) * self.predicted + self.EMA * predicted
-
-
 class Choice(NamedTuple):
     k: int  # tokens to draft; 0: a plain step
     lookup: bool  # draft the lookup's chain (else the model drafter's)
@@ -251,22 +230,25 @@ class AdaptiveK:
 
     def __init__(self, k_max: int, cost: CostModel, probe_interval: int = 16, previous: "AdaptiveK | None" = None,
                  prior: float = PRIOR_ACCEPTANCE, tree_shares: list[float] | None = None, prompt_len: int = 0,
-                 position_weight: float | None = None):
+                 position_weight: float | None = None, dynamic_tree_depth: int = 0):
         """prior: the model drafter's acceptance assumed before any step is seen (its acceptance_prior);
-        tree_shares: a static-tree drafter's node shares, in drafting order (Proposer.tree_shares);
+        tree_shares: a tree drafter's node shares, in drafting order (Proposer.tree_shares);
+        dynamic_tree_depth > 0: they are a dynamic tree's priors per rank, learned from its verified trees,
+        and its k nodes take min(k, this) drafting passes (else a static tree's, priced per node);
         prompt_len: the request's prompt length, 0 if unknown; position_weight: the model drafter's
         estimate weighs each tested position this much instead of each step EMA
         (Proposer.acceptance_position_weight)."""
         self.k_max = k_max
-        self.tree_shares = tree_shares
-        self.tree = TreeYield()
+        self.tree: TreeYield | RankShares | None = None
+        if tree_shares is not None:
+            self.tree = RankShares(tree_shares, dynamic_tree_depth) if dynamic_tree_depth else TreeYield(tree_shares)
         self.cost = cost
         self.model = Acceptance(prior, position_weight)  # the model drafter's tokens
         # a lookup's chains by match length (min(n, MAX_MATCH_KEY)), fresh per request: a chain after a
         # 6-token match is accepted far more often than one after a 1-token match (see the module doc)
         self.lookups: dict[int, Acceptance] = {}
         self.probes = ProbeBackoff(probe_interval)
-        self.draft_seconds: float | None = None  # per drafted token, EMA over this request's steps
+        self.draft_seconds: float | None = None  # per drafting pass (a token of a chain), EMA over the steps
         self.overhead = StepOverhead()  # outside the draft and verify forwards
         self.steps = 0
         self.prompt_len = prompt_len
@@ -305,19 +287,20 @@ class AdaptiveK:
         """The estimate for a lookup's chain after a match of match_len tokens (the prior if unseen)."""
         return self._estimate(match_len).value
 
-    def update(self, num_drafted: int, num_accepted: int, match_len: int = 0) -> None:
+    def update(self, num_drafted: int, num_accepted: int, match_len: int = 0,
+               accepted_nodes: list[int] | None = None) -> None:
         """A verified step: num_accepted of num_drafted tokens, drafted by the model drafter (match_len 0)
-        or by a lookup after a match of match_len tokens."""
-        if match_len <= 0 and self.tree_shares is not None and num_drafted > 0:
-            self.tree.update(sum(self.tree_shares[:num_drafted]), num_accepted)
+        or by a lookup after a match of match_len tokens; accepted_nodes: a tree's accepted path (node
+        indices; None: a chain's first num_accepted)."""
+        if match_len <= 0 and self.tree is not None and num_drafted > 0:
+            self.tree.update(num_drafted, num_accepted, accepted_nodes)
         self._estimate(match_len).update(num_drafted, num_accepted, per_step=self.probes.probed and match_len <= 0)
 
     def expected_tokens(self, k: int, match_len: int = 0, acceptance: float | None = None) -> float:
         """Tokens a step emits when it drafts k: a chain's 1 + a + ... + a^k at the estimated (or given)
-        acceptance a; a static tree's 1 + the sum of its first k nodes' scaled shares."""
-        if match_len <= 0 and acceptance is None and self.tree_shares is not None:
-            scale = self.tree.scale
-            return 1.0 + sum(min(1.0, scale * share) for share in self.tree_shares[:k])
+        acceptance a; a tree's 1 + its first k nodes' shares (spec/tree_shares.py)."""
+        if match_len <= 0 and acceptance is None and self.tree is not None:
+            return self.tree.expected(k)
         a = self._estimate(match_len).value if acceptance is None else acceptance
         return (1 - a ** (k + 1)) / (1 - a)
 
@@ -337,11 +320,16 @@ class AdaptiveK:
             self.overhead.observe(num_drafted > 0, other_seconds)
         if num_drafted == 0 or not model:
             return
-        per_token = draft_seconds / num_drafted
-        if probe and self.draft_seconds is not None and per_token < self.draft_seconds:
-            self.draft_seconds = per_token
+        per_pass = draft_seconds / self.draft_passes(num_drafted)
+        if probe and self.draft_seconds is not None and per_pass < self.draft_seconds:
+            self.draft_seconds = per_pass
         else:
-            self.draft_seconds = robust_ema(self.draft_seconds, per_token)
+            self.draft_seconds = robust_ema(self.draft_seconds, per_pass)
+
+    def draft_passes(self, k: int) -> int:
+        """The model drafter's sequential passes for k tokens: k for a chain or a static tree (priced per
+        node), fewer for a dynamic tree (one pass drafts a depth)."""
+        return self.tree.passes(k) if self.tree is not None else k
 
     def expected_speedup(self, k: int, draft_cost_rel: float, match_len: int = 0,
                          acceptance: float | None = None) -> float:
@@ -354,12 +342,13 @@ class AdaptiveK:
         if match_len > 0:
             draft_cost_rel = 0.0
         if not base:
-            return tokens / (self.cost.relative(k + 1) + k * draft_cost_rel)
+            return tokens / (self.cost.relative(k + 1) + self.draft_passes(k) * draft_cost_rel)
         draft = self.draft_seconds if self.draft_seconds is not None and match_len <= 0 else draft_cost_rel * base
         # a drafting step does all of a plain step's work and more: its overhead is never priced below the
         # plain one (on tiny models both are timing noise, and a plain estimate above the spec one made a
         # step at acceptance 0.01 look like it paid)
-        spec = self.cost.relative(k + 1) * base + k * draft + max(self.overhead.spec, self.overhead.plain)
+        passes = self.draft_passes(k) if match_len <= 0 else k
+        spec = self.cost.relative(k + 1) * base + passes * draft + max(self.overhead.spec, self.overhead.plain)
         return tokens * (base + self.overhead.plain) / spec
 
     def _best(self, draft_cost_rel: float, match_len: int, k_max: int) -> tuple[int, float]:

@@ -29,10 +29,7 @@ from specdec.spec.rejection import Verdict, verify_greedy, verify_sampling
 
 def _cut(proposal: Proposal, k: int) -> Proposal:
     """A chain cut to k tokens; a tree's size is the proposer's own budget."""
-    if proposal.is_tree or len(proposal) <= k:
-        return proposal
-    return Proposal(proposal.tokens[:k], None if proposal.probs is None else proposal.probs[:k],
-                    match_len=proposal.match_len)
+    return proposal if proposal.is_tree else proposal.first(k)
 
 
 class RequestError(ValueError):
@@ -209,7 +206,8 @@ class SpeculativeDecoder:
             previous = self.last_adaptive if carry else None
             adaptive = AdaptiveK(self.k_max, self.cost, previous=previous, prior=self.proposer.acceptance_prior,
                                  tree_shares=self.proposer.tree_shares(), prompt_len=len(prompt_ids),
-                                 position_weight=self.proposer.acceptance_position_weight)
+                                 position_weight=self.proposer.acceptance_position_weight,
+                                 dynamic_tree_depth=self.proposer.dynamic_tree_depth)
             self.last_adaptive = adaptive
 
         capacity = min(self.max_len, len(prompt_ids) + params.max_tokens + self.k_max + 1)
@@ -301,7 +299,8 @@ class SpeculativeDecoder:
         t3 = time.perf_counter()
         self.cost.observe(T, t2 - t1)
         if adaptive is not None:
-            adaptive.update(len(proposal), verdict.num_accepted, proposal.match_len)
+            adaptive.update(len(proposal), verdict.num_accepted, proposal.match_len,
+                            accepted_nodes=[r - 1 for r in rows[1:]] if proposal.is_tree else None)
             draft, other = self._step_costs(t1 - t0, t3 - t2)
             adaptive.observe_step(len(proposal), draft, other, model=not proposal.lookup)
         metrics.record(len(proposal), verdict.num_accepted, len(verdict.tokens), proposal.match_len)

@@ -59,6 +59,13 @@ class Proposal:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def first(self, n: int) -> "Proposal":
+        """The first n nodes: a chain's first tokens, or a tree's (a parent comes before its children)."""
+        if n >= len(self.tokens):
+            return self
+        return Proposal(self.tokens[:n], None if self.probs is None else self.probs[:n],
+                        None if self.parents is None else self.parents[:n], self.match_len)
+
     @property
     def lookup(self) -> bool:
         return self.match_len > 0
@@ -109,6 +116,10 @@ class Proposer(ABC):
     # adaptive k's estimate of its acceptance weighs each tested position this much (None: each step EMA,
     # however many positions it tested; spec/adaptive.py's Acceptance)
     acceptance_position_weight: float | None = None
+    # > 0: tree_shares are a dynamic tree's priors per rank (its node i is its i-th likeliest), which adaptive
+    # k learns from the request's verified trees, and a tree of k nodes takes min(k, this) drafting passes;
+    # 0: a static tree's shares, k nodes priced as k drafted tokens (spec/tree_shares.py)
+    dynamic_tree_depth: int = 0
 
     def __init__(self, ctx: ProposerContext):
         self.ctx = ctx
@@ -139,9 +150,9 @@ class Proposer(ABC):
         return 0.0, 0
 
     def tree_shares(self) -> list[float] | None:
-        """A static-tree drafter's prior chance that each node it drafts lies on the accepted path, in
-        drafting order (a step drafting k nodes drafts the first k); adaptive k prices a tree of k nodes
-        by them (spec/adaptive.py). None: this proposer drafts chains."""
+        """A tree drafter's prior chance that each node it drafts lies on the accepted path, in drafting
+        order (a step drafting k nodes drafts the first k); adaptive k prices a tree of k nodes by them
+        (spec/tree_shares.py). None: this proposer drafts chains."""
         return None
 
     def observe_draft_cost(self, per_token: float) -> None:
