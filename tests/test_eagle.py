@@ -91,6 +91,46 @@ def test_a_smaller_tree_is_the_first_nodes_of_a_larger_one(tiny, tmp_path):
     proposer.end(state)
 
 
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_the_heads_c_layer_equals_its_torch_layer_and_each_row_is_what_it_is_alone(tiny, tmp_path, kind):
+    """forward_rows runs the head's layer in one C call (kernels/layer.py's head_layer): the same as the
+    torch layer (sdpa) up to summation order, bitwise the same for a row whether it comes alone or beside
+    others, and the keys it leaves in each cache are the torch layer's."""
+    from specdec.kernels import layer as c_layer
+    from specdec.proposers.heads import DraftKV, load_head
+
+    d, plain = tiny
+    head = load_head(random_head(plain.model, kind, tmp_path / "head", draft_vocab=512 if kind == "eagle3" else 0),
+                     torch.float32)
+    if c_layer._load() is None:
+        pytest.skip("no compiled kernels")
+    H, sizes, g = head.cfg.hidden_size, [1, 3, 2], torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        caches = [DraftKV(head.cfg, 64, torch.float32) for _ in sizes]
+        for i, c in enumerate(caches):
+            x = torch.randn(1, 5 + 3 * i, H, generator=g)
+            head.forward_rows(x, x, torch.arange(x.shape[1])[None], [c], [x.shape[1]])
+        lens = [c.length for c in caches]
+        emb, hid = torch.randn(1, 6, H, generator=g), torch.randn(1, 6, H, generator=g)
+        pos = torch.tensor([[5, 8, 9, 10, 11, 12]])
+        both = head.forward_rows(emb, hid, pos, caches, sizes)
+        assert [c.length for c in caches] == [n + L for n, L in zip(sizes, lens)]
+        keys = [c.k[:, :, :c.length].clone() for c in caches]
+        alone, torch_rows, start = [], [], 0
+        for c, n, L, k in zip(caches, sizes, lens, keys):
+            rows = slice(start, start + n)
+            c.length = L
+            alone.append(head.forward_rows(emb[:, rows], hid[:, rows], pos[:, rows], [c], [n]))
+            c.length = L
+            mask = torch.ones(n, L + n, dtype=torch.bool).tril(L)  # a mask: the torch layer
+            torch_rows.append(head.forward_layer(emb[:, rows], hid[:, rows], pos[:, rows], c, mask=mask))
+            torch.testing.assert_close(c.k[:, :, :c.length], k, rtol=0, atol=1e-5)
+            start += n
+    assert torch.equal(both, torch.cat(alone, dim=1))
+    torch.testing.assert_close(both, torch.cat(torch_rows, dim=1), rtol=1e-4, atol=1e-4)
+    assert not torch.equal(both, torch.cat(torch_rows, dim=1))  # the C layer did run (its own sums)
+
+
 def test_sampling_is_seeded(tiny, tmp_path):
     from specdec.llm import LLM
     d, plain = tiny

@@ -40,6 +40,11 @@ typedef struct {
 } LayerWeights;
 
 typedef struct {
+    float *k_cache, *v_cache; /* a sequence's static cache, [Hkv, max_len, D] */
+    int64_t past, count, max_len; /* keys already there; its rows of x (their keys go after them) */
+} SeqCache;
+
+typedef struct {
     const float *cos, *sin; /* [max_pos, D] */
     const int64_t *pos;     /* [T], paged: [B, T] */
     const uint8_t *mask;    /* [T, T] or NULL (causal), paged: [B, T, L] */
@@ -51,6 +56,8 @@ typedef struct {
     const int64_t *real_index;        /* [num_real] ascending places in the [B * T] grid */
     const int64_t *tail_start, *tail_path; /* a tree's root paths (attention.c) or NULL */
     int64_t tail_width;
+    int64_t num_seqs;       /* > 0: x's T rows are these sequences' rows back to back, each over its own */
+    const SeqCache *seqs;   /* static cache, causal among its rows (a draft head's rows); B = 0 */
 } LayerShape;
 
 void specdec_linear_f32(const float *x, const float *W, const float *bias, float *y, int64_t T, int64_t K, int64_t N);
@@ -134,9 +141,26 @@ static void gather_rows(const float *padded, float *real, const int64_t *index, 
     for (int64_t i = 0; i < num_real; i++) memcpy(real + i * n, padded + index[i] * n, sizeof(float) * n);
 }
 
+/* Attention of each sequence's rows over its own cache (num_seqs > 0): a row's result is the one it
+ * gets alone (attention.c computes every query the same whatever comes with it). */
+static int attention_seqs(const float *qkv, const LayerWeights *w, const LayerShape *s, float *out) {
+    const int64_t qkv_n = w->qkv.N, out_n = s->Hq * s->D;
+    int64_t row = 0;
+    for (int64_t i = 0; i < s->num_seqs; i++) {
+        const SeqCache *c = &s->seqs[i];
+        const int rc = specdec_attention_f32(qkv + row * qkv_n, s->cos, s->sin, s->pos + row, c->k_cache, c->v_cache,
+                                             NULL, out + row * out_n, c->count, s->Hq, s->Hkv, s->D, c->past,
+                                             c->max_len, s->scale, NULL, NULL, 0);
+        if (rc != 0) return rc;
+        row += c->count;
+    }
+    return 0;
+}
+
 /* Attention over x's rows: through the grid when packed (q/k/v in, the output back out; `grid_buf`
  * holds [grid, qkv_n] then [grid, Hq D]), else directly. */
 static int attention_rows(const float *qkv, const LayerWeights *w, const LayerShape *s, float *out, float *grid_buf) {
+    if (s->num_seqs > 0) return attention_seqs(qkv, w, s, out);
     if (s->num_real <= 0) return attention(qkv, w, s, out);
     const int64_t grid = s->B * s->T, qkv_n = w->qkv.N, out_n = s->Hq * s->D;
     float *grid_qkv = grid_buf, *grid_out = grid_buf + grid * qkv_n;
@@ -146,7 +170,9 @@ static int attention_rows(const float *qkv, const LayerWeights *w, const LayerSh
     return rc;
 }
 
-int specdec_decoder_layer_f32(float *x, const LayerWeights *w, const LayerShape *s) {
+/* The layer with attn_in [T, qkv K] as the projections' input: rms_norm(x) (attn_in NULL), or the
+ * caller's (an EAGLE-3 head's [norm(embedding); norm(hidden)], 2H wide, x being the hidden state). */
+static int layer_body(float *x, const float *attn_in, const LayerWeights *w, const LayerShape *s) {
     const int64_t grid = s->B > 0 ? s->B * s->T : s->T;
     const int64_t T = s->num_real > 0 ? s->num_real : grid, H = s->H, I = w->down.K; /* T: rows of x */
     const int64_t widest = w->qkv.N > w->gate_up.N ? w->qkv.N : w->gate_up.N;
@@ -159,8 +185,11 @@ int specdec_decoder_layer_f32(float *x, const LayerWeights *w, const LayerShape 
     float *normed = buf, *proj = normed + T * H, *act = proj + T * widest, *delta = act + T * mid;
 
     int rc = 0;
-    specdec_rmsnorm_f32(x, w->input_norm, normed, T, H, s->eps);
-    rc = apply(&w->qkv, normed, proj, T);
+    if (attn_in == NULL) {
+        specdec_rmsnorm_f32(x, w->input_norm, normed, T, H, s->eps);
+        attn_in = normed;
+    }
+    rc = apply(&w->qkv, attn_in, proj, T);
     if (rc == 0) rc = attention_rows(proj, w, s, act, delta + T * H);
     if (rc == 0) rc = apply(&w->o_proj, act, delta, T);
     if (rc == 0) {
@@ -174,6 +203,17 @@ int specdec_decoder_layer_f32(float *x, const LayerWeights *w, const LayerShape 
     }
     if (rc == 0) add_into(x, delta, T * H);
     return rc;
+}
+
+int specdec_decoder_layer_f32(float *x, const LayerWeights *w, const LayerShape *s) {
+    return layer_body(x, NULL, w, s);
+}
+
+/* A draft head's layer (proposers/heads.py): x [T, H] the residual, attn_in [T, qkv K] the attention's
+ * input, the rows of s->num_seqs sequences, each in its own static cache. Same return as
+ * specdec_decoder_layer_f32; -2 for a shape it does not take. */
+int specdec_head_layer_f32(float *x, const float *attn_in, const LayerWeights *w, const LayerShape *s) {
+    return s->B > 0 || s->num_seqs <= 0 ? -2 : layer_body(x, attn_in, w, s);
 }
 
 /* Layers one after another in one call (the Python loop around specdec_decoder_layer_f32 cost ~0.1 ms
@@ -191,4 +231,4 @@ int specdec_decoder_layers_f32(float *x, LayerWeights *const *layers, int64_t n,
     return 0;
 }
 
-int specdec_layer_abi(void) { return 7; }
+int specdec_layer_abi(void) { return 8; }

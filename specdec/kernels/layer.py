@@ -35,13 +35,19 @@ class _LayerWeights(ctypes.Structure):
                 ("gate_up", _Linear), ("down", _Linear), ("k_cache", c_void_p), ("v_cache", c_void_p)]
 
 
+class _SeqCache(ctypes.Structure):
+    _fields_ = [("k_cache", c_void_p), ("v_cache", c_void_p), ("past", c_int64), ("count", c_int64),
+                ("max_len", c_int64)]
+
+
 class _LayerShape(ctypes.Structure):
     _fields_ = [("cos", c_void_p), ("sin", c_void_p), ("pos", c_void_p), ("mask", c_void_p),
                 ("T", c_int64), ("H", c_int64), ("Hq", c_int64), ("Hkv", c_int64), ("D", c_int64),
                 ("past", c_int64), ("max_len", c_int64), ("eps", c_float), ("scale", c_float),
                 ("B", c_int64), ("L", c_int64), ("new_slot", c_void_p), ("gather", c_void_p),
                 ("num_real", c_int64), ("real_index", c_void_p),
-                ("tail_start", c_void_p), ("tail_path", c_void_p), ("tail_width", c_int64)]
+                ("tail_start", c_void_p), ("tail_path", c_void_p), ("tail_width", c_int64),
+                ("num_seqs", c_int64), ("seqs", ctypes.POINTER(_SeqCache))]
 
 
 @functools.cache
@@ -52,6 +58,9 @@ def _load():
         lib.specdec_decoder_layers_f32.argtypes = [c_void_p, ctypes.POINTER(ctypes.POINTER(_LayerWeights)),
                                                    c_int64, ctypes.POINTER(_LayerShape), c_void_p]
         lib.specdec_decoder_layers_f32.restype = ctypes.c_int
+        lib.specdec_head_layer_f32.argtypes = [c_void_p, c_void_p, ctypes.POINTER(_LayerWeights),
+                                               ctypes.POINTER(_LayerShape)]
+        lib.specdec_head_layer_f32.restype = ctypes.c_int
     return lib
 
 
@@ -222,3 +231,42 @@ def _paged_shape(fused, T: int, H: int, Hq: int, Hkv: int, D: int, eps: float) -
                        fused.new_slot.data_ptr(), fused.gather.data_ptr(), 0, None,
                        *tail_args(fused.tail_start, fused.tail_path))
 
+
+
+def describe_head_layer(post_norm: torch.Tensor, qkv, o_proj, gate_up, down) -> _LayerWeights | None:
+    """A draft head's layer for head_layer, from its post-attention norm weight and its four (stacked)
+    projections; None if layer.c cannot run one of them."""
+    lins = [_describe(qkv, None), _describe(o_proj, None), _describe(gate_up, None), _describe(down, None)]
+    if not _cpu_f32(post_norm) or any(lin is None for lin in lins):
+        return None
+    return _LayerWeights(None, post_norm.data_ptr(), *lins, None, None)
+
+
+def head_layer(desc: _LayerWeights, x: torch.Tensor, attn_in: torch.Tensor, caches: Sequence, sizes: Sequence[int],
+               positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int,
+               eps: float) -> torch.Tensor | None:
+    """x [1, N, H] after a draft head's layer (specdec_head_layer_f32) in one C call, attn_in [1, N, K] being
+    its projections' input: the rows of len(caches) sequences back to back (sizes[i] of caches[i], a DraftKV
+    whose `length` keys stay and whose static k, v [1, Hkv, max_len, D] take the new ones after them),
+    causal among a sequence's rows, positions [1, N] indexing the rotary tables cos, sin [max_pos, D]. The
+    caches' lengths are the caller's to advance. None where layer.c does not apply."""
+    _, N, H = x.shape
+    if (x.shape[0] != 1 or N > MAX_ROWS or torch.is_grad_enabled() or _load() is None
+            or x.dtype is not torch.float32 or attn_in.dtype is not torch.float32 or x.device.type != "cpu"
+            or not (_cpu_f32(cos) and _cpu_f32(sin))):
+        return None
+    seqs = (_SeqCache * len(caches))()
+    for seq, cache, n in zip(seqs, caches, sizes):
+        k, v = cache.k, cache.v
+        if not (_cpu_f32(k) and _cpu_f32(v)) or cache.length + n > k.shape[2]:
+            return None
+        seq.k_cache, seq.v_cache, seq.past, seq.count, seq.max_len = k.data_ptr(), v.data_ptr(), cache.length, n, k.shape[2]
+    _, n_kv, _, D = caches[0].k.shape
+    pos = positions.reshape(N).to(torch.int64).contiguous()
+    shape = _LayerShape(cos.data_ptr(), sin.data_ptr(), pos.data_ptr(), None, N, H, n_heads, n_kv, D, 0, 0,
+                        eps, 1.0 / math.sqrt(D), 0, 0, None, None, 0, None, None, None, 0, len(caches), seqs)
+    out = x.contiguous().clone()
+    attn_in = attn_in.contiguous()
+    if _load().specdec_head_layer_f32(out.data_ptr(), attn_in.data_ptr(), ctypes.byref(desc), ctypes.byref(shape)) != 0:
+        raise MemoryError("head layer kernel: out of memory for its buffers")
+    return out

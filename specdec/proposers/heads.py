@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from specdec.config import ConfigError
 from specdec.kernels import linear, rms_norm, silu_mul
+from specdec.kernels.layer import describe_head_layer, head_layer
 from specdec.model.layers import Rotary, apply_rotary, grouped_sdpa, sdpa
 from specdec.quant.bf16 import Bf16Weight
 
@@ -257,6 +258,10 @@ class EagleHead(torch.nn.Module):
         """embeds, hidden: [B, T, H]; positions [B, T]; cache: the draft's KV cache (the new keys are
         appended) or None (attend among these T only); mask [T, S + T] bool (None: causal / T == 1).
         Returns the output [B, T, H] (pre-norm; the next step's hidden)."""
+        if cache is not None and mask is None:
+            out = self._fused_layer(embeds, hidden, positions, [cache], [embeds.shape[1]])
+            if out is not None:
+                return out
         layer, residual, (q, k, v) = self._attention_inputs(embeds, hidden, positions)
         if cache is not None:
             k, v = cache.append(k, v)
@@ -264,6 +269,39 @@ class EagleHead(torch.nn.Module):
             S, T = k.shape[2], q.shape[2]
             mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
         return layer.finish(residual, layer.self_attn.attend(q, k, v, mask))
+
+    def _fused_layer(self, embeds, hidden, positions, caches: list["DraftKV"], sizes: list[int]) -> torch.Tensor | None:
+        """forward_rows (one cache: forward_layer's causal pass) in one C call (kernels/layer.py's
+        head_layer); None where it does not apply (not the CPU in fp32, over MAX_ROWS rows, positions past
+        the rotary tables). Its attention is layer.c's, not torch's sdpa: the same up to summation order,
+        and a row's result is the one it gets alone (tested)."""
+        if embeds.shape[0] != 1 or int(positions.max()) >= self.rotary.cos.shape[0]:
+            return None
+        desc = self._layer_description()
+        if desc is None:
+            return None
+        attn_in, residual = self.layer.attn_input(embeds, hidden)
+        out = head_layer(desc, residual, attn_in, caches, sizes, positions, self.rotary.cos, self.rotary.sin,
+                         self.cfg.num_attention_heads, self.cfg.rms_norm_eps)
+        if out is not None:
+            for cache, n in zip(caches, sizes):
+                cache.length += n
+        return out
+
+    def _layer_description(self):
+        """The layer's C description (describe_head_layer), kept while its stacked weights are the same
+        objects (stacked_weight rebuilds them when a weight moves or changes)."""
+        layer = self.layer
+        attn, mlp = layer.self_attn, layer.mlp
+        parts = (stacked_weight(attn, ("q_proj", "k_proj", "v_proj")), stacked_weight(attn, ("o_proj",)),
+                 stacked_weight(mlp, ("gate_proj", "up_proj")), stacked_weight(mlp, ("down_proj",)))
+        norm = layer.post_attention_layernorm.weight
+        key = (*map(id, parts), norm.data_ptr(), norm._version)
+        kept = self.__dict__.get("_c_layer")
+        if kept is None or kept[0] != key:  # (kept[1] holds the parts alive: their ids are not reused)
+            kept = (key, parts, describe_head_layer(norm, *parts))
+            self.__dict__["_c_layer"] = kept
+        return kept[2]
 
     def forward_static(self, embeds, hidden, positions, cache: "DraftKV", slots, mask):
         """forward_layer with no host-side shapes, for a CUDA graph: embeds, hidden [1, T, H]; positions
@@ -281,6 +319,9 @@ class EagleHead(torch.nn.Module):
         with row i's sizes[i] tokens back to back, positions [1, N]. The linears run over all N at once,
         attention row by row over each row's own cache (causal among its new tokens); with the
         batch-invariant kernels every row's output is what forward_layer gives it alone. -> [1, N, H]"""
+        out = self._fused_layer(embeds, hidden, positions, caches, sizes)
+        if out is not None:
+            return out
         layer, residual, (q, k, v) = self._attention_inputs(embeds, hidden, positions)  # [1, Hq|Hkv, N, D]
         outs, start = [], 0
         for cache, n in zip(caches, sizes):
