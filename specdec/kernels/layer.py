@@ -232,7 +232,6 @@ def _paged_shape(fused, T: int, H: int, Hq: int, Hkv: int, D: int, eps: float) -
                        *tail_args(fused.tail_start, fused.tail_path))
 
 
-
 def describe_head_layer(post_norm: torch.Tensor, qkv, o_proj, gate_up, down) -> _LayerWeights | None:
     """A draft head's layer for head_layer, from its post-attention norm weight and its four (stacked)
     projections; None if layer.c cannot run one of them."""
@@ -251,7 +250,7 @@ def head_layer(desc: _LayerWeights, x: torch.Tensor, attn_in: torch.Tensor, cach
     causal among a sequence's rows, positions [1, N] indexing the rotary tables cos, sin [max_pos, D]. The
     caches' lengths are the caller's to advance. None where layer.c does not apply."""
     _, N, H = x.shape
-    if (x.shape[0] != 1 or N > MAX_ROWS or torch.is_grad_enabled() or _load() is None
+    if (not caches or x.shape[0] != 1 or N > MAX_ROWS or torch.is_grad_enabled() or _load() is None
             or x.dtype is not torch.float32 or attn_in.dtype is not torch.float32 or x.device.type != "cpu"
             or not (_cpu_f32(cos) and _cpu_f32(sin))):
         return None
@@ -260,7 +259,8 @@ def head_layer(desc: _LayerWeights, x: torch.Tensor, attn_in: torch.Tensor, cach
         k, v = cache.k, cache.v
         if not (_cpu_f32(k) and _cpu_f32(v)) or cache.length + n > k.shape[2]:
             return None
-        seq.k_cache, seq.v_cache, seq.past, seq.count, seq.max_len = k.data_ptr(), v.data_ptr(), cache.length, n, k.shape[2]
+        seq.k_cache, seq.v_cache = k.data_ptr(), v.data_ptr()
+        seq.past, seq.count, seq.max_len = cache.length, n, k.shape[2]
     _, n_kv, _, D = caches[0].k.shape
     pos = positions.reshape(N).to(torch.int64).contiguous()
     shape = _LayerShape(cos.data_ptr(), sin.data_ptr(), pos.data_ptr(), None, N, H, n_heads, n_kv, D, 0, 0,

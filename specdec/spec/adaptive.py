@@ -182,7 +182,7 @@ class CostModel:
         if not base:
             return float(T)
         known = [s for s in self.seconds[T:] if s is not None]
-        return min(known) / base if known else T
+        return min(known) / base if known else float(T)
 
 
 class Acceptance:
