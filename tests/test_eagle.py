@@ -130,6 +130,23 @@ def test_the_heads_c_layer_equals_its_torch_layer_and_each_row_is_what_it_is_alo
     torch.testing.assert_close(both, torch.cat(torch_rows, dim=1), rtol=1e-4, atol=1e-4)
     assert not torch.equal(both, torch.cat(torch_rows, dim=1))  # the C layer did run (its own sums)
 
+    # over MAX_ROWS tokens in all (a digest after a plain stretch): groups of whole rows, and a row over
+    # MAX_ROWS through the torch layer, as alone
+    from specdec.kernels import MAX_ROWS
+    sizes = [40, MAX_ROWS + 6, 30, 1]
+    with torch.inference_mode():
+        caches = [DraftKV(head.cfg, 256, torch.float32) for _ in sizes]
+        emb, hid = torch.randn(1, sum(sizes), H, generator=g), torch.randn(1, sum(sizes), H, generator=g)
+        pos = torch.cat([torch.arange(n) for n in sizes])[None]
+        both = head.forward_rows(emb, hid, pos, caches, sizes)
+        alone, start = [], 0
+        for c, n in zip(caches, sizes):
+            c.length = 0
+            rows = slice(start, start + n)
+            alone.append(head.forward_rows(emb[:, rows], hid[:, rows], pos[:, rows], [c], [n]))
+            start += n
+    assert torch.equal(both, torch.cat(alone, dim=1))
+
 
 def test_sampling_is_seeded(tiny, tmp_path):
     from specdec.llm import LLM

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from specdec.config import ConfigError
-from specdec.kernels import linear, rms_norm, silu_mul
+from specdec.kernels import MAX_ROWS, linear, rms_norm, silu_mul
 from specdec.kernels.layer import describe_head_layer, head_layer
 from specdec.model.layers import Rotary, apply_rotary, grouped_sdpa, sdpa
 from specdec.quant.bf16 import Bf16Weight
@@ -167,6 +167,20 @@ def stacked_weight(module: torch.nn.Module, names: tuple[str, ...]):
             w = Bf16Weight(w)
         built[names] = (key, w)
     return built[names][1]
+
+
+def _row_groups(sizes: list[int], limit: int) -> list[list[int]]:
+    """Consecutive row indices grouped so that each group's sizes sum to at most `limit`; a row over the
+    limit is a group of its own."""
+    groups: list[list[int]] = []
+    total = limit + 1
+    for i, n in enumerate(sizes):
+        if total + n > limit:
+            groups.append([])
+            total = 0
+        groups[-1].append(i)
+        total += n
+    return groups
 
 
 def draft_rows(head: torch.nn.Module, target_lm_head) -> torch.Tensor:
@@ -318,7 +332,19 @@ class EagleHead(torch.nn.Module):
         """Several requests' new tokens in one pass (the serving engine's rows): embeds, hidden [1, N, H]
         with row i's sizes[i] tokens back to back, positions [1, N]. The linears run over all N at once,
         attention row by row over each row's own cache (causal among its new tokens); with the
-        batch-invariant kernels every row's output is what forward_layer gives it alone. -> [1, N, H]"""
+        batch-invariant kernels every row's output is what forward_layer gives it alone. On the CPU the
+        layer runs in C (_fused_layer) over groups of whole rows of at most MAX_ROWS tokens, and a row of
+        more tokens goes alone through the torch layer, as forward_layer runs it: a row's output does
+        not depend on the rows beside it. -> [1, N, H]"""
+        if len(caches) > 1 and sum(sizes) > MAX_ROWS and embeds.device.type == "cpu":
+            outs, start = [], 0
+            for group in _row_groups(sizes, MAX_ROWS):
+                n = sum(sizes[i] for i in group)
+                rows = slice(start, start + n)
+                outs.append(self.forward_rows(embeds[:, rows], hidden[:, rows], positions[:, rows],
+                                              [caches[i] for i in group], [sizes[i] for i in group]))
+                start += n
+            return torch.cat(outs, dim=1)
         out = self._fused_layer(embeds, hidden, positions, caches, sizes)
         if out is not None:
             return out
