@@ -248,11 +248,12 @@ def head_layer(desc: _LayerWeights, x: torch.Tensor, attn_in: torch.Tensor, cach
     its projections' input: the rows of len(caches) sequences back to back (sizes[i] of caches[i], a DraftKV
     whose `length` keys stay and whose static k, v [1, Hkv, max_len, D] take the new ones after them),
     causal among a sequence's rows, positions [1, N] indexing the rotary tables cos, sin [max_pos, D]. The
-    caches' lengths are the caller's to advance. None where layer.c does not apply."""
+    caches' lengths are the caller's to advance. None where layer.c does not apply (a position past the
+    tables' end included)."""
     _, N, H = x.shape
     if (not caches or x.shape[0] != 1 or N > MAX_ROWS or torch.is_grad_enabled() or _load() is None
             or x.dtype is not torch.float32 or attn_in.dtype is not torch.float32 or x.device.type != "cpu"
-            or not (_cpu_f32(cos) and _cpu_f32(sin))):
+            or not (_cpu_f32(cos) and _cpu_f32(sin)) or int(positions.max()) >= cos.shape[0]):
         return None
     seqs = (_SeqCache * len(caches))()
     for seq, cache, n in zip(seqs, caches, sizes):

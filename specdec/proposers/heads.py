@@ -289,10 +289,10 @@ class EagleHead(torch.nn.Module):
         head_layer); None where it does not apply (not the CPU in fp32, over MAX_ROWS rows, positions past
         the rotary tables). Its attention is layer.c's, not torch's sdpa: the same up to summation order,
         and a row's result is the one it gets alone (tested)."""
-        if embeds.shape[0] != 1 or embeds.device.type != "cpu" or embeds.dtype is not torch.float32:
-            return None  # (checked before positions.max(), which would wait for a GPU)
+        if embeds.device.type != "cpu":
+            return None  # (a GPU's head: not even its description)
         desc = self._layer_description()
-        if desc is None or int(positions.max()) >= self.rotary.cos.shape[0]:
+        if desc is None:
             return None
         attn_in, residual = self.layer.attn_input(embeds, hidden)
         out = head_layer(desc, residual, attn_in, caches, sizes, positions, self.rotary.cos, self.rotary.sin,
