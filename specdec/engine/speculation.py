@@ -303,7 +303,4 @@ class Speculation:
         if seq.grammar is not None:
             tokens = tokens[:seq.grammar.cut(tokens)]
         seq.draft_yield = (1 - EMA) * seq.draft_yield + EMA * bool(tokens)
-        if not tokens:
-            return EMPTY
-        probs = None if proposal.probs is None else proposal.probs[:len(tokens)]
-        return Proposal(list(tokens), probs, match_len=proposal.match_len)
+        return proposal.first(len(tokens)) if tokens else EMPTY

@@ -347,8 +347,8 @@ class AdaptiveK:
         # a drafting step does all of a plain step's work and more: its overhead is never priced below the
         # plain one (on tiny models both are timing noise, and a plain estimate above the spec one made a
         # step at acceptance 0.01 look like it paid)
-        passes = self.draft_passes(k) if match_len <= 0 else k
-        spec = self.cost.relative(k + 1) * base + passes * draft + max(self.overhead.spec, self.overhead.plain)
+        spec = (self.cost.relative(k + 1) * base + self.draft_passes(k) * draft
+                + max(self.overhead.spec, self.overhead.plain))
         return tokens * (base + self.overhead.plain) / spec
 
     def _best(self, draft_cost_rel: float, match_len: int, k_max: int) -> tuple[int, float]:
