@@ -3,7 +3,7 @@
 # 64 MiB a call, working tree included; the model's GGUF is 98 MB and docs/ 45 MB. So:
 #
 #   bash scripts/gpu_carry.sh prepare    # here: .gpu/ (60 MB of the GGUF), .gpu2/ (the other 38 MB, its
-#                                        # sha256, the gguf wheel, ShareGPT candidate prompts, 16 MT-bench
+#                                        # sha256, the gguf wheel, ShareGPT candidate prompts (later turns too), 16 MT-bench
 #                                        # first turns, the EAGLE-3 head); docs/ and specdec/assets/ aside
 #   device call 1, carry [".gpu"]:   bash scripts/gpu_carry.sh remote1
 #   device call 2, carry [".gpu2"], at once (a warm machine waits ~30 s):
@@ -30,7 +30,8 @@ prepare)
   cp "$pkg/__init__.py" .gpu2/
   $PY -m pip download -q --no-deps --only-binary=:all: -d .gpu2/whl \
     "gguf==$($PY -c 'import importlib.metadata as m; print(m.version("gguf"))')"
-  $PY -m specdec train data smollm2-135m --out /tmp/unused --write-prompts .gpu2/prompts.json.gz --no-progress
+  $PY -m specdec train data smollm2-135m --out /tmp/unused --write-prompts .gpu2/prompts.json.gz --no-progress \
+    --later-turn-tokens ${LATER:-384}
   $PY -c "import json; from specdec.bench.prompts import mtbench_questions as q
 json.dump([x['turns'][0] for x in q()[::5]], open('.gpu2/mtbench.json', 'w'))"
   cp -r specdec/assets/smollm2-135m-eagle3 .gpu2/head

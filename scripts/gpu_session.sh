@@ -9,7 +9,9 @@
 # with the ShareGPT package (the device images lack it). MTBENCH: a JSON list of prompts for gpu_speed
 # where the MT-bench package is missing too. HEAD: the head to start from (default: the shipped one).
 # DEVICE, NSPEED (prompts), TOKENS, MAXNEW, NUMP, BATCH shrink it for a smoke run on a CPU. TESTS=0 skips the
-# tests and the host probe (run in an earlier call); METHODS limits the first speed table's rows.
+# tests and the host probe (run in an earlier call); METHODS limits the first speed table's rows, SPEED=0 skips
+# that table (the shipped head's). LATER: later ShareGPT turns that fit this many tokens are train prompts too
+# (0: first turns only); LR, EPOCHS, MAXLEN: the fine-tune's. HOST=0 skips the host probe.
 set -u
 OUT=${OUT:?OUT=directory} BUDGET=${BUDGET:-540} HEAD=${HEAD:-specdec/assets/smollm2-135m-eagle3}
 DEVICE=${DEVICE:-cuda} NSPEED=${NSPEED:-16} TOKENS=${TOKENS:-128}
@@ -22,22 +24,25 @@ if [ "${TESTS:-1}" = 1 ]; then
   timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda_graph.py tests/test_device.py \
     -k "not requests_through" > "$OUT/pytest.log" 2>&1
   echo "tests rc=$? left=$(left)"; tail -1 "$OUT/pytest.log"
-  timeout 60 python3 -m specdec.bench.gpu_host --out "$OUT" --repeats 100 > /dev/null 2>&1
+  [ "${HOST:-1}" = 0 ] || timeout 60 python3 -m specdec.bench.gpu_host --out "$OUT" --repeats 100 > /dev/null 2>&1
 fi
-timeout $(( $(left) / 3 )) python3 -m specdec.bench.gpu_speed --head "$HEAD" $SPEED_PROMPTS --num-prompts $NSPEED \
-  --max-tokens $TOKENS --eager-prompts 4 --profile 64 --device $DEVICE --dtype bfloat16 --budget-s $(( $(left) / 4 )) --out "$OUT/speed" \
-  ${METHODS:+--methods "$METHODS"} > "$OUT/speed.log" 2>&1
-echo "speed rc=$? left=$(left)"; cat "$OUT/speed/gpu_speed.md"
+if [ "${SPEED:-1}" = 1 ]; then
+  timeout $(( $(left) / 3 )) python3 -m specdec.bench.gpu_speed --head "$HEAD" $SPEED_PROMPTS --num-prompts $NSPEED \
+    --max-tokens $TOKENS --eager-prompts 4 --profile 64 --device $DEVICE --dtype bfloat16 --budget-s $(( $(left) / 4 )) --out "$OUT/speed" \
+    ${METHODS:+--methods "$METHODS"} > "$OUT/speed.log" 2>&1
+  echo "speed rc=$? left=$(left)"; cat "$OUT/speed/gpu_speed.md"
+fi
 if [ -n "${PROMPTS:-}" ]; then
   data() {  # $1: generator; a rerun extends what an interrupted run wrote
     python3 -m specdec train data smollm2-135m --out /tmp/specdec-data --prompts "$PROMPTS" --generator $1 \
       --num-prompts ${NUMP:-7700} --num-heldout ${HELD:-64} --max-new-tokens ${MAXNEW:-384} --batch-size ${BATCH:-512} \
+      --later-turn-tokens ${LATER:-384} \
       --device $DEVICE --max-seconds $2 --threads 8 --no-progress >> "$OUT/data.log" 2>&1
   }
   data specdec $(( $(left) * 2 / 5 )) || data transformers $(( $(left) / 3 ))  # ours is new on CUDA: fall back
   echo "data rc=$? left=$(left)"; grep -o '"generated_tokens_this_run": [0-9]*' "$OUT/data.log"
   python3 -m specdec train eagle3 smollm2-135m --data /tmp/specdec-data --out /tmp/specdec-eagle3 --init-from "$HEAD" \
-    --epochs 8 --batch-size 32 --lr 3e-4 --warmup 20 --ttt-steps 4 --max-len 640 --intermediate-size 1536 \
+    --epochs ${EPOCHS:-8} --batch-size 32 --lr ${LR:-3e-4} --warmup 20 --ttt-steps 4 --max-len ${MAXLEN:-640} --intermediate-size 1536 \
     --draft-vocab-size 4096 --eval-every 250 --ckpt-every 100000 --device $DEVICE --max-seconds $(( $(left) - 100 )) \
     --threads 8 --no-progress > "$OUT/train.log" 2>&1
   echo "train rc=$? left=$(left)"; grep '"step"' "$OUT/train.log" | head -1; grep '"step"' "$OUT/train.log" | tail -1

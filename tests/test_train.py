@@ -240,6 +240,34 @@ def test_prompts_file_gives_the_same_selection(tiny_dir, tmp_path):
         select_prompts(tok, DataSpec(prompts_file=str(bad)))
 
 
+def test_later_turns_add_train_prompts_and_keep_the_heldout(tiny_dir, tmp_path):
+    """--later-turn-tokens: the held-out split and the first-turn train prompts are those without it; every
+    added train prompt is a later turn with its conversation so far (earlier answers included), within the
+    limit; a prompts file carries them; a malformed conversation in the file is one clear error."""
+    from specdec.config import ConfigError
+    from specdec.model.tokenizer import Tokenizer
+    from specdec.train.data import candidate_prompts, select_prompts, write_prompts
+
+    tok = Tokenizer(tiny_dir("llama"))
+    firsts = DataSpec(num_prompts=20, num_heldout=5, scan=300, seed=3)
+    spec = DataSpec(num_prompts=20, num_heldout=5, scan=300, seed=3, later_turn_tokens=256)
+    train0, held0 = select_prompts(tok, firsts)
+    train, held = select_prompts(tok, spec)
+    assert held == held0 and train[:20] == train0 and len(train) > 30
+    later = [p for p in candidate_prompts(tok, spec) if not isinstance(p, str)]
+    assert later and all(len(p) >= 3 and p[-1]["role"] == "user" and p[1]["role"] == "assistant" for p in later)
+    formatted = {tuple(tok.encode(tok.apply_chat_template(p, add_generation_prompt=True))) for p in later}
+    assert {tuple(ids) for ids in train[20:]} == formatted and max(map(len, formatted)) <= 256
+    path = tmp_path / "prompts.json.gz"
+    write_prompts(path, candidate_prompts(tok, spec))
+    from_file = DataSpec(num_prompts=20, num_heldout=5, scan=300, seed=3, later_turn_tokens=256, prompts_file=str(path))
+    assert select_prompts(tok, from_file) == (train, held)
+    bad = tmp_path / "bad.json"
+    bad.write_text('[[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]]')
+    with pytest.raises(ConfigError, match="ending in a user turn"):
+        select_prompts(tok, DataSpec(prompts_file=str(bad), later_turn_tokens=256))
+
+
 def test_max_seconds_fits_the_schedule_to_the_budget(dataset, tmp_path):
     """A budget far below the planned steps cuts total_steps after the first ten (never below what ran),
     and the run then ends there with a head exported; without a budget the plan stands."""

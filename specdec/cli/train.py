@@ -29,6 +29,9 @@ def register(sub) -> None:
     d.add_argument("--num-heldout", type=int, default=32)
     d.add_argument("--max-prompt-tokens", type=int, default=192)
     d.add_argument("--max-new-tokens", type=int, default=128)
+    d.add_argument("--later-turn-tokens", type=int, default=0, metavar="N",
+                   help="also ShareGPT's later human turns as train prompts, with the conversation so far, "
+                        "where that fits N tokens (held-out stays first turns)")
     d.add_argument("--batch-size", type=int, default=48)
     d.add_argument("--max-batches", type=int, default=None, help="stop after N train batches (rerun to extend)")
     d.add_argument("--teacher-forced", type=int, default=0, metavar="N",
@@ -109,7 +112,7 @@ def run_data(args) -> int:
     spec = DataSpec(args.num_prompts, args.num_heldout, args.max_prompt_tokens, args.max_new_tokens,
                     args.batch_size, args.seed, scan=args.scan, max_batches=args.max_batches, online=args.online,
                     prompts_file=str(args.prompts) if args.prompts else None, max_seconds=args.max_seconds,
-                    generator=args.generator)
+                    generator=args.generator, later_turn_tokens=args.later_turn_tokens)
     if args.write_prompts:
         from specdec.model.loader import resolve_model
         from specdec.model.tokenizer import Tokenizer

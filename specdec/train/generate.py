@@ -24,8 +24,9 @@ PROMPT_ROUND = 64  # padded prompt lengths are multiples of this: a few cache sh
 
 class StaticGenerator:
     """generate_batch's contract (tokens; features of every position but the last, or None when not
-    `features`) on a LlamaModel. Graphs bake in the KV cache's address, so the caches (one per batch size
-    and padded length) and the step graphs are kept across batches."""
+    `features`) on a LlamaModel. Graphs bake in the KV cache's address, so the cache of a batch size and
+    padded length and its step graphs are kept across batches, until a batch of another shape drops them
+    (512 rows of 900 positions take 22 GB of cache, which a GPU holds a few of, not eight)."""
 
     def __init__(self, model, graphs: bool = True):
         self.model = model
@@ -43,7 +44,11 @@ class StaticGenerator:
         for b, p in enumerate(prompts):  # left padding
             ids[b, L - len(p):] = torch.tensor(p)
         cache = self.caches.get((B, total))
-        if cache is None:
+        if cache is None:  # batches come sorted by length: keep one shape's cache and graphs at a time
+            self.caches.clear()
+            self.calls = CapturedCalls(dev, self.calls.enabled and self.calls.disabled is None)
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
             cache = self.caches[(B, total)] = KVCache.for_model(model.config, total, model.dtype, B, dev)
         key_valid = (torch.arange(total)[None] >= pad[:, None]).to(dev)  # [B, total]: no row sees its padding
         out = model.forward_static(ids.to(dev), (torch.arange(L)[None] - pad[:, None]).clamp_min(0).to(dev),
