@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec.proposers.heads import HeadConfig, make_head, save_head
+from specdec.proposers.head_io import make_head, save_head
+from specdec.proposers.heads import HeadConfig
 from specdec.sampling_params import SamplingParams
 
 
@@ -97,7 +98,8 @@ def test_the_heads_c_layer_equals_its_torch_layer_and_each_row_is_what_it_is_alo
     torch layer (sdpa) up to summation order, bitwise the same for a row whether it comes alone or beside
     others, and the keys it leaves in each cache are the torch layer's."""
     from specdec.kernels import layer as c_layer
-    from specdec.proposers.heads import DraftKV, load_head
+    from specdec.proposers.head_io import load_head
+    from specdec.proposers.heads import DraftKV
 
     d, plain = tiny
     head = load_head(random_head(plain.model, kind, tmp_path / "head", draft_vocab=512 if kind == "eagle3" else 0),
@@ -277,7 +279,8 @@ def test_drafting_path_equals_the_training_path(tiny, tmp_path, kind, saved):
     """Drafting (no autograd) runs the head's q/k/v and gate/up as stacked matmuls through the C
     kernels (bf16-stored where the saved head is bf16); training runs the modules. Same outputs, and
     the stacked weights follow an update."""
-    from specdec.proposers.heads import Bf16Weight, load_head, save_head, stacked_weight
+    from specdec.proposers.head_io import load_head, save_head
+    from specdec.proposers.heads import Bf16Weight, stacked_weight
     target = tiny[1].model
     head_dir = random_head(target, kind, tmp_path / "head", draft_vocab=64)
     save_head(load_head(head_dir), head_dir, saved)
@@ -581,10 +584,11 @@ def test_heldout_decode_tau_is_the_engines_tokens_per_pass():
     the engine, pass for pass (within one: the head's attention sums its rows in another order there).
     Its `tau` averages over every start position instead: it is not what decoding sees."""
     from specdec.llm import LLM
-    from specdec.proposers.eagle import ASSETS, PROMPT_WINDOW
-    from specdec.proposers.heads import load_head
+    from specdec.proposers.eagle import PROMPT_WINDOW
+    from specdec.proposers.head_io import ASSETS
+    from specdec.proposers.head_io import load_head
     from specdec.train.features import compute_features
-    from specdec.train.trainer import chain_acceptance
+    from specdec.train.evaluate import chain_acceptance
 
     head_dir = ASSETS / "smollm2-135m-eagle3"
     head = load_head(head_dir)

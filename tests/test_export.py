@@ -61,7 +61,7 @@ def test_eagle_layouts_round_trip(target, tmp_path, fmt, kind):
     cfg.pop("specdec")
     (out / "config.json").write_text(json.dumps(cfg))
     back = import_head(out, model.config)
-    from specdec.proposers.heads import load_head
+    from specdec.proposers.head_io import load_head
     orig = load_head(head_dir)
     for k, v in orig.state_dict().items():
         assert torch.equal(v, back.state_dict()[k]), k
@@ -69,7 +69,8 @@ def test_eagle_layouts_round_trip(target, tmp_path, fmt, kind):
 
 
 def test_medusa_layout(target, tmp_path):
-    from specdec.proposers.heads import HeadConfig, make_head, save_head
+    from specdec.proposers.head_io import make_head, save_head
+    from specdec.proposers.heads import HeadConfig
     d, model = target
     cfg = HeadConfig.for_target("medusa", model.config, 128, 3)
     head = make_head(cfg)

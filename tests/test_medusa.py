@@ -21,7 +21,8 @@ def test_static_tree_from_accuracy():
 @pytest.mark.parametrize("nodes", [3, 5, 10])
 def test_medusa_reproduces_greedy(tiny_dir, tmp_path, nodes):
     from specdec.llm import LLM
-    from specdec.proposers.heads import HeadConfig, make_head, save_head
+    from specdec.proposers.head_io import make_head, save_head
+    from specdec.proposers.heads import HeadConfig
 
     d = tiny_dir("llama")
     plain = LLM(str(d), dtype="float32", progress=False)
@@ -49,7 +50,8 @@ def test_medusa_reproduces_greedy(tiny_dir, tmp_path, nodes):
 
 def test_draft_rows_are_gathered_once_and_follow_the_vocabulary():
     """The restricted LM head is cached across calls and refreshed when the vocabulary changes."""
-    from specdec.proposers.heads import HeadConfig, draft_rows, make_head
+    from specdec.proposers.head_io import make_head
+    from specdec.proposers.heads import HeadConfig, draft_rows
 
     cfg = HeadConfig("medusa", hidden_size=8, vocab_size=20, draft_vocab_size=5, medusa_num_heads=2)
     head, lm = make_head(cfg), torch.randn(20, 8)

@@ -47,8 +47,9 @@ def test_data_matches_engine(dataset):
 @pytest.mark.parametrize("kind", ["eagle3", "eagle", "medusa"])
 def test_train_resume_and_eval(dataset, tmp_path, kind):
     from specdec.model.loader import load_model
-    from specdec.proposers.heads import load_head
-    from specdec.train.trainer import TrainSpec, Trainer, chain_acceptance
+    from specdec.proposers.head_io import load_head
+    from specdec.train.evaluate import chain_acceptance
+    from specdec.train.trainer import TrainSpec, Trainer
 
     d, data = dataset
     target = load_model(d, torch.float32, 512)
@@ -73,7 +74,7 @@ def test_train_resume_and_eval(dataset, tmp_path, kind):
 def test_decode_passes_start_each_chain_where_the_last_ended():
     """Greedy decoding with chains of depth 2 over a response at positions 3..10 (guessed[p]: p + 2 is a
     response token): the first chain starts at p = 2 (the prompt pass gave position 3's token)."""
-    from specdec.train.trainer import _decode_passes
+    from specdec.train.evaluate import _decode_passes
 
     guessed = [False] + [True] * 8  # M - 1 = 9 start rows; the response is positions 3..10
     hit = [[True] * 9, [True] * 9]
@@ -149,7 +150,8 @@ def test_online_features_train_as_the_stored_ones(dataset, tmp_path):
     from safetensors import safe_open
 
     from specdec.model.loader import load_model
-    from specdec.train.trainer import TrainSpec, Trainer, chain_acceptance
+    from specdec.train.evaluate import chain_acceptance
+    from specdec.train.trainer import TrainSpec, Trainer
 
     d, offline = dataset
     online = tmp_path / "online"

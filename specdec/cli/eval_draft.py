@@ -63,9 +63,9 @@ def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     from specdec.llm import load_target
-    from specdec.proposers.heads import load_head
+    from specdec.proposers.head_io import load_head
     from specdec.train.features import read_split, with_features
-    from specdec.train.trainer import chain_acceptance
+    from specdec.train.evaluate import chain_acceptance
 
     head = load_head(args.head)
     report: dict = {"head": str(args.head), "kind": head.cfg.kind}

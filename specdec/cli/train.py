@@ -135,7 +135,8 @@ def run_data(args) -> int:
 def run_head(args) -> int:
     torch.set_num_threads(args.threads)
     from specdec.llm import load_target
-    from specdec.train.trainer import TrainSpec, Trainer, chain_acceptance, medusa_rank_accuracy
+    from specdec.train.evaluate import chain_acceptance, medusa_rank_accuracy
+    from specdec.train.trainer import TrainSpec, Trainer
 
     _, target, _ = load_target(args.model, "float32", None, progress=not args.no_progress, device=args.device)
     if target.device.type == "cuda":

@@ -26,11 +26,11 @@ import torch
 from specdec.config import ConfigError
 from specdec.model.cuda_graph import TOKEN_BUCKETS, GraphedModel
 from specdec.proposers.eagle_graph import GraphedHead
-from specdec.proposers.heads import DraftKV, load_head
+from specdec.proposers.head_io import default_head, load_head
+from specdec.proposers.heads import DraftKV
 from specdec.sampler import argmax, sample, warp
 from specdec.spec.proposer import EMPTY, Proposal, Proposer, RequestState, TargetOutput, register_proposer
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
 # The head digests at most this many of the newest context rows (their features and next tokens) at
 # once, at their true positions; before its first draft, and after a long stretch of plain steps, it
 # restarts from them (_trim_pending): a rag prompt of 464-867 tokens through the head cost ~10%
@@ -45,24 +45,6 @@ PROMPT_WINDOW = 128
 # Memory: 3H floats a row (an eagle3 head's features), ~15% of the target's KV for SmolLM2, for the last
 # request and for each request in flight.
 KEPT_ROWS = 4096
-
-
-def default_head(kind: str, target_cfg) -> Path:
-    """The shipped head of `kind` trained for this target (matched by architecture), if any."""
-    import json
-
-    for d in sorted(ASSETS.glob(f"*-{kind}")):
-        try:
-            sd = json.loads((d / "config.json").read_text())["specdec"]
-        except (OSError, KeyError, ValueError):
-            continue
-        t = sd.get("training", {}).get("target_config", {})
-        if (sd.get("kind") == kind and sd.get("hidden_size") == target_cfg.hidden_size
-                and sd.get("vocab_size") == target_cfg.vocab_size
-                and t.get("num_hidden_layers") == target_cfg.num_hidden_layers):
-            return d
-    raise ConfigError(f"no shipped {kind} head for this model; train one (`specdec train {kind}`) and pass "
-                      f"its directory as the speculative model")
 
 
 def _rerank(tok: list[int], par: list[int], val: list[float], budget: int) -> Proposal:

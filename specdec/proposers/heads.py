@@ -11,17 +11,15 @@
                         Keys: blocks.<i>.layers.0.{weight,bias}; token_map (vLLM's reduced vocabulary)
 The target's embedding and LM head are shared, not stored (vLLM and SGLang share them too when a
 checkpoint omits them); `token_map` restricts the shared LM head to a frequent-token draft vocabulary.
-A head directory = config.json (HF fields + "specdec": our fields) + model.safetensors.
+A head directory = config.json (HF fields + "specdec": our fields) + model.safetensors (head_io.py).
+The Medusa head's module is in medusa_head.py.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 
 from specdec.config import ConfigError
 from specdec.kernels import MAX_ROWS, linear, rms_norm, silu_mul
@@ -382,85 +380,6 @@ class DraftKV:
         self.v[:, :, self.length:end] = v
         self.length = end
         return self.k[:, :, :end], self.v[:, :, :end]
-
-
-class MedusaHead(torch.nn.Module):
-    """K residual blocks on the last hidden state; logits through the (restricted) target LM head."""
-
-    def __init__(self, cfg: HeadConfig):
-        super().__init__()
-        self.cfg = cfg
-        H = cfg.hidden_size
-        self.blocks = torch.nn.ModuleList(_ResBlock(H) for _ in range(cfg.medusa_num_heads))
-        Vd = cfg.draft_vocab_size or cfg.vocab_size
-        self.register_buffer("token_map", torch.arange(Vd, dtype=torch.long))  # draft id -> target id
-
-    @property
-    def draft_ids(self) -> torch.Tensor:
-        return self.token_map
-
-    @property
-    def vocab_version(self) -> int:
-        return self.token_map._version
-
-    def set_vocab(self, draft_ids: torch.Tensor) -> None:
-        self.token_map.copy_(draft_ids)
-
-    def forward(self, h: torch.Tensor, target_lm_head: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
-        """h [N, H] -> logits [K, N, Vd] of the first num_heads heads (all by default)."""
-        w = draft_rows(self, target_lm_head)
-        return torch.stack([linear(blk(h), w) for blk in self.blocks[:num_heads]])
-
-
-class _ResBlock(torch.nn.Module):
-    def __init__(self, H: int):
-        super().__init__()
-        self.layers = torch.nn.ModuleList([torch.nn.Linear(H, H, bias=True)])
-        torch.nn.init.zeros_(self.layers[0].weight)  # Medusa: start as the identity (head = next-token head)
-        torch.nn.init.zeros_(self.layers[0].bias)
-
-    def forward(self, x):
-        for lin in self.layers:
-            x = x + F.silu(linear(x, lin.weight, lin.bias))
-        return x
-
-
-def make_head(cfg: HeadConfig) -> torch.nn.Module:
-    return MedusaHead(cfg) if cfg.kind == "medusa" else EagleHead(cfg)
-
-
-def save_head(head: torch.nn.Module, out: Path, dtype: torch.dtype = torch.float32) -> Path:
-    """Write config.json + model.safetensors (upstream key names, shared tensors left out)."""
-    from specdec.train.export import hf_config  # the HF/vLLM/SGLang config fields live with the exporter
-
-    out.mkdir(parents=True, exist_ok=True)
-    sd = {k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous().clone()
-          for k, v in head.state_dict().items() if not k.startswith("rotary.")}
-    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
-    cfg = hf_config(head.cfg, dtype)
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    return out
-
-
-def load_head(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    path = Path(path)
-    try:
-        raw = json.loads((path / "config.json").read_text())
-        sd = load_file(str(path / "model.safetensors"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"cannot read draft head {path}: {e}") from None
-    if "specdec" not in raw:
-        raise ConfigError(f"{path}: not a specdec head (config.json has no 'specdec' section); "
-                          "heads from other tools: `specdec export --import`")
-    cfg = head_config_from_dict(raw["specdec"])
-    head = make_head(cfg)
-    missing, unexpected = head.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()},
-                                               strict=False)
-    missing = [m for m in missing if not m.startswith("rotary.")]
-    if missing or unexpected:
-        raise ConfigError(f"{path}: head weights do not match its config (missing {missing[:3]}, "
-                          f"unexpected {unexpected[:3]})")
-    return head.to(dtype).eval().requires_grad_(False)
 
 
 def head_config_from_dict(d: dict) -> HeadConfig:

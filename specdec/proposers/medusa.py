@@ -17,8 +17,7 @@ from pathlib import Path
 import torch
 
 from specdec.config import ConfigError
-from specdec.proposers.eagle import default_head
-from specdec.proposers.heads import load_head
+from specdec.proposers.head_io import default_head, load_head
 from specdec.spec.proposer import EMPTY, Proposal, Proposer, RequestState, TargetOutput, register_proposer
 
 

@@ -62,7 +62,8 @@ def hf_config(cfg, dtype: torch.dtype = torch.float32) -> dict:
 
 def import_head(path: Path, target_config) -> "torch.nn.Module":
     """Load an upstream EAGLE / EAGLE-3 / Medusa checkpoint (no 'specdec' section) for `target_config`."""
-    from specdec.proposers.heads import HeadConfig, make_head
+    from specdec.proposers.head_io import make_head
+    from specdec.proposers.heads import HeadConfig
 
     raw = json.loads((path / "config.json").read_text())
     sd = {k: v for k, v in load_file(str(path / "model.safetensors")).items()}
@@ -100,7 +101,7 @@ def import_head(path: Path, target_config) -> "torch.nn.Module":
 def export_head(head_dir: Path, fmt: str, out: Path, target_dir: Path, num_speculative_tokens: int = 5,
                 num_steps: int = 5, eagle_topk: int = 4, num_draft_tokens: int = 8) -> str:
     """Write the head in `fmt`'s layout under `out`; returns the serve command line."""
-    from specdec.proposers.heads import load_head
+    from specdec.proposers.head_io import load_head
 
     if fmt not in FORMATS:
         raise ConfigError(f"unknown export format {fmt!r}; one of {', '.join(FORMATS)}")

@@ -1,0 +1,70 @@
+"""A draft head directory (config.json with HF fields + "specdec": ours, and model.safetensors with the
+upstream key names; the target's shared tensors left out): make, save and load any head kind, and find
+the shipped head for a target."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from specdec.config import ConfigError
+from specdec.proposers.heads import EagleHead, HeadConfig, head_config_from_dict
+from specdec.proposers.medusa_head import MedusaHead
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"  # the shipped heads
+
+
+def make_head(cfg: HeadConfig) -> torch.nn.Module:
+    return MedusaHead(cfg) if cfg.kind == "medusa" else EagleHead(cfg)
+
+
+def save_head(head: torch.nn.Module, out: Path, dtype: torch.dtype = torch.float32) -> Path:
+    """Write config.json + model.safetensors (upstream key names, shared tensors left out)."""
+    from specdec.train.export import hf_config  # the HF/vLLM/SGLang config fields live with the exporter
+
+    out.mkdir(parents=True, exist_ok=True)
+    sd = {k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous().clone()
+          for k, v in head.state_dict().items() if not k.startswith("rotary.")}
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = hf_config(head.cfg, dtype)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def load_head(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    path = Path(path)
+    try:
+        raw = json.loads((path / "config.json").read_text())
+        sd = load_file(str(path / "model.safetensors"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot read draft head {path}: {e}") from None
+    if "specdec" not in raw:
+        raise ConfigError(f"{path}: not a specdec head (config.json has no 'specdec' section); "
+                          "heads from other tools: `specdec export --import`")
+    cfg = head_config_from_dict(raw["specdec"])
+    head = make_head(cfg)
+    missing, unexpected = head.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()},
+                                               strict=False)
+    missing = [m for m in missing if not m.startswith("rotary.")]
+    if missing or unexpected:
+        raise ConfigError(f"{path}: head weights do not match its config (missing {missing[:3]}, "
+                          f"unexpected {unexpected[:3]})")
+    return head.to(dtype).eval().requires_grad_(False)
+
+
+def default_head(kind: str, target_cfg) -> Path:
+    """The shipped head of `kind` trained for this target (matched by architecture), if any."""
+    for d in sorted(ASSETS.glob(f"*-{kind}")):
+        try:
+            sd = json.loads((d / "config.json").read_text())["specdec"]
+        except (OSError, KeyError, ValueError):
+            continue
+        t = sd.get("training", {}).get("target_config", {})
+        if (sd.get("kind") == kind and sd.get("hidden_size") == target_cfg.hidden_size
+                and sd.get("vocab_size") == target_cfg.vocab_size
+                and t.get("num_hidden_layers") == target_cfg.num_hidden_layers):
+            return d
+    raise ConfigError(f"no shipped {kind} head for this model; train one (`specdec train {kind}`) and pass "
+                      f"its directory as the speculative model")
