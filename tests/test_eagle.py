@@ -92,6 +92,37 @@ def test_a_smaller_tree_is_the_first_nodes_of_a_larger_one(tiny, tmp_path):
     proposer.end(state)
 
 
+def test_the_shipped_head_on_amx_tiles_drafts_within_rounding_and_switches_back():
+    """use_amx_tiles: where the CPU has AMX, the shipped head's six matrices (bf16 values) run on tiles with
+    bf16-rounded inputs, the fused step and the C layer's rows within that rounding of the exact ones; switched
+    off, bitwise the exact ones again (the layer's C description follows the kernels). Without AMX: 0, no change."""
+    from specdec.kernels import amx_active
+    from specdec.proposers.head_io import ASSETS, load_head
+    from specdec.proposers.heads import DraftKV
+
+    head = load_head(ASSETS / "smollm2-135m-eagle3")
+    H, g = head.cfg.hidden_size, torch.Generator().manual_seed(0)
+    feats, emb, hidden = (torch.randn(1, 6, n * H, generator=g) for n in (3, 1, 1))
+    pos = torch.arange(6)[None]
+
+    def draft():  # the fused step and the layer, each from the same inputs
+        return head.fuse(feats), head.forward_rows(emb, hidden, pos, [DraftKV(head.cfg, 16, torch.float32)], [6])
+
+    with torch.inference_mode():
+        exact = draft()
+        on = head.use_amx_tiles(True)
+        tiled = draft()
+        assert on == (6 if amx_active() else 0)
+        for a, b in zip(tiled, exact):
+            if on:
+                assert not torch.equal(a, b)
+                torch.testing.assert_close(a, b, rtol=0.05, atol=0.02 * float(b.abs().max()))
+            else:
+                assert torch.equal(a, b)
+        assert head.use_amx_tiles(False) == 0
+        assert all(torch.equal(a, b) for a, b in zip(draft(), exact))
+
+
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 def test_the_heads_c_layer_equals_its_torch_layer_and_each_row_is_what_it_is_alone(tiny, tmp_path, kind):
     """forward_rows runs the head's layer in one C call (kernels/layer.py's head_layer): the same as the

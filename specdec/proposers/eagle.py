@@ -28,6 +28,7 @@ from specdec.model.cuda_graph import TOKEN_BUCKETS, GraphedModel
 from specdec.proposers.eagle_graph import GraphedHead
 from specdec.proposers.head_io import default_head, load_head
 from specdec.proposers.heads import DraftKV
+from specdec.quant.bf16 import on_tiles
 from specdec.sampler import argmax, sample, warp
 from specdec.spec.proposer import EMPTY, Proposal, Proposer, RequestState, TargetOutput, register_proposer
 
@@ -85,6 +86,8 @@ class _EagleBase(Proposer):
         if (self.head.cfg.hidden_size, self.head.cfg.vocab_size) != (tc.hidden_size, tc.vocab_size):
             raise ConfigError(f"{path}: head was trained for hidden {self.head.cfg.hidden_size} / vocab "
                               f"{self.head.cfg.vocab_size}, the target has {tc.hidden_size} / {tc.vocab_size}")
+        if on_tiles(ctx.target):  # a bf16 target on AMX tiles: the head's matmuls too (heads.use_amx_tiles)
+            self.head.use_amx_tiles(True)
         self.feature_layers = tuple(self.head.cfg.aux_layers)
         self.embed = ctx.target.embed  # ids -> [..., H]: a table, or rows of a packed one (a bf16 target)
         self.lm_head = ctx.target.lm_head.weight  # a tensor or a packed weight (heads.draft_rows reads both)

@@ -25,7 +25,7 @@ from specdec.config import ConfigError
 from specdec.kernels import MAX_ROWS, linear, rms_norm, silu_mul
 from specdec.kernels.layer import describe_head_layer, head_layer
 from specdec.model.layers import Rotary, apply_rotary, grouped_sdpa, sdpa
-from specdec.quant.bf16 import Bf16Weight
+from specdec.quant.bf16 import Bf16Weight, pack_tiles
 
 HEAD_KINDS = ("medusa", "eagle", "eagle3")
 
@@ -302,18 +302,41 @@ class EagleHead(torch.nn.Module):
 
     def _layer_description(self):
         """The layer's C description (describe_head_layer), kept while its stacked weights are the same
-        objects (stacked_weight rebuilds them when a weight moves or changes)."""
+        objects (stacked_weight rebuilds them when a weight moves or changes) on the same kernels."""
         layer = self.layer
         attn, mlp = layer.self_attn, layer.mlp
         parts = (stacked_weight(attn, ("q_proj", "k_proj", "v_proj")), stacked_weight(attn, ("o_proj",)),
                  stacked_weight(mlp, ("gate_proj", "up_proj")), stacked_weight(mlp, ("down_proj",)))
         norm = layer.post_attention_layernorm.weight
-        key = (*map(id, parts), norm.data_ptr(), norm._version)
+        kernels = tuple((getattr(p, "round_inputs", False), getattr(p, "tiles", None) is not None) for p in parts)
+        key = (*map(id, parts), kernels, norm.data_ptr(), norm._version)
         kept = self.__dict__.get("_c_layer")
         if kept is None or kept[0] != key:  # (kept[1] holds the parts alive: their ids are not reused)
             kept = (key, parts, describe_head_layer(norm, *parts))
             self.__dict__["_c_layer"] = kept
         return kept[2]
+
+    def draft_weights(self) -> list:
+        """The matrices the head drafts with, as stacked_weight keeps them: fc, the layer's four, eagle3's LM head."""
+        attn, mlp = self.layer.self_attn, self.layer.mlp
+        weights = [stacked_weight(self, ("fc",)), stacked_weight(attn, ("q_proj", "k_proj", "v_proj")),
+                   stacked_weight(attn, ("o_proj",)), stacked_weight(mlp, ("gate_proj", "up_proj")),
+                   stacked_weight(mlp, ("down_proj",))]
+        return weights + [stacked_weight(self, ("lm_head",))] if self.cfg.kind == "eagle3" else weights
+
+    @torch.inference_mode()
+    def use_amx_tiles(self, on: bool = True) -> int:
+        """Draft with bf16-rounded matmul inputs on AMX tiles (on, where the CPU has AMX: beside a target decoding
+        on them, quant/bf16.py use_amx_tiles) or with exact fp32 inputs; how many matrices now run on tiles.
+        A head saved in bf16 keeps its weights exactly; its inputs are rounded, which moves its drafts a little
+        and verification none of the output. Measured at 4 sequences: methods.md session 35."""
+        weights = [w for w in self.draft_weights() if isinstance(w, Bf16Weight)]
+        for w in weights:
+            w.round_inputs = on
+        packed = pack_tiles(weights, weights if on else [])
+        for w in weights:
+            w.round_inputs = w in packed
+        return len(packed)
 
     def forward_static(self, embeds, hidden, positions, cache: "DraftKV", slots, mask):
         """forward_layer with no host-side shapes, for a CUDA graph: embeds, hidden [1, T, H]; positions

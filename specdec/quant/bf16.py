@@ -146,15 +146,26 @@ def use_amx_tiles(model: torch.nn.Module, on: bool = True) -> int:
     instead of 1.8x, the serving engine at 16 sequences 1.2-1.4x the tokens/s; hence off by default,
     on for `specdec serve`."""
     weights = _bf16_weights(model)  # (in forward order: layer by layer)
-    for w in weights:
-        w.tiles = None
     eligible = [w for w in weights if w.round_inputs and w.qweight.device.type == "cpu"]
-    packed = eligible if on and amx_active() else []
-    for w, tiles in zip(packed, amx_tiles([w.qweight for w in packed])):
-        w.tiles = tiles
+    packed = pack_tiles(weights, eligible if on else [])
     # a prompt's matmuls on the tiles too: row-invariant (oneDNN's bf16 GEMM is not on an AMX CPU), and the
     # decode passes' kernel, so a prompt-pass row equals a decoded one; as fast as oneDNN on a 900-token
     # prompt (2-vCPU Xeon, session 33). Off the tiles, oneDNN again (to_cpu_bf16's choice)
     if eligible and hasattr(model, "prefill_matmul_dtype"):
         model.prefill_matmul_dtype = None if packed else torch.bfloat16
     return len(packed)
+
+
+def on_tiles(model) -> bool:
+    """Whether a model's bf16 matmuls run on AMX tiles (use_amx_tiles): its drafters may follow."""
+    return isinstance(model, torch.nn.Module) and any(w.tiles is not None for w in _bf16_weights(model))
+
+
+def pack_tiles(weights: list[Bf16Weight], on: list[Bf16Weight]) -> list[Bf16Weight]:
+    """Drop the tiles of `weights` and pack those of `on` (where the CPU has AMX): the ones now on tiles."""
+    for w in weights:
+        w.tiles = None
+    packed = on if amx_active() else []
+    for w, tiles in zip(packed, amx_tiles([w.qweight for w in packed])):
+        w.tiles = tiles
+    return packed
