@@ -340,8 +340,13 @@ def test_build_dataset_with_our_generator_equals_transformers(dataset, tmp_path)
 
     d, ours = dataset  # the default generator: ours
     ref = tmp_path / "transformers"
-    build_dataset(str(d), ref, DataSpec(num_prompts=6, num_heldout=3, max_new_tokens=10, batch_size=3, scan=300,
-                                        generator="transformers"), progress=False)
+    stats = build_dataset(str(d), ref, DataSpec(num_prompts=6, num_heldout=3, max_new_tokens=10, batch_size=3,
+                                                scan=300, generator="transformers"), progress=False)
+    assert list(stats["phase_seconds"]) == ["write"]  # transformers' loop reports no phases of its own
+    (ours_stats,) = [json.loads(f.read_text()) for f in ours.glob("generation-*.json")]
+    phases = ours_stats["phase_seconds"]  # where our generator's time went: every phase, summing to the run's
+    assert sorted(phases) == ["assemble", "decode", "prompt", "write"] and phases["decode"] > 0
+    assert sum(phases.values()) <= ours_stats["seconds_this_run"] + 0.3
     for split in ("train", "heldout"):
         assert [s.tokens for s in read_split(ours / split)] == [s.tokens for s in read_split(ref / split)]
     assert json.loads((ours / "meta.json").read_text())["spec"]["generator"] == "specdec"

@@ -275,16 +275,17 @@ def build_dataset(model: str, out: Path, spec: DataSpec, progress: bool = True, 
         from specdec.train.generate import PROMPT_ROUND, StaticGenerator
 
         context = max(spec.max_prompt_tokens, spec.later_turn_tokens) + PROMPT_ROUND + spec.max_new_tokens
-        generate = StaticGenerator(load_model(src, torch.float32, context, device)).generate
+        generator = StaticGenerator(load_model(src, torch.float32, context, device))
+        generate = generator.generate
     else:
         hf = tf.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).to(device).eval()
-        generate = functools.partial(generate_batch, hf)
+        generator, generate = None, functools.partial(generate_batch, hf)
     meta = {"model": model, "model_dir": str(src), "spec": spec.__dict__, "aux_layers": list(aux),
             "hidden_size": cfg.hidden_size, "num_layers": cfg.num_hidden_layers, "feature_dtype": "float16",
             "features": "online" if spec.online else "offline"}
     out.mkdir(parents=True, exist_ok=True)
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
-    t0, new_tokens = time.perf_counter(), 0
+    t0, new_tokens, writing = time.perf_counter(), 0, 0.0
     for split, prompts in (("heldout", held), ("train", train)):
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths: less padding
         batches = [order[i:i + spec.batch_size] for i in range(0, len(order), spec.batch_size)]
@@ -300,9 +301,13 @@ def build_dataset(model: str, out: Path, spec: DataSpec, progress: bool = True, 
             seqs = generate([prompts[i] for i in batch], spec.max_new_tokens, set(tok.eos_token_ids), aux,
                             features=not spec.online)
             new_tokens += sum(len(s.tokens) - s.prompt_len for s in seqs)
+            t_write = time.perf_counter()
             write_shard(path, seqs)
+            writing += time.perf_counter() - t_write
     elapsed = time.perf_counter() - t0
+    phases = {k: round(v, 3) for k, v in (generator.seconds if generator is not None else {}).items()}
     stats = {"generated_tokens_this_run": new_tokens, "seconds_this_run": round(elapsed, 1),
+             "phase_seconds": {**phases, "write": round(writing, 3)},
              "threads": torch.get_num_threads(), "device": str(device)}
     (out / f"generation-{int(time.time())}.json").write_text(json.dumps(stats, indent=2))
     return {**meta, **stats}

@@ -11,6 +11,8 @@ transformers' generate_batch).
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from specdec.cache.kv_cache import KVCache
@@ -32,11 +34,22 @@ class StaticGenerator:
         self.model = model
         self.calls = CapturedCalls(model.device, graphs)
         self.caches: dict[tuple[int, int], KVCache] = {}
+        # where the time goes, summed over batches (a GPU synchronized at each boundary): the prompt passes,
+        # the decode steps, and turning a batch's steps into sequences on the host
+        self.seconds = {"prompt": 0.0, "decode": 0.0, "assemble": 0.0}
+
+    def _lap(self, phase: str, since: float) -> float:
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+        now = time.perf_counter()
+        self.seconds[phase] += now - since
+        return now
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int],
                  aux_layers: tuple[int, ...], features: bool = True) -> list[Shard.Sequence]:
         model, B = self.model, len(prompts)
+        start = time.perf_counter()
         L = -(-max(len(p) for p in prompts) // PROMPT_ROUND) * PROMPT_ROUND
         dev, total = model.device, L + max_new_tokens
         pad = torch.tensor([L - len(p) for p in prompts])
@@ -58,6 +71,7 @@ class StaticGenerator:
         feats = [_features(out, aux_layers)] if features else []  # per pass: [B, T, H] final, then aux
         nxt = out.logits[:, -1].argmax(-1)  # [B]
         eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=dev)
+        start = self._lap("prompt", start)
         done = torch.isin(nxt, eos)
         tokens = [nxt]
         step = torch.zeros(3, B, dtype=torch.long, device=dev)  # the pass's input ids, positions, [slot, ...]
@@ -76,7 +90,10 @@ class StaticGenerator:
             nxt = torch.where(done, torch.zeros_like(nxt), nxt)
             tokens.append(nxt)
             done |= torch.isin(nxt, eos)
-        return assemble_sequences(prompts, tokens, feats, eos_ids, L, aux_layers)
+        start = self._lap("decode", start)
+        seqs = assemble_sequences(prompts, tokens, feats, eos_ids, L, aux_layers)
+        self._lap("assemble", start)
+        return seqs
 
 
 def _decode_step(model, cache, step, key_valid, keys: int, aux_layers):
