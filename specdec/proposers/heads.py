@@ -322,7 +322,7 @@ class EagleHead(torch.nn.Module):
         weights = [stacked_weight(self, ("fc",)), stacked_weight(attn, ("q_proj", "k_proj", "v_proj")),
                    stacked_weight(attn, ("o_proj",)), stacked_weight(mlp, ("gate_proj", "up_proj")),
                    stacked_weight(mlp, ("down_proj",))]
-        return weights + [stacked_weight(self, ("lm_head",))] if self.cfg.kind == "eagle3" else weights
+        return (weights + [stacked_weight(self, ("lm_head",))]) if self.cfg.kind == "eagle3" else weights
 
     @torch.inference_mode()
     def use_amx_tiles(self, on: bool = True) -> int:
