@@ -270,6 +270,22 @@ def test_later_turns_add_train_prompts_and_keep_the_heldout(tiny_dir, tmp_path):
         select_prompts(tok, DataSpec(prompts_file=str(bad), later_turn_tokens=256))
 
 
+def test_the_shard_writer_overlaps_writes_and_raises_their_errors(tmp_path):
+    """build_dataset writes each shard on a second thread: a shard written is whole and readable, and a
+    failed write raises in the caller (at the next write or at close), leaving no shard behind."""
+    from specdec.train.data import ShardWriter
+    from specdec.train.features import Shard, read_shard
+
+    seqs = [Shard.Sequence([5, 6, 7], 1, None)]
+    writer = ShardWriter()
+    writer.write(tmp_path / "a.safetensors", seqs)
+    writer.write(tmp_path / "missing" / "b.safetensors", seqs)  # its directory does not exist
+    with pytest.raises(Exception, match="No such file"):  # safetensors' own error type
+        writer.close()
+    assert [s.tokens for s in read_shard(tmp_path / "a.safetensors")] == [[5, 6, 7]]
+    assert not (tmp_path / "missing").exists()
+
+
 def test_max_seconds_fits_the_schedule_to_the_budget(dataset, tmp_path):
     """A budget far below the planned steps cuts total_steps after the first ten (never below what ran),
     and the run then ends there with a head exported; without a budget the plan stands."""
@@ -342,10 +358,10 @@ def test_build_dataset_with_our_generator_equals_transformers(dataset, tmp_path)
     ref = tmp_path / "transformers"
     stats = build_dataset(str(d), ref, DataSpec(num_prompts=6, num_heldout=3, max_new_tokens=10, batch_size=3,
                                                 scan=300, generator="transformers"), progress=False)
-    assert list(stats["phase_seconds"]) == ["write"]  # transformers' loop reports no phases of its own
+    assert list(stats["phase_seconds"]) == ["write_wait"]  # transformers' loop reports no phases of its own
     (ours_stats,) = [json.loads(f.read_text()) for f in ours.glob("generation-*.json")]
     phases = ours_stats["phase_seconds"]  # where our generator's time went: every phase, summing to the run's
-    assert sorted(phases) == ["assemble", "decode", "prompt", "write"] and phases["decode"] > 0
+    assert sorted(phases) == ["assemble", "decode", "prompt", "write_wait"] and phases["decode"] > 0
     assert sum(phases.values()) <= ours_stats["seconds_this_run"] + 0.3
     for split in ("train", "heldout"):
         assert [s.tokens for s in read_split(ours / split)] == [s.tokens for s in read_split(ref / split)]

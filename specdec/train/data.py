@@ -27,6 +27,7 @@ import inspect
 import json
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -285,32 +286,63 @@ def build_dataset(model: str, out: Path, spec: DataSpec, progress: bool = True, 
             "features": "online" if spec.online else "offline"}
     out.mkdir(parents=True, exist_ok=True)
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
-    t0, new_tokens, writing = time.perf_counter(), 0, 0.0
-    for split, prompts in (("heldout", held), ("train", train)):
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths: less padding
-        batches = [order[i:i + spec.batch_size] for i in range(0, len(order), spec.batch_size)]
-        if split == "train" and spec.max_batches is not None:
-            batches = batches[:spec.max_batches]
-        (out / split).mkdir(exist_ok=True)
-        for bi, batch in enumerate(tqdm(batches, desc=f"generate {split}", disable=not progress)):
-            path = out / split / f"shard-{bi:05d}.safetensors"
-            if path.exists():
-                continue
-            if split == "train" and spec.max_seconds is not None and time.perf_counter() - t0 > spec.max_seconds:
-                break
-            seqs = generate([prompts[i] for i in batch], spec.max_new_tokens, set(tok.eos_token_ids), aux,
-                            features=not spec.online)
-            new_tokens += sum(len(s.tokens) - s.prompt_len for s in seqs)
-            t_write = time.perf_counter()
-            write_shard(path, seqs)
-            writing += time.perf_counter() - t_write
+    t0, new_tokens = time.perf_counter(), 0
+    # a batch's shard is written by a second thread while the next batch generates (one shard in flight)
+    writer = ShardWriter()
+    try:
+        for split, prompts in (("heldout", held), ("train", train)):
+            order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths: less padding
+            batches = [order[i:i + spec.batch_size] for i in range(0, len(order), spec.batch_size)]
+            if split == "train" and spec.max_batches is not None:
+                batches = batches[:spec.max_batches]
+            (out / split).mkdir(exist_ok=True)
+            for bi, batch in enumerate(tqdm(batches, desc=f"generate {split}", disable=not progress)):
+                path = out / split / f"shard-{bi:05d}.safetensors"
+                if path.exists():
+                    continue
+                if split == "train" and spec.max_seconds is not None and time.perf_counter() - t0 > spec.max_seconds:
+                    break
+                seqs = generate([prompts[i] for i in batch], spec.max_new_tokens, set(tok.eos_token_ids), aux,
+                                features=not spec.online)
+                new_tokens += sum(len(s.tokens) - s.prompt_len for s in seqs)
+                writer.write(path, seqs)
+    finally:
+        writer.close()
     elapsed = time.perf_counter() - t0
     phases = {k: round(v, 3) for k, v in (generator.seconds if generator is not None else {}).items()}
     stats = {"generated_tokens_this_run": new_tokens, "seconds_this_run": round(elapsed, 1),
-             "phase_seconds": {**phases, "write": round(writing, 3)},
+             # write_wait: what generation waited for the writer (shards write while the next batch generates)
+             "phase_seconds": {**phases, "write_wait": round(writer.waited, 3)},
              "threads": torch.get_num_threads(), "device": str(device)}
     (out / f"generation-{int(time.time())}.json").write_text(json.dumps(stats, indent=2))
     return {**meta, **stats}
+
+
+class ShardWriter:
+    """write_shard on a second thread, one shard in flight: write() waits for the previous one (its error
+    raises here), close() for the last. A shard appears under its name only once whole (write_shard)."""
+
+    def __init__(self):
+        self.pool = ThreadPoolExecutor(max_workers=1)
+        self.pending = None
+        self.waited = 0.0  # seconds the caller waited for the writer
+
+    def write(self, path: Path, seqs: list[Shard.Sequence]) -> None:
+        self._wait()
+        self.pending = self.pool.submit(write_shard, path, seqs)
+
+    def _wait(self) -> None:
+        if self.pending is not None:
+            t = time.perf_counter()
+            pending, self.pending = self.pending, None
+            pending.result()
+            self.waited += time.perf_counter() - t
+
+    def close(self) -> None:
+        try:
+            self._wait()
+        finally:
+            self.pool.shutdown()
 
 
 def build_teacher_forced(model: str, out: Path, num: int, max_tokens: int = 384, skip: int = 10000,
