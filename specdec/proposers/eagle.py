@@ -50,7 +50,7 @@ KEPT_ROWS = 4096
 
 def _rerank(tok: list[int], par: list[int], val: list[float], budget: int) -> Proposal:
     """EAGLE-2's final cut: the `budget` nodes of highest cumulative log-probability, in that order (node i
-    is the i-th most likely: adaptive k learns each rank's acceptance, spec/adaptive.py's RankShares). A
+    is the i-th most likely: adaptive k learns each rank's acceptance, spec/tree_shares.py's RankShares). A
     child's value is at most its parent's and the sort is stable, so a parent comes before its children and
     the cut is a tree, in topological order."""
     keep = sorted(range(len(tok)), key=lambda n: -val[n])[:budget]

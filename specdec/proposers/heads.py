@@ -303,11 +303,8 @@ class EagleHead(torch.nn.Module):
     def _layer_description(self):
         """The layer's C description (describe_head_layer), kept while its stacked weights are the same
         objects (stacked_weight rebuilds them when a weight moves or changes) on the same kernels."""
-        layer = self.layer
-        attn, mlp = layer.self_attn, layer.mlp
-        parts = (stacked_weight(attn, ("q_proj", "k_proj", "v_proj")), stacked_weight(attn, ("o_proj",)),
-                 stacked_weight(mlp, ("gate_proj", "up_proj")), stacked_weight(mlp, ("down_proj",)))
-        norm = layer.post_attention_layernorm.weight
+        parts = self._layer_weights()
+        norm = self.layer.post_attention_layernorm.weight
         kernels = tuple((getattr(p, "round_inputs", False), getattr(p, "tiles", None) is not None) for p in parts)
         key = (*map(id, parts), kernels, norm.data_ptr(), norm._version)
         kept = self.__dict__.get("_c_layer")
@@ -316,12 +313,15 @@ class EagleHead(torch.nn.Module):
             self.__dict__["_c_layer"] = kept
         return kept[2]
 
-    def draft_weights(self) -> list:
-        """The matrices the head drafts with, as stacked_weight keeps them: fc, the layer's four, eagle3's LM head."""
+    def _layer_weights(self) -> tuple:
+        """The layer's four matrices as stacked_weight keeps them: q/k/v, o, gate/up, down."""
         attn, mlp = self.layer.self_attn, self.layer.mlp
-        weights = [stacked_weight(self, ("fc",)), stacked_weight(attn, ("q_proj", "k_proj", "v_proj")),
-                   stacked_weight(attn, ("o_proj",)), stacked_weight(mlp, ("gate_proj", "up_proj")),
-                   stacked_weight(mlp, ("down_proj",))]
+        return (stacked_weight(attn, ("q_proj", "k_proj", "v_proj")), stacked_weight(attn, ("o_proj",)),
+                stacked_weight(mlp, ("gate_proj", "up_proj")), stacked_weight(mlp, ("down_proj",)))
+
+    def draft_weights(self) -> list:
+        """The matrices the head drafts with: fc, the layer's four, eagle3's LM head."""
+        weights = [stacked_weight(self, ("fc",)), *self._layer_weights()]
         return (weights + [stacked_weight(self, ("lm_head",))]) if self.cfg.kind == "eagle3" else weights
 
     @torch.inference_mode()
@@ -331,10 +331,8 @@ class EagleHead(torch.nn.Module):
         A head saved in bf16 keeps its weights exactly; its inputs are rounded, which moves its drafts a little
         and verification none of the output. Measured at 4 sequences: methods.md session 35."""
         weights = [w for w in self.draft_weights() if isinstance(w, Bf16Weight)]
-        for w in weights:
-            w.round_inputs = on
         packed = pack_tiles(weights, weights if on else [])
-        for w in weights:
+        for w in weights:  # tiles multiply rounded inputs; off them, the exact ones
             w.round_inputs = w in packed
         return len(packed)
 

@@ -51,7 +51,7 @@ class TreeYield:
         """Drafting passes of k nodes, as adaptive k prices them: one a node."""
         return k
 
-    def update(self, num_drafted: int, num_accepted: float, accepted_nodes: list[int] | None = None) -> None:
+    def update(self, num_drafted: int, num_accepted: int, accepted_nodes: list[int] | None = None) -> None:
         self.accepted = (1 - self.EMA) * self.accepted + self.EMA * num_accepted
         self.predicted = (1 - self.EMA) * self.predicted + self.EMA * sum(self.shares[:num_drafted])
 

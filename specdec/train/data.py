@@ -39,11 +39,6 @@ from specdec.model.layers import sdpa_backends
 from specdec.train.features import Shard, write_shard
 
 
-def load_sharegpt_prompts(limit: int | None = None) -> list[str]:
-    """First human turns of ShareGPT, in file order."""
-    return [h for h, _ in load_sharegpt_pairs(limit)]
-
-
 def load_sharegpt_pairs(limit: int | None = None) -> list[tuple[str, str]]:
     """(first human turn, first answer or "") of ShareGPT conversations, in file order."""
     return [(c[0]["content"], c[1]["content"] if len(c) > 1 else "") for c in load_sharegpt_conversations(limit)]

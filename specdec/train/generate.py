@@ -33,7 +33,7 @@ class StaticGenerator:
     def __init__(self, model, graphs: bool = True):
         self.model = model
         self.calls = CapturedCalls(model.device, graphs)
-        self.caches: dict[tuple[int, int], KVCache] = {}
+        self.shape, self.cache = None, None  # (batch size, positions) of the cache kept, and the cache
         # where the time goes, summed over batches (a GPU synchronized at each boundary): the prompt passes,
         # the decode steps, and turning a batch's steps into sequences on the host
         self.seconds = {"prompt": 0.0, "decode": 0.0, "assemble": 0.0}
@@ -56,13 +56,13 @@ class StaticGenerator:
         ids = torch.zeros(B, L, dtype=torch.long)
         for b, p in enumerate(prompts):  # left padding
             ids[b, L - len(p):] = torch.tensor(p)
-        cache = self.caches.get((B, total))
-        if cache is None:  # batches come sorted by length: keep one shape's cache and graphs at a time
-            self.caches.clear()
+        if self.shape != (B, total):  # batches come sorted by length: keep one shape's cache and graphs at a time
+            self.cache = None
             self.calls = CapturedCalls(dev, self.calls.enabled and self.calls.disabled is None)
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
-            cache = self.caches[(B, total)] = KVCache.for_model(model.config, total, model.dtype, B, dev)
+            self.shape, self.cache = (B, total), KVCache.for_model(model.config, total, model.dtype, B, dev)
+        cache = self.cache
         key_valid = (torch.arange(total)[None] >= pad[:, None]).to(dev)  # [B, total]: no row sees its padding
         out = model.forward_static(ids.to(dev), (torch.arange(L)[None] - pad[:, None]).clamp_min(0).to(dev),
                                    torch.arange(L, device=dev), torch.zeros((), dtype=torch.long, device=dev),
