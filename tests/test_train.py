@@ -139,9 +139,46 @@ def test_init_from_a_trained_head_fine_tunes_it(dataset, tmp_path):
     tuned.run(evaluate=lambda t: {"probe": t.step})
     assert tuned.history[0] == {"step": 0, "probe": 0}  # the head it starts from is measured first
     assert any(not torch.equal(v, tuned.head.state_dict()[k]) for k, v in base.head.state_dict().items())
-    with pytest.raises(ConfigError, match="draft_vocab_size"):
-        Trainer(TrainSpec(**{**spec.__dict__, "draft_vocab_size": 50, "init_from": str(head_dir)}), target,
+    with pytest.raises(ConfigError, match="draft vocabulary"):
+        Trainer(TrainSpec(**{**spec.__dict__, "draft_vocab_size": 30, "init_from": str(head_dir)}), target,
                 progress=False)
+    with pytest.raises(ConfigError, match="intermediate_size"):
+        Trainer(TrainSpec(**{**spec.__dict__, "intermediate_size": 8, "init_from": str(head_dir)}), target,
+                progress=False)
+
+
+def test_init_from_a_smaller_vocabulary_grows_it(dataset, tmp_path):
+    """--init-from a head of 40 draft tokens into a run of 50: its tokens and rows kept, the 10 most
+    frequent others added (vocab.grow_vocab); --epochs 0 exports that head untrained, and a plain run
+    (epochs 0 without a head to start from) is refused."""
+    from specdec.config import ConfigError
+    from specdec.model.loader import load_model
+    from specdec.proposers.head_io import load_head
+    from specdec.train.trainer import TrainSpec, Trainer
+
+    d, data = dataset
+    target = load_model(d, torch.float32, 512)
+    spec = TrainSpec(kind="eagle3", data=(str(data),), out=str(tmp_path / "base"), epochs=1, batch_size=2,
+                     warmup=1, draft_vocab_size=40, eval_every=100, save_dtype="float32")
+    base = Trainer(spec, target, progress=False)
+    base.total_steps = 1
+    base.run()
+    head_dir = base.export({})
+    grown = Trainer(TrainSpec(**{**spec.__dict__, "out": str(tmp_path / "grown"), "draft_vocab_size": 50,
+                                 "epochs": 0, "init_from": str(head_dir)}), target, progress=False)
+    ids = grown.draft_ids.cpu()
+    assert ids.numel() == 50 and set(base.draft_ids.tolist()) <= set(ids.tolist())
+    fresh = Trainer(TrainSpec(**{**spec.__dict__, "draft_vocab_size": 50}), target, progress=False)
+    assert torch.equal(ids, fresh.draft_ids.cpu())  # the data's top 50 hold its top 40 here
+    old = torch.searchsorted(ids, base.draft_ids.cpu())
+    assert torch.equal(grown.head.lm_head.weight[old], base.head.lm_head.weight)
+    torch.testing.assert_close(grown.lm_head_d, target.lm_head.weight[ids])
+    grown.run(evaluate=lambda t: {"probe": t.step})
+    assert grown.step == 0 and grown.history == [{"step": 0, "probe": 0}]
+    exported = load_head(grown.export({}))
+    assert exported.cfg.draft_vocab_size == 50 and torch.equal(exported.draft_ids, ids)
+    with pytest.raises(ConfigError, match="epochs"):
+        TrainSpec(**{**spec.__dict__, "epochs": 0})
 
 
 def test_online_features_train_as_the_stored_ones(dataset, tmp_path):

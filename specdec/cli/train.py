@@ -78,7 +78,8 @@ def _device(p) -> None:
 
 def _train_args(p) -> None:
     p.add_argument("--data", action="append", required=True, help="dataset dir from `train data` (repeatable)")
-    p.add_argument("--epochs", type=float, default=2.0)
+    p.add_argument("--epochs", type=float, default=2.0,
+                   help="0 with --init-from: no training, the head it starts from (vocabulary grown) exported")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=10, help="warmup steps")
     p.add_argument("--batch-size", type=int, default=8)
@@ -95,7 +96,8 @@ def _train_args(p) -> None:
     p.add_argument("--max-seconds", type=float, default=None,
                    help="fit the schedule to this time budget (measured over the first steps)")
     p.add_argument("--init-from", type=Path, default=None, metavar="HEAD_DIR",
-                   help="fine-tune this trained head (its weights and draft vocabulary) instead of a fresh one")
+                   help="fine-tune this trained head (its weights and draft vocabulary) instead of a fresh one; "
+                        "an EAGLE-3 head with fewer draft tokens than --draft-vocab-size grows its vocabulary")
 
 
 def _hardware(device: torch.device) -> dict:

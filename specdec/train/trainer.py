@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from specdec.proposers.head_io import make_head, save_head
 from specdec.proposers.heads import HeadConfig
 from specdec.train.features import Shard, read_split, token_counts, with_features
+from specdec.train.vocab import grow_vocab, rank_vocab
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,13 @@ class TrainSpec:
     save_dtype: str = "bfloat16"
     init_from: str | None = None  # a head dir: fine-tune its weights and draft vocabulary (fresh optimizer)
     max_seconds: float | None = None  # fit the number of steps to this budget (see the module docstring)
+
+    def __post_init__(self):
+        from specdec.config import ConfigError
+
+        if self.epochs < 0 or (self.epochs == 0 and not self.init_from):
+            raise ConfigError("epochs must be > 0 (0 with init_from: export the head it starts from, "
+                              "its vocabulary grown to draft_vocab_size)")
 
 
 def _pad(seqs: list[Shard.Sequence], max_len: int, aux_layers: tuple[int, ...]):
@@ -99,11 +107,9 @@ class Trainer:
             cfg = replace(cfg, intermediate_size=spec.intermediate_size)
         self.head = make_head(cfg)  # on the CPU until its vocabulary is set, then on self.device
         self.counts = token_counts(self.train, tc.vocab_size)
-        ranked = self.counts.clone().float()
-        ranked[list(tc.eos_token_id)] = float("inf")  # the end-of-turn token is always draftable
-        Vd = spec.draft_vocab_size or tc.vocab_size
         self.embed = target.embed.weight.detach()
-        self._use_vocab(ranked.topk(Vd).indices.sort().values)
+        self._use_vocab(rank_vocab(self.counts, spec.draft_vocab_size or tc.vocab_size,
+                                   always=list(tc.eos_token_id)))  # the end-of-turn token is always draftable
         self.head.set_vocab(self.draft_ids.cpu())
         self.head.to(self.device)
         if spec.init_from:
@@ -113,7 +119,7 @@ class Trainer:
         self.opt = torch.optim.AdamW([p for p in self.head.parameters() if p.requires_grad], lr=spec.lr,
                                      weight_decay=spec.weight_decay, betas=(0.9, 0.95))
         steps_per_epoch = math.ceil(len(self.train) / spec.batch_size)
-        self.total_steps = self.planned_steps = max(1, int(spec.epochs * steps_per_epoch))
+        self.total_steps = self.planned_steps = max(int(spec.epochs > 0), int(spec.epochs * steps_per_epoch))
         self.step, self.history = 0, []
 
     def _use_vocab(self, draft_ids: torch.Tensor) -> None:
@@ -124,17 +130,26 @@ class Trainer:
 
     def _init_from_head(self, path: Path) -> None:
         """Start from a trained head (fine-tuning on other data): its weights, and its draft vocabulary,
-        which its rows follow; the optimizer and the schedule start afresh."""
+        which its rows follow; the optimizer and the schedule start afresh. An EAGLE-3 head with a
+        smaller draft vocabulary than this run's grows into it (vocab.grow_vocab: its tokens, then the
+        most frequent of this run's data)."""
         from specdec.config import ConfigError
         from specdec.proposers.head_io import load_head
 
         src = load_head(path)
+        size = self.draft_ids.numel()
+        if src.cfg.kind == "eagle3" == self.spec.kind and 0 < src.cfg.draft_vocab_size < size:
+            ids = rank_vocab(self.counts, size, always=list(self.target.config.eos_token_id), keep=src.draft_ids)
+            src = grow_vocab(src, self.target.lm_head.weight, ids)
         shape = ("kind", "hidden_size", "vocab_size", "intermediate_size", "num_attention_heads",
-                 "num_key_value_heads", "head_dim", "draft_vocab_size", "aux_layers", "medusa_num_heads")
-        differ = [f for f in shape if getattr(src.cfg, f) != getattr(self.head.cfg, f)]
+                 "num_key_value_heads", "head_dim", "aux_layers", "medusa_num_heads")
+        differ = [f"{f} ({getattr(src.cfg, f)} vs {getattr(self.head.cfg, f)})" for f in shape
+                  if getattr(src.cfg, f) != getattr(self.head.cfg, f)]
+        if src.draft_ids.numel() != size:  # a larger one, or a Medusa/EAGLE-1 head's other size
+            differ.append(f"draft vocabulary ({src.draft_ids.numel()} vs {size} tokens)")
         if differ:
             raise ConfigError(f"{path}: its {src.cfg.kind} head differs from this run's {self.spec.kind} head in "
-                              + ", ".join(f"{f} ({getattr(src.cfg, f)} vs {getattr(self.head.cfg, f)})" for f in differ))
+                              + ", ".join(differ))
         self._use_vocab(src.draft_ids.clone())
         self.head.load_state_dict(src.state_dict())  # the vocabulary buffers (d2t/t2d, token_map) too
 
