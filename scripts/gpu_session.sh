@@ -11,7 +11,9 @@
 # DEVICE, NSPEED (prompts), TOKENS, MAXNEW, NUMP, BATCH shrink it for a smoke run on a CPU. TESTS=0 skips the
 # tests and the host probe (run in an earlier call); METHODS limits the first speed table's rows, SPEED=0 skips
 # that table (the shipped head's). LATER: later ShareGPT turns that fit this many tokens are train prompts too
-# (0: first turns only); LR, EPOCHS, MAXLEN: the fine-tune's. HOST=0 skips the host probe.
+# (0: first turns only); LR, EPOCHS, MAXLEN: the fine-tune's; VOCAB: its draft vocabulary (more than
+# the head's grows it: train/vocab.py; 8192 keeps a bf16 head under the 20 MB it may ship at). HOST=0
+# skips the host probe.
 set -u
 OUT=${OUT:?OUT=directory} BUDGET=${BUDGET:-540} HEAD=${HEAD:-specdec/assets/smollm2-135m-eagle3}
 DEVICE=${DEVICE:-cuda} NSPEED=${NSPEED:-16} TOKENS=${TOKENS:-128}
@@ -43,7 +45,7 @@ if [ -n "${PROMPTS:-}" ]; then
   echo "data rc=$? left=$(left)"; grep -o '"generated_tokens_this_run": [0-9]*' "$OUT/data.log"
   python3 -m specdec train eagle3 smollm2-135m --data /tmp/specdec-data --out /tmp/specdec-eagle3 --init-from "$HEAD" \
     --epochs ${EPOCHS:-8} --batch-size 32 --lr ${LR:-3e-4} --warmup 20 --ttt-steps 4 --max-len ${MAXLEN:-640} --intermediate-size 1536 \
-    --draft-vocab-size 4096 --eval-every 250 --ckpt-every 100000 --device $DEVICE --max-seconds $(( $(left) - 100 )) \
+    --draft-vocab-size ${VOCAB:-4096} --eval-every 250 --ckpt-every 100000 --device $DEVICE --max-seconds $(( $(left) - 100 )) \
     --threads 8 --no-progress > "$OUT/train.log" 2>&1
   echo "train rc=$? left=$(left)"; grep '"step"' "$OUT/train.log" | head -1; grep '"step"' "$OUT/train.log" | tail -1
   cp -r /tmp/specdec-eagle3/head "$OUT/head" 2>/dev/null

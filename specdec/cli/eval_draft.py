@@ -28,6 +28,8 @@ def register(sub) -> None:
     p.add_argument("--num-steps", type=int, default=4)
     p.add_argument("--eagle-topk", type=int, default=1)
     p.add_argument("--num-draft-tokens", type=int, default=None)
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="with --engine: draft this many tokens (a tree's nodes) every pass instead of adaptive k")
     p.add_argument("--compare", action="append", default=[], metavar="METHOD",
                    help="with --engine: also decode with this method (ngram, ...) in the same run; plain decoding "
                         "always runs, interleaved prompt by prompt, for the speedups (repeatable)")
@@ -90,7 +92,8 @@ def engine_compare(args, head) -> dict:
     from specdec.spec.metrics import SpecMetrics
 
     cfg = {"method": head.cfg.kind, "model": str(args.head), "num_steps": args.num_steps,
-           "eagle_topk": args.eagle_topk, "num_draft_tokens": args.num_draft_tokens}
+           "eagle_topk": args.eagle_topk, "num_draft_tokens": args.num_draft_tokens,
+           "num_speculative_tokens": args.num_speculative_tokens}
     methods = {"plain": None, head.cfg.kind: {k: v for k, v in cfg.items() if v is not None}}
     for m in args.compare:
         methods.setdefault(m, {"method": m})
