@@ -57,11 +57,11 @@ def test_greedy_equivalence(tiny, tmp_path, kind, shape):
 
 
 def test_rerank_orders_the_cut_likeliest_first_with_parents_before_children():
-    from specdec.proposers.eagle import _rerank
+    from specdec.proposers.eagle_tree import rerank
     # root children 0 (-0.1), 1 (-1.0), 2 (-2.0); 3, 4 under 0; 5 under 3 (equal to its parent: a sure token)
     tok, par = [10, 11, 12, 13, 14, 15], [-1, -1, -1, 0, 0, 3]
     val = [-0.1, -1.0, -2.0, -0.5, -3.0, -0.5]
-    p = _rerank(tok, par, val, 4)
+    p = rerank(tok, par, val, 4)
     assert p.tokens == [10, 13, 15, 11]  # -0.1, -0.5, -0.5 (the parent first), -1.0
     assert p.parents == [-1, 0, 1, -1]
 

@@ -11,7 +11,8 @@ output at position c-1 (it predicts the token after the last emitted one).
                  the committed prefix and its ancestors) and scores their top-k children by the
                  cumulative log-probability. EAGLE-2: only the best eagle_topk nodes of a depth are
                  expanded; after num_steps depths all nodes are reranked and the best
-                 num_draft_tokens - 1 are verified (parents score >= children: the cut is a tree).
+                 num_draft_tokens - 1 are verified (parents score >= children: the cut is a tree;
+                 eagle_tree.py).
 E.g. eagle_topk 2, num_steps 3, num_draft_tokens 5: depth 1 {a, b}; forward a, b -> 4 children, keep
 the best 2 {ab, aa}; forward them -> 4 grandchildren; rerank all 10 nodes, verify the best 4.
 Greedy and tree proposals are deterministic (verified as one-hot drafts); a sampled chain returns q.
@@ -26,6 +27,7 @@ import torch
 from specdec.config import ConfigError
 from specdec.model.cuda_graph import TOKEN_BUCKETS, GraphedModel
 from specdec.proposers.eagle_graph import GraphedHead
+from specdec.proposers.eagle_tree import dynamic_tree, rerank
 from specdec.proposers.head_io import default_head, load_head
 from specdec.proposers.heads import DraftKV
 from specdec.quant.bf16 import on_tiles
@@ -46,16 +48,6 @@ PROMPT_WINDOW = 128
 # Memory: 3H floats a row (an eagle3 head's features), ~15% of the target's KV for SmolLM2, for the last
 # request and for each request in flight.
 KEPT_ROWS = 4096
-
-
-def _rerank(tok: list[int], par: list[int], val: list[float], budget: int) -> Proposal:
-    """EAGLE-2's final cut: the `budget` nodes of highest cumulative log-probability, in that order (node i
-    is the i-th most likely: adaptive k learns each rank's acceptance, spec/tree_shares.py's RankShares). A
-    child's value is at most its parent's and the sort is stable, so a parent comes before its children and
-    the cut is a tree, in topological order."""
-    keep = sorted(range(len(tok)), key=lambda n: -val[n])[:budget]
-    index = {n: i for i, n in enumerate(keep)}
-    return Proposal([tok[n] for n in keep], None, [index[par[n]] if par[n] != -1 else -1 for n in keep])
 
 
 class _EagleBase(Proposer):
@@ -94,7 +86,7 @@ class _EagleBase(Proposer):
         self.draft_ids = self.head.draft_ids  # [Vd] target id per draft id
         self.num_steps, self.topk = cfg.num_steps, cfg.eagle_topk
         self.budget = cfg.num_draft_tokens - 1  # drafted nodes (SGLang counts the root token too)
-        # a tree's nodes come likeliest first (_rerank), k of them drafted in min(k, num_steps) head passes
+        # a tree's nodes come likeliest first (eagle_tree.rerank), k of them drafted in min(k, num_steps) head passes
         self.dynamic_tree_depth = self.num_steps if self.topk > 1 else 0
         self._catchup = (0.0, 0)  # seconds and rows of digests since take_catchup last reported them
         self._kept: tuple[list[int], torch.Tensor] | None = None  # the last request's tokens, rows' features
@@ -280,7 +272,7 @@ class _EagleBase(Proposer):
         if not tree:
             return Proposal(drafted[:k], None)
         tok, par, val = drafted
-        return _rerank([int(t) for t in tok], [int(p) for p in par], val, k)
+        return rerank([int(t) for t in tok], [int(p) for p in par], val, k)
 
     # -- drafting -------------------------------------------------------------------------------
     def _logprobs(self, out: torch.Tensor) -> torch.Tensor:
@@ -374,45 +366,12 @@ class _EagleBase(Proposer):
         return Proposal(tokens, torch.stack(probs) if probs else None)
 
     def _tree(self, state: RequestState, budget: int) -> Proposal:
-        K, c = self.topk, state.draft["len"]
-        lp = self._logprobs(state.draft["g"][0])[0]  # [Vd]
-        top = lp.topk(K)
-        # node lists: target token, parent node (-1 root), cumulative log-prob, depth
-        tok = self.draft_ids[top.indices].tolist()
-        par, val, dep = [-1] * K, top.values.tolist(), [1] * K
-        frontier, outs, slot = list(range(K)), {-1: state.draft["g"][0, 0]}, {}
-        # the `budget` likeliest nodes lie at most `budget` deep (each has its ancestors before it): the
-        # expansion stops there, and a small budget drafts the same nodes in fewer head passes
-        for depth in range(2, min(self.num_steps, budget) + 1):
-            # forward the frontier: each row sees the prefix, its forwarded ancestors and itself
-            m, base = len(frontier), state.draft["cache"].length
-            mask = torch.zeros(m, base + m, dtype=torch.bool)  # built on the host, one copy (a GPU's)
-            mask[:, :c] = True
-            for i, nd in enumerate(frontier):
-                a = par[nd]
-                while a != -1:
-                    mask[i, slot[a]] = True
-                    a = par[a]
-                mask[i, base + i] = True
-                slot[nd] = base + i
-            out = self._forward_nodes(state, [tok[n] for n in frontier],
-                                      torch.stack([outs[par[n]] for n in frontier]), [dep[n] for n in frontier], mask)
-            for i, nd in enumerate(frontier):
-                outs[nd] = out[i]
-            lp = self._logprobs(out)  # [m, Vd]
-            scores = torch.tensor([val[n] for n in frontier], device=self.device)[:, None] + lp
-            cand = scores.topk(K, dim=-1)  # [m, K]
-            values, children = cand.values.tolist(), self.draft_ids[cand.indices].tolist()
-            new = []
-            for i, nd in enumerate(frontier):
-                for v, child in zip(values[i], children[i]):
-                    tok.append(child)
-                    par.append(nd)
-                    val.append(v)
-                    dep.append(depth)
-                    new.append(len(tok) - 1)
-            frontier = sorted(new, key=lambda n: -val[n])[:K]
-        return _rerank(tok, par, val, budget)
+        def forward(tokens, parent_outs, depths, mask):
+            return self._forward_nodes(state, tokens, parent_outs, depths, mask)
+
+        g = state.draft["g"][0]  # [1, H]
+        return dynamic_tree(self._logprobs(g)[0], g[0], state.draft["len"], state.draft["cache"], budget,
+                            self.topk, self.num_steps, self.draft_ids, forward, self._logprobs)
 
     def end(self, state: RequestState) -> None:
         context = state.draft.get("context")

@@ -166,7 +166,7 @@ class GraphedHead:
         return torch.cat(drafted)
 
     def _tree(self, g, host, keys: int, num_steps: int, K: int, embed, draft_ids, lm_head) -> torch.Tensor:
-        """EAGLE-2's dynamic tree from g [1, H] (captured; the eager _EagleBase._tree step for step): depth 1
+        """EAGLE-2's dynamic tree from g [1, H] (captured; eagle_tree.dynamic_tree step for step): depth 1
         is the top K; each further depth forwards the K best frontier nodes (each row seeing the committed
         rows, its forwarded ancestors and itself) and scores their top-K children by cumulative
         log-probability. -> [3, N] (target id, parent node, log-probability) as float64, N = K + (num_steps

@@ -17,7 +17,7 @@ fp32 1.013x -> 1.049x (every category at least as fast); bf16 0.977x -> 0.973x (
 1.3x a plain one there: neither pricing finds a gain).
 
 RankShares: an EAGLE-2 tree's nodes change every step, but their ranks do not: rank 0 is the head's
-top first token, and the tree of k nodes is ranks 0..k-1 (proposers/eagle.py's _rerank). The accepted
+top first token, and the tree of k nodes is ranks 0..k-1 (proposers/eagle_tree.py's rerank). The accepted
 path of a smaller tree is the part of this one's path that ranks below its size (a parent ranks before
 its children), so one verified tree of k nodes tests every rank < k. Measured on 12 qa/code/math/
 multi-turn prompts (eagle3, 3 candidates a node, 6 deep, 16 nodes, bf16): 0.44, 0.32, 0.22, 0.15, 0.14,

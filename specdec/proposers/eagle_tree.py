@@ -1,0 +1,72 @@
+"""EAGLE-2's dynamic draft tree, step by step (eagle_graph.py captures the same steps for CUDA graphs).
+
+Depth 1 is the top-k of the head's log-probabilities at the last emitted token. Each further depth
+forwards the frontier nodes through the head and scores their top-k children by cumulative
+log-probability; only the eagle_topk best nodes of a depth are expanded. After num_steps depths every
+node is reranked and the best `budget` are verified. A parent scores at least as high as its children,
+so the cut is a tree.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from specdec.spec.proposer import Proposal
+
+
+def rerank(tok: list[int], par: list[int], val: list[float], budget: int) -> Proposal:
+    """EAGLE-2's final cut: the `budget` nodes of highest cumulative log-probability, in that order (node i
+    is the i-th most likely: adaptive k learns each rank's acceptance, spec/tree_shares.py's RankShares). A
+    child's value is at most its parent's and the sort is stable, so a parent comes before its children and
+    the cut is a tree, in topological order."""
+    keep = sorted(range(len(tok)), key=lambda n: -val[n])[:budget]
+    index = {n: i for i, n in enumerate(keep)}
+    return Proposal([tok[n] for n in keep], None, [index[par[n]] if par[n] != -1 else -1 for n in keep])
+
+
+def dynamic_tree(root_logprobs: torch.Tensor, root_out: torch.Tensor, committed: int, cache, budget: int,
+                 topk: int, num_steps: int, draft_ids: torch.Tensor,
+                 forward: Callable[[list[int], torch.Tensor, list[int], torch.Tensor], torch.Tensor],
+                 logprobs: Callable[[torch.Tensor], torch.Tensor]) -> Proposal:
+    """root_logprobs [Vd] and root_out [H]: the head at the last emitted token; committed: the draft
+    cache's committed rows (every node attends to them); cache: the draft KV, whose length grows as
+    `forward(tokens, parent_outs [m, H], depths, mask [m, cache.length + m]) -> outs [m, H]` appends
+    the frontier; logprobs(outs) -> [m, Vd]. Returns the `budget` likeliest nodes as a Proposal."""
+    K = topk
+    top = root_logprobs.topk(K)
+    # node lists: target token, parent node (-1 root), cumulative log-prob, depth
+    tok = draft_ids[top.indices].tolist()
+    par, val, dep = [-1] * K, top.values.tolist(), [1] * K
+    frontier, outs, slot = list(range(K)), {-1: root_out}, {}
+    # the `budget` likeliest nodes lie at most `budget` deep (each has its ancestors before it): the
+    # expansion stops there, and a small budget drafts the same nodes in fewer head passes
+    for depth in range(2, min(num_steps, budget) + 1):
+        # forward the frontier: each row sees the prefix, its forwarded ancestors and itself
+        m, base = len(frontier), cache.length
+        mask = torch.zeros(m, base + m, dtype=torch.bool)  # built on the host, one copy (a GPU's)
+        mask[:, :committed] = True
+        for i, nd in enumerate(frontier):
+            a = par[nd]
+            while a != -1:
+                mask[i, slot[a]] = True
+                a = par[a]
+            mask[i, base + i] = True
+            slot[nd] = base + i
+        out = forward([tok[n] for n in frontier], torch.stack([outs[par[n]] for n in frontier]),
+                      [dep[n] for n in frontier], mask)
+        for i, nd in enumerate(frontier):
+            outs[nd] = out[i]
+        scores = torch.tensor([val[n] for n in frontier], device=out.device)[:, None] + logprobs(out)  # [m, Vd]
+        cand = scores.topk(K, dim=-1)  # [m, K]
+        values, children = cand.values.tolist(), draft_ids[cand.indices].tolist()
+        new = []
+        for i, nd in enumerate(frontier):
+            for v, child in zip(values[i], children[i]):
+                tok.append(child)
+                par.append(nd)
+                val.append(v)
+                dep.append(depth)
+                new.append(len(tok) - 1)
+        frontier = sorted(new, key=lambda n: -val[n])[:K]
+    return rerank(tok, par, val, budget)
