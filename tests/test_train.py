@@ -372,11 +372,15 @@ def test_static_generator_matches_transformers(tiny_dir, features):
     gen = StaticGenerator(load_model(d, torch.float32, 512))
     rng = torch.Generator().manual_seed(0)
     aux = (0, 2)
+    steps = 0
     for lengths in ((5, 9, 17), (3, 70)):
         prompts = [torch.randint(3, 49152, (n,), generator=rng).tolist() for n in lengths]
         eos = {2, int(prompts[0][-1])}  # a token the model may well emit: EOS inside the block
         ref = generate_batch(hf, prompts, 12, eos, aux, features=features)
         got = gen.generate(prompts, 12, eos, aux, features=features)
+        graphs = gen.graph_stats()  # summed over the shapes: the second batch's cache replaced the first's
+        assert graphs["captured"] == 0 and graphs["disabled"] == "no CUDA" and graphs["replays"] > steps
+        steps = graphs["replays"]
         assert [s.tokens for s in got] == [s.tokens for s in ref]
         for a, b in zip(got, ref):
             assert a.prompt_len == b.prompt_len

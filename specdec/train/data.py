@@ -309,6 +309,8 @@ def build_dataset(model: str, out: Path, spec: DataSpec, progress: bool = True, 
              # write_wait: what generation waited for the writer (shards write while the next batch generates)
              "phase_seconds": {**phases, "write_wait": round(writer.waited, 3)},
              "threads": torch.get_num_threads(), "device": str(device)}
+    if generator is not None:  # whether the decode steps replayed CUDA graphs or ran eagerly (and why)
+        stats["decode_graphs"] = generator.graph_stats()
     (out / f"generation-{int(time.time())}.json").write_text(json.dumps(stats, indent=2))
     return {**meta, **stats}
 
