@@ -137,14 +137,14 @@ class Trainer:
         from specdec.proposers.head_io import load_head
 
         src = load_head(path)
-        size = self.draft_ids.numel()
-        if src.cfg.kind == "eagle3" == self.spec.kind and 0 < src.cfg.draft_vocab_size < size:
-            ids = rank_vocab(self.counts, size, always=list(self.target.config.eos_token_id), keep=src.draft_ids)
-            src = grow_vocab(src, self.target.lm_head.weight, ids)
         shape = ("kind", "hidden_size", "vocab_size", "intermediate_size", "num_attention_heads",
                  "num_key_value_heads", "head_dim", "aux_layers", "medusa_num_heads")
         differ = [f"{f} ({getattr(src.cfg, f)} vs {getattr(self.head.cfg, f)})" for f in shape
                   if getattr(src.cfg, f) != getattr(self.head.cfg, f)]
+        size = self.draft_ids.numel()
+        if not differ and src.cfg.kind == "eagle3" and 0 < src.cfg.draft_vocab_size < size:
+            ids = rank_vocab(self.counts, size, always=list(self.target.config.eos_token_id), keep=src.draft_ids)
+            src = grow_vocab(src, self.target.lm_head.weight, ids)
         if src.draft_ids.numel() != size:  # a larger one, or a Medusa/EAGLE-1 head's other size
             differ.append(f"draft vocabulary ({src.draft_ids.numel()} vs {size} tokens)")
         if differ:
