@@ -27,6 +27,8 @@ def test_rank_vocab_keeps_then_always_then_counts():
     assert rank_vocab(counts, 3).tolist() == [1, 2, 6]  # ties: the lower id first
     assert rank_vocab(counts, 3, always=[3]).tolist() == [1, 2, 3]
     assert rank_vocab(counts, 4, always=[3], keep=torch.tensor([0, 5])).tolist() == [0, 1, 3, 5]
+    # a kept token outranks an always one: growing by one keeps every kept token
+    assert rank_vocab(counts, 3, always=[3, 7], keep=torch.tensor([0, 5])).tolist() == [0, 5, 7]  # 7: counted 2
     with pytest.raises(ValueError, match="shrink"):
         rank_vocab(counts, 1, keep=torch.tensor([0, 5]))
 

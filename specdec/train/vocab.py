@@ -24,13 +24,14 @@ import torch
 def rank_vocab(counts: torch.Tensor, size: int, always: list[int] = (), keep: torch.Tensor | None = None) -> torch.Tensor:
     """The `size` draft ids [size] (ascending target ids): `keep` (a trained head's vocabulary) first, the
     `always` ids (end of turn), then the most frequent by `counts` [V] (ties: lower id first)."""
-    ranked = counts.clone().double()
-    ranked[list(always)] = float("inf")
+    priority = torch.zeros(counts.numel(), dtype=torch.long)
+    priority[list(always)] = 1
     if keep is not None:
         if keep.numel() > size:
             raise ValueError(f"a vocabulary of {keep.numel()} tokens cannot shrink to {size}")
-        ranked[keep] = float("inf")
-    order = torch.argsort(ranked, descending=True, stable=True)
+        priority[keep.cpu()] = 2
+    order = torch.argsort(counts.cpu(), descending=True, stable=True)
+    order = order[torch.argsort(priority[order], descending=True, stable=True)]  # by priority, then count
     return order[:size].sort().values
 
 
