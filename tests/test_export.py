@@ -91,3 +91,20 @@ def test_medusa_layout(target, tmp_path):
 def test_read_config_of_exported_target_is_unchanged(target):
     d, model = target
     assert read_config(d).hidden_size == model.config.hidden_size
+
+
+def test_a_head_config_round_trips_and_refuses_unknown_keys(target, tmp_path):
+    """A head directory's `specdec` section: to_dict / from_dict give the same config back; a key this
+    version does not know is a clear error, not a TypeError."""
+    from specdec.proposers.head_io import load_head
+    from specdec.proposers.heads import HeadConfig
+
+    _, model = target
+    head_dir = random_head(model, "eagle3", tmp_path / "head", draft_vocab=300)
+    cfg = load_head(head_dir).cfg
+    assert HeadConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    raw = json.loads((head_dir / "config.json").read_text())
+    raw["specdec"]["tree_width"] = 4
+    (head_dir / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="unknown head config keys: tree_width"):
+        load_head(head_dir)

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specdec.config import ConfigError
-from specdec.proposers.heads import EagleHead, HeadConfig, head_config_from_dict
+from specdec.proposers.heads import EagleHead, HeadConfig
 from specdec.proposers.medusa_head import MedusaHead
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"  # the shipped heads
@@ -43,7 +43,7 @@ def load_head(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module
     if "specdec" not in raw:
         raise ConfigError(f"{path}: not a specdec head (config.json has no 'specdec' section); "
                           "heads from other tools: `specdec export --import`")
-    cfg = head_config_from_dict(raw["specdec"])
+    cfg = HeadConfig.from_dict(raw["specdec"])
     head = make_head(cfg)
     missing, unexpected = head.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()},
                                                strict=False)

@@ -16,7 +16,7 @@ The Medusa head's module is in medusa_head.py.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +53,23 @@ class HeadConfig:
     def __post_init__(self):
         if self.kind not in HEAD_KINDS:
             raise ConfigError(f"unknown head kind {self.kind!r}; one of {', '.join(HEAD_KINDS)}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "HeadConfig":
+        """A head directory's `specdec` section (to_dict's); an unknown key is an error."""
+        unknown = sorted(set(d) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ConfigError(f"unknown head config keys: {', '.join(unknown)}")
+        d = dict(d)
+        d["aux_layers"] = tuple(d.get("aux_layers", ()))
+        d["medusa_accuracy"] = tuple(tuple(r) for r in d.get("medusa_accuracy", ()))
+        return cls(**d)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["aux_layers"] = list(self.aux_layers)
+        d["medusa_accuracy"] = [list(r) for r in self.medusa_accuracy]
+        return d
 
     @classmethod
     def for_target(cls, kind: str, mcfg, draft_vocab_size: int = 0, medusa_num_heads: int = 4,
@@ -401,17 +418,3 @@ class DraftKV:
         self.v[:, :, self.length:end] = v
         self.length = end
         return self.k[:, :, :end], self.v[:, :, :end]
-
-
-def head_config_from_dict(d: dict) -> HeadConfig:
-    d = dict(d)
-    d["aux_layers"] = tuple(d.get("aux_layers", ()))
-    d["medusa_accuracy"] = tuple(tuple(r) for r in d.get("medusa_accuracy", ()))
-    return HeadConfig(**d)
-
-
-def head_config_dict(cfg: HeadConfig) -> dict:
-    d = asdict(cfg)
-    d["aux_layers"] = list(cfg.aux_layers)
-    d["medusa_accuracy"] = [list(r) for r in cfg.medusa_accuracy]
-    return d

@@ -36,8 +36,6 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 
 def hf_config(cfg, dtype: torch.dtype = torch.float32) -> dict:
     """config.json of a head: the HF fields the engines read plus our own section."""
-    from specdec.proposers.heads import head_config_dict
-
     common = {"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size, "torch_dtype": _DTYPE_NAMES[dtype]}
     if cfg.kind == "medusa":
         hf = {"architectures": ["MedusaModel"], "model_type": "medusa", "num_heads": cfg.medusa_num_heads,
@@ -56,7 +54,7 @@ def hf_config(cfg, dtype: torch.dtype = torch.float32) -> dict:
             hf["target_hidden_size"] = cfg.hidden_size
             hf["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [l + 1 for l in cfg.aux_layers],
                                   "use_aux_hidden_state": True}
-    hf["specdec"] = head_config_dict(cfg)
+    hf["specdec"] = cfg.to_dict()
     return hf
 
 
