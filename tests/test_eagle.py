@@ -98,7 +98,7 @@ def test_the_shipped_head_on_amx_tiles_drafts_within_rounding_and_switches_back(
     off, bitwise the exact ones again (the layer's C description follows the kernels). Without AMX: 0, no change."""
     from specdec.kernels import amx_active
     from specdec.proposers.head_io import ASSETS, load_head
-    from specdec.proposers.heads import DraftKV
+    from specdec.cache.draft_kv import DraftKV
 
     head = load_head(ASSETS / "smollm2-135m-eagle3")
     H, g = head.cfg.hidden_size, torch.Generator().manual_seed(0)
@@ -130,7 +130,7 @@ def test_the_heads_c_layer_equals_its_torch_layer_and_each_row_is_what_it_is_alo
     others, and the keys it leaves in each cache are the torch layer's."""
     from specdec.kernels import layer as c_layer
     from specdec.proposers.head_io import load_head
-    from specdec.proposers.heads import DraftKV
+    from specdec.cache.draft_kv import DraftKV
 
     d, plain = tiny
     head = load_head(random_head(plain.model, kind, tmp_path / "head", draft_vocab=512 if kind == "eagle3" else 0),

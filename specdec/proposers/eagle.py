@@ -29,7 +29,7 @@ from specdec.model.cuda_graph import TOKEN_BUCKETS, GraphedModel
 from specdec.proposers.eagle_graph import GraphedHead
 from specdec.proposers.eagle_tree import dynamic_tree, rerank
 from specdec.proposers.head_io import default_head, load_head
-from specdec.proposers.heads import DraftKV
+from specdec.cache.draft_kv import DraftKV
 from specdec.quant.bf16 import on_tiles
 from specdec.sampler import argmax, sample, warp
 from specdec.spec.proposer import EMPTY, Proposal, Proposer, RequestState, TargetOutput, register_proposer

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field, fields
 import torch
 import torch.nn.functional as F
 
+from specdec.cache.draft_kv import DraftKV
 from specdec.config import ConfigError
 from specdec.kernels import MAX_ROWS, linear, rms_norm, silu_mul
 from specdec.kernels.layer import describe_head_layer, head_layer
@@ -283,7 +284,7 @@ class EagleHead(torch.nn.Module):
         cos, sin = self.rotary(positions, x.dtype)
         return layer, residual, layer.self_attn.qkv(x, cos, sin)
 
-    def forward_layer(self, embeds, hidden, positions, cache: "DraftKV | None" = None, mask=None):
+    def forward_layer(self, embeds, hidden, positions, cache: DraftKV | None = None, mask=None):
         """embeds, hidden: [B, T, H]; positions [B, T]; cache: the draft's KV cache (the new keys are
         appended) or None (attend among these T only); mask [T, S + T] bool (None: causal / T == 1).
         Returns the output [B, T, H] (pre-norm; the next step's hidden)."""
@@ -299,7 +300,7 @@ class EagleHead(torch.nn.Module):
             mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
         return layer.finish(residual, layer.self_attn.attend(q, k, v, mask))
 
-    def _fused_layer(self, embeds, hidden, positions, caches: list["DraftKV"], sizes: list[int]) -> torch.Tensor | None:
+    def _fused_layer(self, embeds, hidden, positions, caches: list[DraftKV], sizes: list[int]) -> torch.Tensor | None:
         """forward_rows (one cache: forward_layer's causal pass) in one C call (kernels/layer.py's
         head_layer); None where it does not apply (not the CPU in fp32, over MAX_ROWS rows, positions past
         the rotary tables). Its attention is layer.c's, not torch's sdpa: the same up to summation order,
@@ -353,7 +354,7 @@ class EagleHead(torch.nn.Module):
             w.round_inputs = w in packed
         return len(packed)
 
-    def forward_static(self, embeds, hidden, positions, cache: "DraftKV", slots, mask):
+    def forward_static(self, embeds, hidden, positions, cache: DraftKV, slots, mask):
         """forward_layer with no host-side shapes, for a CUDA graph: embeds, hidden [1, T, H]; positions
         [1, T]; the new k/v go to `slots` [T] (index_copy_); the queries attend over the cache's first S
         slots under mask [T, S]. cache.length is the caller's to advance. -> [1, T, H]"""
@@ -364,7 +365,7 @@ class EagleHead(torch.nn.Module):
         out = grouped_sdpa(q, cache.k[:, :, :S], cache.v[:, :, :S], mask)  # [1, Hq, T, D]
         return layer.finish(residual, layer.self_attn.project(out))
 
-    def forward_rows(self, embeds, hidden, positions, caches: list["DraftKV"], sizes: list[int]):
+    def forward_rows(self, embeds, hidden, positions, caches: list[DraftKV], sizes: list[int]):
         """Several requests' new tokens in one pass (the serving engine's rows): embeds, hidden [1, N, H]
         with row i's sizes[i] tokens back to back, positions [1, N]. The linears run over all N at once,
         attention row by row over each row's own cache (causal among its new tokens); with the
@@ -400,21 +401,3 @@ class EagleHead(torch.nn.Module):
         if self.cfg.kind == "eagle3":
             return linear(self.norm(out), stacked_weight(self, ("lm_head",)))
         return linear(out, draft_rows(self, target_lm_head))
-
-
-class DraftKV:
-    """The drafter's own KV cache for one request: [1, Hkv, max_len, D]; `length` committed + speculative."""
-
-    def __init__(self, cfg: HeadConfig, max_len: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
-        self.k = torch.zeros(1, cfg.num_key_value_heads, max_len, cfg.head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
-        self.length = 0
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        end = self.length + k.shape[2]
-        if end > self.k.shape[2]:
-            raise ValueError(f"draft KV cache overflow: {end} > {self.k.shape[2]}")
-        self.k[:, :, self.length:end] = k
-        self.v[:, :, self.length:end] = v
-        self.length = end
-        return self.k[:, :, :end], self.v[:, :, :end]
