@@ -56,6 +56,27 @@ def test_greedy_equivalence(tiny, tmp_path, kind, shape):
     assert r.metrics.num_drafts > 0
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_confidence_threshold_stops_chains_after_an_unsure_token(tiny, tmp_path, temperature):
+    """draft_confidence_threshold, as for the other drafters: a chain stops after a token the head drafted
+    below it (a random head over 512 tokens is never sure: one token a draft); greedy output unchanged."""
+    from specdec.llm import LLM
+    d, plain = tiny
+    head = random_head(plain.model, "eagle3", tmp_path / "head", draft_vocab=512)
+    params = SamplingParams(temperature=temperature, max_tokens=24, ignore_eos=True, seed=3)
+    ids = plain.tokenizer.encode("Hello there, 1 2 3 4 5 6 7 8")
+    runs = {}
+    for th in (0.0, 0.5):
+        cfg = {"method": "eagle3", "model": str(head), "num_steps": 4, "num_speculative_tokens": 4,
+               "draft_confidence_threshold": th}
+        runs[th] = LLM(str(d), dtype="float32", progress=False, speculative_config=cfg).generate_one(ids, params)
+    cut, full = runs[0.5].metrics, runs[0.0].metrics
+    assert cut.num_drafts > 0 and cut.num_draft_tokens == cut.num_drafts
+    assert full.num_draft_tokens > full.num_drafts
+    if temperature == 0.0:
+        assert runs[0.5].token_ids == runs[0.0].token_ids == plain.generate_one(ids, params).token_ids
+
+
 def test_rerank_orders_the_cut_likeliest_first_with_parents_before_children():
     from specdec.proposers.eagle_tree import rerank
     # root children 0 (-0.1), 1 (-1.0), 2 (-2.0); 3, 4 under 0; 5 under 3 (equal to its parent: a sure token)

@@ -85,6 +85,7 @@ class _EagleBase(Proposer):
         self.lm_head = ctx.target.lm_head.weight  # a tensor or a packed weight (heads.draft_rows reads both)
         self.draft_ids = self.head.draft_ids  # [Vd] target id per draft id
         self.num_steps, self.topk = cfg.num_steps, cfg.eagle_topk
+        self.threshold = cfg.draft_confidence_threshold  # a greedy chain stops after a token drafted below it
         self.budget = cfg.num_draft_tokens - 1  # drafted nodes (SGLang counts the root token too)
         # a tree's nodes come likeliest first (eagle_tree.rerank), k of them drafted in min(k, num_steps) head passes
         self.dynamic_tree_depth = self.num_steps if self.topk > 1 else 0
@@ -302,7 +303,7 @@ class _EagleBase(Proposer):
         ready = [i for i, s in enumerate(states) if "cache" in s.draft and ks[i] > 0 and not s.draft.get("resting")]
         if self.graphed is not None and ready == [0]:  # the single-request decoder on a GPU
             tree = self.topk > 1 and min(ks[0], self.budget) > 1
-            if tree or states[0].params.greedy:
+            if tree or (states[0].params.greedy and not self.threshold):  # the graphed chain has no cut
                 k = min(ks[0], self.budget if tree else self.num_steps)
                 proposal = self._graphed_proposal(states[0], k, tree)
                 if proposal is not None:
@@ -325,15 +326,21 @@ class _EagleBase(Proposer):
         return proposals
 
     def _greedy_chains(self, states: list[RequestState], ks: list[int]) -> list[Proposal]:
-        """Row i drafts ks[i] tokens; each depth forwards the rows still drafting in one pass."""
+        """Row i drafts ks[i] tokens; each depth forwards the rows still drafting in one pass. With a
+        draft_confidence_threshold a row stops after a token whose draft probability is below it."""
         g = torch.cat([s.draft["g"][0] for s in states])  # [B, H]
         tokens: list[list[int]] = [[] for _ in states]
         live = list(range(len(states)))
         for d in range(1, max(ks) + 1):
-            best = argmax(self.head.logits(g, self.lm_head).float())  # [len(live)] draft ids
+            logits = self.head.logits(g, self.lm_head).float()  # [len(live), Vd]
+            best = argmax(logits)  # [len(live)] draft ids
             for j, tok in enumerate(self.draft_ids[best].tolist()):  # one copy to the host a depth
                 tokens[live[j]].append(tok)
-            keep = [j for j, i in enumerate(live) if d < ks[i]]
+            sure = [True] * len(live)
+            if self.threshold > 0:  # max softmax = 1 / sum(exp(logits - max))
+                top = torch.exp(logits - logits.amax(-1, keepdim=True)).sum(-1).reciprocal()
+                sure = (top >= self.threshold).tolist()
+            keep = [j for j, i in enumerate(live) if d < ks[i] and sure[j]]
             if not keep:
                 break
             live = [live[j] for j in keep]
@@ -361,6 +368,8 @@ class _EagleBase(Proposer):
                 tok = sample(q, state.generator)
                 probs.append(q)
             tokens.append(tok)
+            if self.threshold and float(torch.softmax(logits, -1).max()) < self.threshold:
+                break  # as _greedy_chains: the unsure token is proposed, the chain stops after it
             if d < k:
                 g = self._forward_nodes(state, [tok], g, [d], None)
         return Proposal(tokens, torch.stack(probs) if probs else None)
