@@ -24,12 +24,12 @@ from pathlib import Path
 
 import torch
 
+from specdec.cache.draft_kv import DraftKV
 from specdec.config import ConfigError
 from specdec.model.cuda_graph import TOKEN_BUCKETS, GraphedModel
 from specdec.proposers.eagle_graph import GraphedHead
 from specdec.proposers.eagle_tree import dynamic_tree, rerank
 from specdec.proposers.head_io import default_head, load_head
-from specdec.cache.draft_kv import DraftKV
 from specdec.quant.bf16 import on_tiles
 from specdec.sampler import argmax, sample, warp
 from specdec.spec.proposer import EMPTY, Proposal, Proposer, RequestState, TargetOutput, register_proposer
@@ -85,7 +85,7 @@ class _EagleBase(Proposer):
         self.lm_head = ctx.target.lm_head.weight  # a tensor or a packed weight (heads.draft_rows reads both)
         self.draft_ids = self.head.draft_ids  # [Vd] target id per draft id
         self.num_steps, self.topk = cfg.num_steps, cfg.eagle_topk
-        self.threshold = cfg.draft_confidence_threshold  # a greedy chain stops after a token drafted below it
+        self.threshold = cfg.draft_confidence_threshold  # a chain stops after a token drafted below it
         self.budget = cfg.num_draft_tokens - 1  # drafted nodes (SGLang counts the root token too)
         # a tree's nodes come likeliest first (eagle_tree.rerank), k of them drafted in min(k, num_steps) head passes
         self.dynamic_tree_depth = self.num_steps if self.topk > 1 else 0

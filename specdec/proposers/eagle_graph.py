@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from specdec.model.cuda_graph import TOKEN_BUCKETS, CapturedCalls, bucket_of, causal, key_span
 from specdec.cache.draft_kv import DraftKV
+from specdec.model.cuda_graph import TOKEN_BUCKETS, CapturedCalls, bucket_of, causal, key_span
 
 
 def _block_mask(rows: int, n: int, start: int, keys: int, mask: torch.Tensor | None = None) -> torch.Tensor:
