@@ -4,6 +4,7 @@ layer skipping, and the draft model's paged path in the serving engine), and its
     draft_chains  up to k tokens for each of B requests, the rows still drafting fed together: argmax
                   for greedy requests, a sample from q = warp(logits) with the request's generator
                   otherwise (q returned, so verification is exact), a confidence early stop
+    unsure        which rows' draft probability max(softmax(logits)) falls below a threshold (that stop)
     fit_vocab     a drafter's logits cut or padded to the target's vocabulary
     time_one_step a first estimate of a drafter's seconds per token
 """
@@ -56,13 +57,21 @@ def draft_chains(logits: torch.Tensor, step: Callable[[list[int], list[int]], to
                 tok = sample(q, state.generator)
                 qs[b].append(q)
             tokens[b].append(tok)
-            unsure = threshold > 0.0 and float(torch.softmax(row.float(), -1).max()) < threshold
-            if len(tokens[b]) < ks[b] and not unsure:
+            if len(tokens[b]) < ks[b] and not unsure(row, threshold)[0]:
                 going.append(b)
         if going:
             logits = step(going, [tokens[b][-1] for b in going])
         rows = going
     return [Proposal(t, torch.stack(q) if q else None) for t, q in zip(tokens, qs)]
+
+
+def unsure(logits: torch.Tensor, threshold: float) -> list[bool]:
+    """logits [..., V] -> per row (flattened), whether its draft probability max(softmax(logits)) is below
+    threshold; all False, with no tensor work, when threshold is 0 (the stop is off)."""
+    rows = logits.numel() // logits.shape[-1]
+    if threshold <= 0.0:
+        return [False] * rows
+    return (torch.softmax(logits.float(), -1).amax(-1) < threshold).reshape(rows).tolist()
 
 
 def fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:

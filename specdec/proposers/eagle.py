@@ -27,6 +27,7 @@ import torch
 from specdec.cache.draft_kv import DraftKV
 from specdec.config import ConfigError
 from specdec.model.cuda_graph import TOKEN_BUCKETS, GraphedModel
+from specdec.proposers.chain import unsure
 from specdec.proposers.eagle_graph import GraphedHead
 from specdec.proposers.eagle_tree import dynamic_tree, rerank
 from specdec.proposers.head_io import default_head, load_head
@@ -336,11 +337,8 @@ class _EagleBase(Proposer):
             best = argmax(logits)  # [len(live)] draft ids
             for j, tok in enumerate(self.draft_ids[best].tolist()):  # one copy to the host a depth
                 tokens[live[j]].append(tok)
-            sure = [True] * len(live)
-            if self.threshold > 0:  # max softmax = 1 / sum(exp(logits - max))
-                top = torch.exp(logits - logits.amax(-1, keepdim=True)).sum(-1).reciprocal()
-                sure = (top >= self.threshold).tolist()
-            keep = [j for j, i in enumerate(live) if d < ks[i] and sure[j]]
+            stop = unsure(logits, self.threshold)
+            keep = [j for j, i in enumerate(live) if d < ks[i] and not stop[j]]
             if not keep:
                 break
             live = [live[j] for j in keep]
@@ -368,7 +366,7 @@ class _EagleBase(Proposer):
                 tok = sample(q, state.generator)
                 probs.append(q)
             tokens.append(tok)
-            if self.threshold and float(torch.softmax(logits, -1).max()) < self.threshold:
+            if unsure(logits, self.threshold)[0]:
                 break  # as _greedy_chains: the unsure token is proposed, the chain stops after it
             if d < k:
                 g = self._forward_nodes(state, [tok], g, [d], None)

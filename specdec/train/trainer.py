@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specdec.proposers.head_io import make_head, save_head
+from specdec.config import ConfigError
+from specdec.proposers.head_io import load_head, make_head, save_head
 from specdec.proposers.heads import HeadConfig
 from specdec.train.features import Shard, read_split, token_counts, with_features
 from specdec.train.vocab import grow_vocab, rank_vocab
@@ -63,8 +64,6 @@ class TrainSpec:
     max_seconds: float | None = None  # fit the number of steps to this budget (see the module docstring)
 
     def __post_init__(self):
-        from specdec.config import ConfigError
-
         if self.epochs < 0 or (self.epochs == 0 and not self.init_from):
             raise ConfigError("epochs must be > 0 (0 with init_from: export the head it starts from, "
                               "its vocabulary grown to draft_vocab_size)")
@@ -133,9 +132,6 @@ class Trainer:
         which its rows follow; the optimizer and the schedule start afresh. An EAGLE-3 head with a
         smaller draft vocabulary than this run's grows into it (vocab.grow_vocab: its tokens, then the
         most frequent of this run's data)."""
-        from specdec.config import ConfigError
-        from specdec.proposers.head_io import load_head
-
         src = load_head(path)
         shape = ("kind", "hidden_size", "vocab_size", "intermediate_size", "num_attention_heads",
                  "num_key_value_heads", "head_dim", "aux_layers", "medusa_num_heads")
