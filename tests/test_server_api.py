@@ -109,6 +109,10 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999999": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 300}}, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(1100)}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "suffix": " the end"}, "suffix"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tools"),
 ]
 
 
@@ -181,6 +185,30 @@ def test_bad_input_gets_400_in_openai_shape(server, path, body, param):
     assert set(err) == {"message", "type", "param", "code"}
     assert err["type"] == "invalid_request_error" and err["param"] == param and err["message"]
     assert server.engine.blocks.num_used == 0  # refused before any block was taken
+
+
+def test_lone_surrogates_and_internal_errors_get_the_error_shape(server, monkeypatch):
+    """JSON may spell a lone UTF-16 surrogate, which no tokenizer encodes: a 400 naming where it is (it was
+    a 500 from inside the tokenizer). A bug past validation is a 500 in the OpenAI error shape, not
+    starlette's plain text, and the server goes on."""
+    for path, raw, param in (
+            ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages.0.content"),
+            ("/v1/completions", '{"prompt": ["ok", "\\udc00"]}', "prompt.1"),
+            ("/v1/completions", '{"prompt": "hi", "stop": ["\\ud83d"]}', "stop.0")):
+        r = httpx.post(server.url + path, content=raw.encode(), headers={**headers(), "Content-Type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    from specdec.serve.responses import ResponseBuilder
+
+    def broken(self, body):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(ResponseBuilder, "chat_prompt", broken)
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]},
+                   headers=headers(), timeout=30)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error", r.text
+    monkeypatch.undo()
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert server.engine.blocks.num_used == 0
 
 
 def test_malformed_json_body_and_size_limits(server):

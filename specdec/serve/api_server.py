@@ -155,6 +155,11 @@ def build_app(st: ServerState) -> FastAPI:
         err = pydantic_error(exc)
         return JSONResponse(err.body(), status_code=err.status)
 
+    @app.exception_handler(Exception)
+    async def _internal_error(request, exc):  # a bug: the client gets the error shape, the log the traceback
+        err = APIError(500, "internal server error")
+        return JSONResponse(err.body(), status_code=500)
+
     @app.get("/health")
     async def health():
         ok = st.engine.alive and not st.draining

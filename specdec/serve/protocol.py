@@ -6,13 +6,14 @@ at most 16 stop strings. Fields specdec adds (all optional): `speculative` ("off
 {"type": "regex", "regex"} besides OpenAI's json_object / json_schema. Beside OpenAI's presence_penalty,
 frequency_penalty, logit_bias and echo, vLLM's `repetition_penalty`, `min_tokens`, `prompt_logprobs` and
 `allowed_token_ids` (exact under speculation: specdec/penalties.py). A request-supplied chat template is
-refused: templates come only from the model's files (rendered in a Jinja2 sandbox).
+refused: templates come only from the model's files (rendered in a Jinja2 sandbox); so are `suffix` and
+`tools`, which an answer would otherwise silently ignore, and any string that is not valid Unicode.
 """
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from specdec.penalties import check_bias
 from specdec.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
@@ -43,8 +44,38 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+def lone_surrogate(value, path: str = "") -> str | None:
+    """The path (e.g. "messages.0.content") of the first string in a parsed JSON body that is not
+    valid Unicode, or None. JSON may spell a lone UTF-16 surrogate ("\\ud800"), which no tokenizer can
+    encode (it made a 500 from deep in the tokenizer)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            found = lone_surrogate(k, path) or lone_surrogate(v, f"{path}.{k}" if path else str(k))
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            found = lone_surrogate(v, f"{path}.{i}" if path else str(i))
+            if found:
+                return found
+    return None
+
+
 class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data):
+        bad = lone_surrogate(data)
+        if bad:
+            raise APIError(400, f"{bad}: not valid Unicode (a lone UTF-16 surrogate)", bad)
+        return data
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -91,6 +122,11 @@ class _Common(BaseModel):
             raise APIError(400, "echo is not supported for chat completions", "echo", "unsupported_parameter")
         if extra.get("best_of") not in (None, self.n):
             raise APIError(400, "best_of must equal n", "best_of", "unsupported_parameter")
+        # OpenAI fields whose meaning would be lost if ignored: refused by name, as vLLM refuses suffix
+        if extra.get("suffix"):
+            raise APIError(400, "suffix (insertion) is not supported", "suffix", "unsupported_parameter")
+        if extra.get("tools") or extra.get("tool_choice") not in (None, "none"):
+            raise APIError(400, "tool calling is not supported", "tools", "unsupported_parameter")
 
     def speculative_choice(self) -> dict | None:
         """None: the server's default; {"method": None}: off; {"method": m, ...}: that method."""
