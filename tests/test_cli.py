@@ -20,6 +20,7 @@ def specdec(*args, timeout=300):
     (["generate", "--prompt", "hi", "--speculative-config", "{bad json"], "JSON"),
     (["generate", "--prompt", "hi", "--speculative-config", '{"method": "ngram", "bogus": 1}'], "bogus"),
     (["generate", "--prompt", "hi", "--speculative-method", "ngram", "--num-speculative-tokens", "0"], "num_speculative_tokens"),
+    (["generate", "--prompt", "abc\udcff"], "not valid Unicode"),  # argv byte 0xff, not UTF-8 (surrogateescape)
 ])
 def test_bad_input_one_line(args, needle):
     r = specdec(*args)

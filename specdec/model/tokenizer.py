@@ -11,6 +11,15 @@ from specdec.config import ConfigError
 from specdec.model.chat_template import render_chat
 
 
+def valid_unicode(text: str) -> bool:
+    """False for a str holding a lone surrogate (what surrogateescape makes of bytes that are not UTF-8)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 class Tokenizer:
     def __init__(self, directory: Path):
         path = directory / "tokenizer.json"
@@ -39,7 +48,13 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        try:
+            ids = self._tok.encode(text, add_special_tokens=False).ids
+        except TypeError:  # the tokenizers library's error for a str it cannot take
+            if isinstance(text, str) and not valid_unicode(text):  # argv's undecodable bytes, JSON's \ud800
+                raise ValueError("the text is not valid Unicode (it holds a lone surrogate, e.g. from bytes "
+                                 "that are not UTF-8)") from None
+            raise
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id] + ids
         return ids

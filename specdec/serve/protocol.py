@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from specdec.model.tokenizer import valid_unicode
 from specdec.penalties import check_bias
 from specdec.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
 
@@ -49,16 +50,13 @@ def lone_surrogate(value, path: str = "") -> str | None:
     valid Unicode, or None. JSON may spell a lone UTF-16 surrogate ("\\ud800"), which no tokenizer can
     encode (it made a 500 from deep in the tokenizer)."""
     if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path or "body"
-    elif isinstance(value, dict):
+        return None if valid_unicode(value) else path or "body"
+    if isinstance(value, dict):
         for k, v in value.items():
             found = lone_surrogate(k, path) or lone_surrogate(v, f"{path}.{k}" if path else str(k))
             if found:
                 return found
-    elif isinstance(value, list):
+    if isinstance(value, list):
         for i, v in enumerate(value):
             found = lone_surrogate(v, f"{path}.{i}" if path else str(i))
             if found:
