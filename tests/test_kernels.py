@@ -80,8 +80,9 @@ def test_amx_tiles_layout():
     assert torch.equal(t2[0, 0], w2)
 
 
-@pytest.mark.parametrize("T,K,N", [(1, 576, 960), (3, 576, 1537), (4, 100, 7), (8, 1536, 576), (16, 64, 64),
-                                   (17, 100, 33), (37, 576, 96), (64, 1536, 577)])
+@pytest.mark.parametrize("T,K,N", [(1, 576, 960), (2, 576, 64), (3, 576, 1537), (4, 100, 7), (8, 1536, 576),
+                                   (9, 576, 1537), (12, 1536, 577), (16, 64, 64), (17, 100, 33), (37, 576, 96),
+                                   (64, 1536, 577)])
 def test_bf16_linear_on_amx_tiles(T, K, N):
     """AMX tiles (bf16amx.c): bf16(x) @ float(W)^T with fp32 sums, as vdpbf16ps up to summation order; each
     row bitwise what it is alone, at widths below, at and above a tile's 16 inputs, and padded edges (37 x 576:
@@ -97,6 +98,9 @@ def test_bf16_linear_on_amx_tiles(T, K, N):
     assert not torch.equal(got, kernels.linear_bf16(x, w, b, True)) or K <= 32  # another summation order
     rows = torch.cat([kernels.linear_bf16(x[i:i + 1], w, b, True, tiles) for i in range(T)])
     assert torch.equal(got, rows)
+    unbiased = kernels.linear_bf16(x, w, None, True, tiles)  # bit for bit, the signs of zeros too
+    rows = torch.cat([kernels.linear_bf16(x[i:i + 1], w, None, True, tiles) for i in range(T)])
+    assert torch.equal(unbiased.view(torch.int32), rows.view(torch.int32))
 
 
 @pytest.mark.parametrize("round_inputs", [False, True])

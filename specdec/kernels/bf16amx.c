@@ -15,9 +15,11 @@
  *     B tile = 16 k-pairs x `width` inputs x 2 (width = T up to 16, else 16): the rounded inputs, repacked
  *              per call, a partial last chunk zero-padded; a single-token pass reads 64-byte B rows
  *     C tile = 16 weight rows x `width` inputs, fp32
- *     A full chunk's B tiles and a full C tile are 16 x 16 transposes of 32-bit words in registers
- *              (transpose16): a 900-token prompt's pass on the tiles took 0.61 s with element-by-element
- *              packing and scatter, now 0.46 s, as on oneDNN's bf16 GEMM (2-vCPU Xeon, session 33)
+ *     B tiles and C tiles of 16 weight rows are 16 x 16 transposes of 32-bit words in registers
+ *              (transpose16; a partial chunk's masked to its width): a 900-token prompt's pass on the tiles
+ *              took 0.61 s with element-by-element packing and scatter, now 0.46 s, as on oneDNN's bf16
+ *              GEMM (2-vCPU Xeon, session 33). Verify passes of 2-15 tokens moved element by element too
+ *              until session 37: a 9-token pass after 32 tokens cost 1.23x a single-token one, now 1.06x.
  * Each y[t, n] is one C element: tdpbf16ps over the k-pairs of each 32-wide block, the blocks in order.
  * That order depends on neither the number of input rows nor the thread split, so a verify pass over
  * T rows equals T single-row passes bit for bit (batch invariance), as in bf16dot.c.
@@ -41,6 +43,9 @@
 #define BLOCK_K 32        /* k per tile step (16 bf16 pairs = 64 bytes a row) */
 #define TILE_ELEMS 512    /* bf16 per tile (16 x 32: 1 KB) */
 #define GROUP_TILES 4     /* C tiles summed over K together (tmm0-3; A in tmm4-5, B in tmm6) */
+/* B tiles and C tiles of at least this many inputs are packed / scattered by 16 x 16 transposes in
+ * registers (masked to the tile's width), narrower ones element by element */
+#define MIN_MOVED_INPUTS 2
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -101,17 +106,18 @@ static inline void transpose16(__m512 r[16]) {
  * (a full tile: one 16 x 16 transpose in registers; the values are only moved, and the bias added). */
 static void scatter(const float *c, const float *bias, float *y, int64_t n, int64_t rows, int64_t t0, int64_t nt,
                     int64_t N) {
-    if (rows == TILE_ROWS && nt == TILE_INPUTS) {
+    if (rows == TILE_ROWS && nt >= MIN_MOVED_INPUTS) { /* columns past nt hold stale values: not stored */
         __m512 r[16];
         for (int i = 0; i < 16; i++) r[i] = _mm512_load_ps(c + i * TILE_INPUTS);
         transpose16(r);
         const __m512 b = bias ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps();
-        for (int64_t t = 0; t < 16; t++)
+        for (int64_t t = 0; t < nt; t++)
             _mm512_storeu_ps(y + (t0 + t) * N + n, bias ? _mm512_add_ps(r[t], b) : r[t]);
         return;
     }
-    for (int64_t t = 0; t < nt; t++)
-        for (int64_t r = 0; r < rows; r++) y[(t0 + t) * N + n + r] = c[r * TILE_INPUTS + t] + (bias ? bias[n + r] : 0.0f);
+    for (int64_t t = 0; t < nt; t++) /* (no bias: the value itself, as above, not + 0.0f, which makes -0.0 +0.0) */
+        for (int64_t r = 0; r < rows; r++)
+            y[(t0 + t) * N + n + r] = bias ? c[r * TILE_INPUTS + t] + bias[n + r] : c[r * TILE_INPUTS + t];
 }
 
 /* n <= GROUP_TILES row groups (Wp: the first group's tiles, B tile steps each; n a literal, so each tile
@@ -190,17 +196,19 @@ static void amx_share(void *ctx, int64_t me, int64_t nth) {
  * (K zero-padded to B blocks), 16 rows of (input, pair); a last, partial chunk zero-padded. */
 static void pack_inputs(const uint16_t *xb, uint16_t *xp, int64_t T, int64_t K, int64_t B, int64_t width) {
     const int64_t chunk = B * 32 * width, chunks = (T + width - 1) / width;
-    if (width == TILE_INPUTS && K % BLOCK_K == 0) { /* a (k-pair) word per input and pair: 16 x 16 transposes */
+    if (width >= MIN_MOVED_INPUTS && K % BLOCK_K == 0) { /* a (k-pair) word per input and pair: 16 x 16 transposes */
+        const __mmask16 keep = (__mmask16)((1u << width) - 1); /* a B tile row holds `width` words */
         for (int64_t ch = 0; ch < chunks; ch++)
             for (int64_t b = 0; b < B; b++) {
                 __m512 r[16];
                 for (int64_t i = 0; i < 16; i++) {
-                    const int64_t t = ch * 16 + i;
-                    r[i] = t < T ? _mm512_castsi512_ps(_mm512_loadu_si512(xb + t * K + b * BLOCK_K)) : _mm512_setzero_ps();
+                    const int64_t t = ch * width + i;
+                    r[i] = i < width && t < T ? _mm512_castsi512_ps(_mm512_loadu_si512(xb + t * K + b * BLOCK_K))
+                                              : _mm512_setzero_ps();
                 }
                 transpose16(r);
                 uint16_t *tile = xp + ch * chunk + b * 32 * width;
-                for (int i = 0; i < 16; i++) _mm512_storeu_ps((float *)(tile + i * 2 * width), r[i]);
+                for (int i = 0; i < 16; i++) _mm512_mask_storeu_ps((float *)(tile + i * 2 * width), keep, r[i]);
             }
         return;
     }
