@@ -202,6 +202,51 @@ def test_the_heads_c_layer_equals_its_torch_layer_and_each_row_is_what_it_is_alo
     assert torch.equal(both, torch.cat(alone, dim=1))
 
 
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_a_tree_block_through_the_c_layer(tiny, tmp_path, kind, monkeypatch):
+    """forward_tree (EAGLE-2's draft blocks) on the CPU: one C call whose rows read their root paths, as a
+    verify pass's tree rows do. Each row is bitwise what its root path gives as a chain after the cache,
+    and the block equals the torch layer with the mask spelled out up to summation order; with the C
+    layer off, the torch layer runs (the negative control: not bitwise the C rows)."""
+    from specdec.cache.draft_kv import DraftKV
+    from specdec.kernels import layer as c_layer
+    from specdec.proposers.head_io import load_head
+    d, plain = tiny
+    head = load_head(random_head(plain.model, kind, tmp_path / "head", draft_vocab=512 if kind == "eagle3" else 0),
+                     torch.float32)
+    if c_layer._load() is None:
+        pytest.skip("no compiled kernels")
+    H, g = head.cfg.hidden_size, torch.Generator().manual_seed(1)
+    parents = [-1, -1, 0, 0, 1, 2]  # two roots; 2, 3 under 0; 4 under 1; 5 under 2
+    depths = [1, 1, 2, 2, 2, 3]
+    tree = torch.eye(6, dtype=torch.bool)  # [6, 6]: each row sees itself and its ancestors (a forest, as a block)
+    for r, p in enumerate(parents):
+        while p != -1:
+            tree[r, p], p = True, parents[p]
+    L = 7
+    with torch.inference_mode():
+        cache = DraftKV(head.cfg, 64, torch.float32)
+        x = torch.randn(1, L, H, generator=g)
+        head.forward_rows(x, x, torch.arange(L)[None], [cache], [L])
+        emb, hid = torch.randn(1, 6, H, generator=g), torch.randn(1, 6, H, generator=g)
+        pos = torch.tensor([[L - 1 + d for d in depths]])
+        block = head.forward_tree(emb, hid, pos, cache, tree)
+        assert cache.length == L + 6
+        for r in range(6):  # row r's root path as a chain after the committed rows
+            path = [j for j in range(6) if tree[r, j]]
+            cache.length = L
+            chain = head.forward_rows(emb[:, path], hid[:, path], pos[:, path], [cache], [len(path)])
+            assert torch.equal(chain[0, -1], block[0, r]), r
+        cache.length = L
+        mask = torch.cat([torch.ones(6, L, dtype=torch.bool), tree], dim=1)
+        torch_rows = head.forward_layer(emb, hid, pos, cache, mask=mask)
+        torch.testing.assert_close(block, torch_rows, rtol=1e-4, atol=1e-4)
+        cache.length = L
+        monkeypatch.setattr("specdec.proposers.heads.head_layer", lambda *a, **k: None)  # no C layer
+        fallback = head.forward_tree(emb, hid, pos, cache, tree)
+        assert torch.equal(fallback, torch_rows) and not torch.equal(fallback, block)
+
+
 def test_sampling_is_seeded(tiny, tmp_path):
     from specdec.llm import LLM
     d, plain = tiny

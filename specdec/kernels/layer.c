@@ -57,7 +57,8 @@ typedef struct {
     const int64_t *tail_start, *tail_path; /* a tree's root paths (attention.c) or NULL */
     int64_t tail_width;
     int64_t num_seqs;       /* > 0: x's T rows are these sequences' rows back to back, each over its own */
-    const SeqCache *seqs;   /* static cache, causal among its rows (a draft head's rows); B = 0 */
+    const SeqCache *seqs;   /* static cache, causal among its rows (a draft head's rows), or, one sequence
+                               with mask and tails set, a tree; B = 0 */
 } LayerShape;
 
 void specdec_linear_f32(const float *x, const float *W, const float *bias, float *y, int64_t T, int64_t K, int64_t N);
@@ -142,15 +143,18 @@ static void gather_rows(const float *padded, float *real, const int64_t *index, 
 }
 
 /* Attention of each sequence's rows over its own cache (num_seqs > 0): a row's result is the one it
- * gets alone (attention.c computes every query the same whatever comes with it). */
+ * gets alone (attention.c computes every query the same whatever comes with it). One sequence may be a
+ * token tree (s->mask set: an EAGLE-2 draft block), its rows reading their root paths as a verify pass's. */
 static int attention_seqs(const float *qkv, const LayerWeights *w, const LayerShape *s, float *out) {
     const int64_t qkv_n = w->qkv.N, out_n = s->Hq * s->D;
+    const int tree = s->num_seqs == 1 && s->mask != NULL;
     int64_t row = 0;
     for (int64_t i = 0; i < s->num_seqs; i++) {
         const SeqCache *c = &s->seqs[i];
         const int rc = specdec_attention_f32(qkv + row * qkv_n, s->cos, s->sin, s->pos + row, c->k_cache, c->v_cache,
-                                             NULL, out + row * out_n, c->count, s->Hq, s->Hkv, s->D, c->past,
-                                             c->max_len, s->scale, NULL, NULL, 0);
+                                             tree ? s->mask : NULL, out + row * out_n, c->count, s->Hq, s->Hkv, s->D,
+                                             c->past, c->max_len, s->scale, tree ? s->tail_start : NULL,
+                                             tree ? s->tail_path : NULL, tree ? s->tail_width : 0);
         if (rc != 0) return rc;
         row += c->count;
     }

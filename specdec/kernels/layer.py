@@ -21,6 +21,7 @@ import torch
 
 from specdec.kernels import MAX_ROWS, load_kernels
 from specdec.kernels.attention import PAGED_ROWS, FusedAttention, PagedAttention, tail_args
+from specdec.spec.tree import root_path_columns
 
 LIN_F32, LIN_I8, LIN_I4, LIN_BF16, LIN_BF16_DOT, LIN_BF16_TILES = 0, 1, 2, 3, 4, 5
 
@@ -243,17 +244,19 @@ def describe_head_layer(post_norm: torch.Tensor, qkv, o_proj, gate_up, down) -> 
 
 def head_layer(desc: _LayerWeights, x: torch.Tensor, attn_in: torch.Tensor, caches: Sequence, sizes: Sequence[int],
                positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int,
-               eps: float) -> torch.Tensor | None:
+               eps: float, tree: torch.Tensor | None = None) -> torch.Tensor | None:
     """x [1, N, H] after a draft head's layer (specdec_head_layer_f32) in one C call, attn_in [1, N, K] being
     its projections' input: the rows of len(caches) sequences back to back (sizes[i] of caches[i], a DraftKV
     whose `length` keys stay and whose static k, v [1, Hkv, max_len, D] take the new ones after them),
     causal among a sequence's rows, positions [1, N] indexing the rotary tables cos, sin [max_pos, D]. The
-    caches' lengths are the caller's to advance. None where layer.c does not apply (a position past the
-    tables' end included)."""
+    caches' lengths are the caller's to advance. tree: [N, N] bool (one cache), the rows are a token tree
+    (spec/tree.py's tree_mask: each row sees the cache and its ancestors), read by root path as a verify
+    pass's. None where layer.c does not apply (a position past the tables' end included)."""
     _, N, H = x.shape
     if (not caches or x.shape[0] != 1 or N > MAX_ROWS or torch.is_grad_enabled() or _load() is None
             or x.dtype is not torch.float32 or attn_in.dtype is not torch.float32 or x.device.type != "cpu"
-            or not (_cpu_f32(cos) and _cpu_f32(sin)) or int(positions.max()) >= cos.shape[0]):
+            or not (_cpu_f32(cos) and _cpu_f32(sin)) or int(positions.max()) >= cos.shape[0]
+            or (tree is not None and len(caches) != 1)):
         return None
     seqs = (_SeqCache * len(caches))()
     for seq, cache, n in zip(seqs, caches, sizes):
@@ -264,8 +267,15 @@ def head_layer(desc: _LayerWeights, x: torch.Tensor, attn_in: torch.Tensor, cach
         seq.past, seq.count, seq.max_len = cache.length, n, k.shape[2]
     _, n_kv, _, D = caches[0].k.shape
     pos = positions.reshape(N).to(torch.int64).contiguous()
-    shape = _LayerShape(cos.data_ptr(), sin.data_ptr(), pos.data_ptr(), None, N, H, n_heads, n_kv, D, 0, 0,
-                        eps, 1.0 / math.sqrt(D), 0, 0, None, None, 0, None, None, None, 0, len(caches), seqs)
+    paths = None if tree is None else root_path_columns(tree)  # None: a chain, causal already
+    if paths is not None:  # (held until the call returns)
+        vis, path = paths
+        mask = vis.to(torch.uint8).contiguous()  # [N, N]
+        tail_start = torch.full((N,), caches[0].length, dtype=torch.int64)
+        tail_path = (caches[0].length + path).contiguous()  # [N, N]
+    shape = _LayerShape(cos.data_ptr(), sin.data_ptr(), pos.data_ptr(), None if paths is None else mask.data_ptr(),
+                        N, H, n_heads, n_kv, D, 0, 0, eps, 1.0 / math.sqrt(D), 0, 0, None, None, 0, None,
+                        *((None, None, 0) if paths is None else tail_args(tail_start, tail_path)), len(caches), seqs)
     out = x.contiguous().clone()
     attn_in = attn_in.contiguous()
     if _load().specdec_head_layer_f32(out.data_ptr(), attn_in.data_ptr(), ctypes.byref(desc), ctypes.byref(shape)) != 0:

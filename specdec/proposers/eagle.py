@@ -281,12 +281,19 @@ class _EagleBase(Proposer):
         return torch.log_softmax(self.head.logits(out, self.lm_head).float(), dim=-1)  # [N, Vd]
 
     def _forward_nodes(self, state, tokens: list[int], parent_out: torch.Tensor, depths: list[int],
-                       mask: torch.Tensor | None) -> torch.Tensor:
-        """tokens: target ids of the nodes; parent_out [m, H]; returns their outputs [m, H]."""
+                       tree: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens: target ids of the nodes; parent_out [m, H]; tree [m, m] bool: the nodes are a tree's
+        block (each sees the cache and its ancestors), None: a chain's next node. Returns outputs [m, H]."""
         emb = self.embed(torch.tensor(tokens, device=self.device))[None]  # [1, m, H]
         hidden = self.head.step_input(emb, parent_out[None])
         pos = (state.draft["offset"] + state.draft["len"] + torch.tensor(depths, device=self.device) - 1)[None]
-        return self._layer(emb, hidden, pos, state.draft["cache"], mask)[0]
+        cache = state.draft["cache"]
+        if tree is None:
+            return self._layer(emb, hidden, pos, cache)[0]
+        if self.graphed is not None:  # its graphs take the mask spelled out: [m, length + m]
+            mask = torch.cat([torch.ones(len(tokens), cache.length, dtype=torch.bool), tree], dim=1)
+            return self.graphed.forward(emb, hidden, pos, cache, mask)[0]
+        return self.head.forward_tree(emb, hidden, pos, cache, tree.to(self.device))[0]
 
     @torch.inference_mode()
     def propose(self, state: RequestState, k: int) -> Proposal:
@@ -369,12 +376,12 @@ class _EagleBase(Proposer):
             if unsure(logits, self.threshold)[0]:
                 break  # as _greedy_chains: the unsure token is proposed, the chain stops after it
             if d < k:
-                g = self._forward_nodes(state, [tok], g, [d], None)
+                g = self._forward_nodes(state, [tok], g, [d])
         return Proposal(tokens, torch.stack(probs) if probs else None)
 
     def _tree(self, state: RequestState, budget: int) -> Proposal:
-        def forward(tokens, parent_outs, depths, mask):
-            return self._forward_nodes(state, tokens, parent_outs, depths, mask)
+        def forward(tokens, parent_outs, depths, tree):  # one block of the tree (eagle_tree.dynamic_tree)
+            return self._forward_nodes(state, tokens, parent_outs, depths, tree)
 
         g = state.draft["g"][0]  # [1, H]
         return dynamic_tree(self._logprobs(g)[0], g[0], state.draft["len"], state.draft["cache"], budget,

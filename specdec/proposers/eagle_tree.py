@@ -30,31 +30,40 @@ def dynamic_tree(root_logprobs: torch.Tensor, root_out: torch.Tensor, committed:
                  forward: Callable[[list[int], torch.Tensor, list[int], torch.Tensor], torch.Tensor],
                  logprobs: Callable[[torch.Tensor], torch.Tensor]) -> Proposal:
     """root_logprobs [Vd] and root_out [H]: the head at the last emitted token; committed: the draft
-    cache's committed rows (every node attends to them); cache: the draft KV, whose length grows as
-    `forward(tokens, parent_outs [m, H], depths, mask [m, cache.length + m]) -> outs [m, H]` appends
-    the frontier; logprobs(outs) -> [m, Vd]. Returns the `budget` likeliest nodes as a Proposal."""
+    cache's committed rows (every node attends to them); cache: the draft KV. Each depth forwards a block,
+    the frontier's root paths (its forwarded ancestors, then itself), written over the cache from
+    `committed` on: `forward(tokens, parent_outs [m, H], depths, tree [m, m] bool) -> outs [m, H]`, each
+    row seeing the committed rows and its ancestors (tree_mask); logprobs(outs) -> [m, Vd]. An ancestor
+    is computed again rather than kept: its row costs nothing beside the frontier's (the head's weights
+    are read once a pass), and a block is a verify pass's tree, which the C layer runs as one. Returns the
+    `budget` likeliest nodes as a Proposal."""
     K = topk
     top = root_logprobs.topk(K)
     # node lists: target token, parent node (-1 root), cumulative log-prob, depth
     tok = draft_ids[top.indices].tolist()
     par, val, dep = [-1] * K, top.values.tolist(), [1] * K
-    frontier, outs, slot = list(range(K)), {-1: root_out}, {}
+    frontier, outs = list(range(K)), {-1: root_out}
     # the `budget` likeliest nodes lie at most `budget` deep (each has its ancestors before it): the
     # expansion stops there, and a small budget drafts the same nodes in fewer head passes
     for depth in range(2, min(num_steps, budget) + 1):
-        # forward the frontier: each row sees the prefix, its forwarded ancestors and itself
-        m, base = len(frontier), cache.length
-        mask = torch.zeros(m, base + m, dtype=torch.bool)  # built on the host, one copy (a GPU's)
-        mask[:, :committed] = True
-        for i, nd in enumerate(frontier):
+        block = set(frontier)
+        for nd in frontier:
             a = par[nd]
-            while a != -1:
-                mask[i, slot[a]] = True
+            while a != -1 and a not in block:
+                block.add(a)
                 a = par[a]
-            mask[i, base + i] = True
-            slot[nd] = base + i
-        out = forward([tok[n] for n in frontier], torch.stack([outs[par[n]] for n in frontier]),
-                      [dep[n] for n in frontier], mask)
+        block = sorted(block, key=lambda n: (dep[n], n))  # parents first
+        row = {n: i for i, n in enumerate(block)}
+        tree = torch.zeros(len(block), len(block), dtype=torch.bool)  # built on the host
+        for i, nd in enumerate(block):
+            a = nd
+            while a != -1:
+                tree[i, row[a]] = True
+                a = par[a]
+        cache.length = committed
+        out = forward([tok[n] for n in block], torch.stack([outs[par[n]] for n in block]),
+                      [dep[n] for n in block], tree)
+        out = out[[row[n] for n in frontier]]  # [m, H]
         for i, nd in enumerate(frontier):
             outs[nd] = out[i]
         scores = torch.tensor([val[n] for n in frontier], device=out.device)[:, None] + logprobs(out)  # [m, Vd]

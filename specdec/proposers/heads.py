@@ -300,7 +300,19 @@ class EagleHead(torch.nn.Module):
             mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
         return layer.finish(residual, layer.self_attn.attend(q, k, v, mask))
 
-    def _fused_layer(self, embeds, hidden, positions, caches: list[DraftKV], sizes: list[int]) -> torch.Tensor | None:
+    def forward_tree(self, embeds, hidden, positions, cache: DraftKV, tree: torch.Tensor) -> torch.Tensor:
+        """forward_layer over a token tree's rows (EAGLE-2's draft blocks): each sees the cache and its
+        ancestors, tree [T, T] bool (spec/tree.py's tree_mask: parents first). On the CPU in one C call
+        (the rows read by root path, as a verify pass's), else the torch layer with the mask spelled out.
+        Appends the rows' keys. -> [1, T, H]"""
+        out = self._fused_layer(embeds, hidden, positions, [cache], [embeds.shape[1]], tree)
+        if out is not None:
+            return out
+        mask = torch.cat([torch.ones(tree.shape[0], cache.length, dtype=torch.bool), tree.cpu()], dim=1)
+        return self.forward_layer(embeds, hidden, positions, cache, mask.to(embeds.device))
+
+    def _fused_layer(self, embeds, hidden, positions, caches: list[DraftKV], sizes: list[int],
+                     tree: torch.Tensor | None = None) -> torch.Tensor | None:
         """forward_rows (one cache: forward_layer's causal pass) in one C call (kernels/layer.py's
         head_layer); None where it does not apply (not the CPU in fp32, over MAX_ROWS rows, positions past
         the rotary tables). Its attention is layer.c's, not torch's sdpa: the same up to summation order,
@@ -312,7 +324,7 @@ class EagleHead(torch.nn.Module):
             return None
         attn_in, residual = self.layer.attn_input(embeds, hidden)
         out = head_layer(desc, residual, attn_in, caches, sizes, positions, self.rotary.cos, self.rotary.sin,
-                         self.cfg.num_attention_heads, self.cfg.rms_norm_eps)
+                         self.cfg.num_attention_heads, self.cfg.rms_norm_eps, tree)
         if out is not None:
             for cache, n in zip(caches, sizes):
                 cache.length += n
