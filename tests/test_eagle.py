@@ -514,6 +514,35 @@ def test_a_prompt_whose_last_token_is_left_to_a_decode_pass_begins_while_the_hea
     assert got["ids"] == reference(plain, ids, params)[0].token_ids  # (a TypeError in the head before)
 
 
+def test_the_engine_drafts_a_tree_configs_chain(tiny, tmp_path, monkeypatch):
+    """The serving engine verifies chains (a tree is cut to its first path), so with an EAGLE-2 tree
+    config its rows draft chains, together, and no tree is built; the offline decoder still drafts trees.
+    Outputs equal plain decoding either way."""
+    from specdec.engine.engine import Engine, EngineConfig, EngineRequest
+    from specdec.llm import LLM
+    from specdec.proposers import eagle
+    from tests.test_engine_batching import reference, run
+
+    d, plain = tiny
+    head = random_head(plain.model, "eagle3", tmp_path / "head", draft_vocab=512, seed=4)
+    cfg = {"method": "eagle3", "model": str(head), "eagle_topk": 3, "num_steps": 3, "num_draft_tokens": 9,
+           "num_speculative_tokens": 8, "adaptive": False}
+    trees, tree = [], eagle._EagleBase._tree
+    monkeypatch.setattr(eagle._EagleBase, "_tree", lambda self, state, budget: trees.append(budget) or tree(self, state, budget))
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    texts = ["Hello there, 1 2 3 4", "The cat sat on the mat, the cat"]
+    engine = Engine(LLM(str(d), dtype="float32", progress=False, speculative_config=cfg),
+                    EngineConfig(max_num_seqs=2, max_num_batched_tokens=64, block_size=8))
+    res = run(engine, [EngineRequest(str(i), plain.tokenizer.encode(t), params) for i, t in enumerate(texts)])
+    for i, t in enumerate(texts):
+        assert res[(str(i), 0)]["ids"] == reference(plain, plain.tokenizer.encode(t), params)[0].token_ids
+    assert trees == [] and engine.totals.num_draft_tokens > 0  # chains of at most num_steps, no tree
+    assert len(engine.totals.drafted_per_pos) <= 3  # (its longest draft)
+    offline = LLM(str(d), dtype="float32", progress=False, speculative_config=cfg)
+    assert offline.generate([texts[0]], params)[0].outputs[0].token_ids == res[("0", 0)]["ids"]
+    assert trees and max(trees) == 8  # the offline decoder: trees of 8 nodes
+
+
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 def test_engine_rows_draft_together_as_each_would_alone(tiny, tmp_path, kind, monkeypatch):
     """The serving engine's greedy rows digest and draft in one head pass per depth (forward_rows over
@@ -535,10 +564,10 @@ def test_engine_rows_draft_together_as_each_would_alone(tiny, tmp_path, kind, mo
     texts = ["Hello there, 1 2 3 4", "The cat sat on the mat, the cat", "a b c a b c a b", "Counting: 7 8 9 10 11"]
     reqs = [EngineRequest(str(i), plain.tokenizer.encode(t), params) for i, t in enumerate(texts)]
     drafts, widths = defaultdict(list), []
-    propose_batch, forward_rows = eagle._EagleBase.propose_batch, EagleHead.forward_rows
+    draft, forward_rows = eagle._EagleBase._draft, EagleHead.forward_rows
 
-    def log_drafts(self, states, ks):
-        out = propose_batch(self, states, ks)
+    def log_drafts(self, states, ks, trees):  # (what propose and propose_batch both run)
+        out = draft(self, states, ks, trees)
         for state, proposal in zip(states, out):
             drafts[tuple(state.prompt_ids)].append(tuple(proposal.tokens))
         return out
@@ -547,7 +576,7 @@ def test_engine_rows_draft_together_as_each_would_alone(tiny, tmp_path, kind, mo
         widths.append(len(sizes))
         return forward_rows(self, embeds, hidden, positions, caches, sizes)
 
-    monkeypatch.setattr(eagle._EagleBase, "propose_batch", log_drafts)
+    monkeypatch.setattr(eagle._EagleBase, "_draft", log_drafts)
     monkeypatch.setattr(EagleHead, "forward_rows", log_width)
     for r in reqs:
         spec.generate_one(r.prompt_ids, params)
@@ -605,14 +634,14 @@ def test_a_kept_prefix_keeps_the_heads_context(tiny, tmp_path, monkeypatch, kind
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     config = {"method": kind, "model": str(head), "num_speculative_tokens": 3, "adaptive": False}
     proposals = []
-    propose = eagle_mod._EagleBase.propose_batch
+    draft = eagle_mod._EagleBase._draft  # (what propose and propose_batch both run)
 
-    def recording(self, states, ks):
-        out = propose(self, states, ks)
+    def recording(self, states, ks, trees):
+        out = draft(self, states, ks, trees)
         proposals.append([list(p.tokens) for p in out])
         return out
 
-    monkeypatch.setattr(eagle_mod._EagleBase, "propose_batch", recording)
+    monkeypatch.setattr(eagle_mod._EagleBase, "_draft", recording)
 
     def second_request_drafts(prefix_caching: bool) -> tuple[list, int]:
         spec = LLM(str(d), dtype="float32", progress=False, speculative_config=config,

@@ -297,20 +297,27 @@ class _EagleBase(Proposer):
 
     @torch.inference_mode()
     def propose(self, state: RequestState, k: int) -> Proposal:
-        return self.propose_batch([state], [k])[0]
+        """One request (the offline decoder): a chain, or with eagle_topk > 1 an EAGLE-2 tree."""
+        return self._draft([state], [k], trees=True)[0]
 
     @torch.inference_mode()
     def propose_batch(self, states: list[RequestState], ks: list[int]) -> list[Proposal]:
-        """The serving engine's rows: their queued rows digested in one head pass, and greedy chains
-        drafted together, one pass per depth; trees and sampled chains row by row. With the
-        batch-invariant kernels each row's proposal is what it would be alone (tested).
+        """The serving engine's rows. It verifies chains (a tree would be cut to its first path), so a
+        tree config drafts its chain here: the rows' chains go together, a head pass per depth."""
+        return self._draft(states, ks, trees=False)
+
+    def _draft(self, states: list[RequestState], ks: list[int], trees: bool) -> list[Proposal]:
+        """The rows' queued rows digested in one head pass, and greedy chains drafted together, one pass
+        per depth; trees (where `trees`) and sampled chains row by row. With the batch-invariant kernels
+        each row's proposal is what it would be alone (tested).
         The head leaves draft_cost_per_token at 0 (adaptive k takes its drafts as free): priced at its
         measured ~0.9 ms a token (fp32), eagle3+ngram drafted less and gained less, interleaved A/B in
         the engine: c = 1 1.30x vs 1.36x, c = 4 1.10x vs 1.12x, 16 rows in bf16 1.28x vs 1.34x (session
         24); adaptive k's acceptance model, one rate for every position, underrates a head's chains."""
         ready = [i for i, s in enumerate(states) if "cache" in s.draft and ks[i] > 0 and not s.draft.get("resting")]
+        may_tree = trees and self.topk > 1
         if self.graphed is not None and ready == [0]:  # the single-request decoder on a GPU
-            tree = self.topk > 1 and min(ks[0], self.budget) > 1
+            tree = may_tree and min(ks[0], self.budget) > 1
             if tree or (states[0].params.greedy and not self.threshold):  # the graphed chain has no cut
                 k = min(ks[0], self.budget if tree else self.num_steps)
                 proposal = self._graphed_proposal(states[0], k, tree)
@@ -321,7 +328,7 @@ class _EagleBase(Proposer):
         for i in ready:
             state, k = states[i], ks[i]
             state.draft["cache"].length = state.draft["len"]
-            if self.topk > 1 and min(k, self.budget) > 1:
+            if may_tree and min(k, self.budget) > 1:
                 proposals[i] = self._tree(state, min(k, self.budget))
             elif state.params.greedy:
                 chains.append(i)
