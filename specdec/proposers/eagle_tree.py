@@ -1,4 +1,5 @@
-"""EAGLE-2's dynamic draft tree, step by step (eagle_graph.py captures the same steps for CUDA graphs).
+"""EAGLE-2's dynamic draft tree, step by step (eagle_graph.py captures the same tree for CUDA graphs,
+keeping each depth's keys in the cache where this recomputes the frontier's ancestors in one block).
 
 Depth 1 is the top-k of the head's log-probabilities at the last emitted token. Each further depth
 forwards the frontier nodes through the head and scores their top-k children by cumulative
