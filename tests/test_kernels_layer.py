@@ -110,6 +110,26 @@ def test_fused_layer_redescribes_moved_weights(tiny_dir):
         layer.o_proj.weight.data = layer.o_proj.weight.data.clone()
     second = fused_layer._layer_weights(layer)
     assert second is not first and second.o_proj.weight == layer.o_proj.weight.data_ptr()
+    import copy
+    layer.down = copy.deepcopy(layer.down)  # a new module (and weight) under the same name
+    third = fused_layer._layer_weights(layer)
+    assert third is not second and third.down.weight == layer.down.weight.data_ptr()
+    assert fused_layer._layer_weights(layer) is third  # nothing moved: the description is kept
+
+
+def test_fused_layer_redescribes_when_a_bf16_weight_changes_kernel(tiny_dir):
+    """A bf16 weight's input rounding (a plain attribute, not a tensor) picks the kernel: flipping it
+    describes the layer again."""
+    from specdec.kernels.layer import LIN_BF16, LIN_BF16_DOT
+    model = load_model(tiny_dir("llama"), torch.bfloat16)
+    layer = model.layers[0]
+    w = layer.gate_up.weight
+    w.round_inputs = False
+    first = fused_layer._layer_weights(layer)
+    assert first is not None and first.gate_up.kind == LIN_BF16
+    w.round_inputs = True
+    second = fused_layer._layer_weights(layer)
+    assert second is not first and second.gate_up.kind == LIN_BF16_DOT
 
 
 def _run_paged(model, monkeypatch, mode: str):
