@@ -139,6 +139,30 @@ def test_advise_recommends_with_a_reason(tiny_dir, tmp_path):
         assert rec["speculative_config"].get("num_speculative_tokens") == (None if rec["adaptive"] else rec["k"])
 
 
+def test_advise_prints_flags_the_cli_takes_for_a_pairing(tiny_dir, tmp_path, monkeypatch, capsys):
+    """A recommended pairing (qdraft+ngram, the bench's and the server's per-request name) is printed as the
+    CLI's flags, --speculative-method qdraft --speculative-lookup ngram, which `generate` parses (it printed
+    --speculative-method qdraft+ngram, which argparse refuses)."""
+    import shlex
+
+    from specdec.bench import advise as advise_mod
+    from specdec.cli import build_parser, main
+
+    f = tmp_path / "prompts.txt"
+    f.write_text("one two three\n")
+    rec = {"method": "qdraft+ngram", "k": 3, "tree_size": None, "expected_speedup": 1.4, "measured_speedup": 1.3,
+           "speculative_config": {"method": "qdraft", "lookup": "ngram", "num_speculative_tokens": 3}}
+    fake = advise_mod.Advice("tiny", "float32", 1, 1, 1, "latency-bound", 1.1, rec, "why", [], [],
+                             {"prefix_len": 4})
+    monkeypatch.setattr(advise_mod, "advise", lambda *a, **k: fake)
+    assert main(["advise", str(tiny_dir("llama")), "--prompts", str(f)]) == 0
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("Recommendation:"))
+    flags = shlex.split(line.split(":", 1)[1].split("(")[0])
+    assert flags == ["--speculative-method", "qdraft", "--speculative-lookup", "ngram", "--num-speculative-tokens", "3"]
+    args = build_parser().parse_args(["generate", str(tiny_dir("llama")), "--prompt", "x", *flags])
+    assert (args.speculative_method, args.speculative_lookup) == ("qdraft", "ngram")
+
+
 def test_typical_context_is_the_median_prompt_plus_half_the_answer():
     from specdec.bench.advise import typical_context
 

@@ -36,6 +36,7 @@ def register(sub) -> None:
 def run(args) -> int:
     from specdec.bench.advise import advise
     from specdec.bench.prompts import load_prompt_file
+    from specdec.config import split_method
     from specdec.model.loader import resolve_model
     from specdec.model.tokenizer import Tokenizer
 
@@ -56,7 +57,9 @@ def run(args) -> int:
         tree = f", tree size {rec['tree_size']:.0f}" if rec["tree_size"] else ""
         meas = f", measured {rec['measured_speedup']:.2f}x" if rec["measured_speedup"] else ""
         k = f" --num-speculative-tokens {rec['k']}" if rec["k"] else " (adaptive k)"
-        print(f"Recommendation: --speculative-method {rec['method']}{k}{tree} "
+        method, lookup = split_method(rec["method"])  # "eagle3+ngram": the CLI's method and lookup flags
+        flags = f"--speculative-method {method}" + (f" --speculative-lookup {lookup}" if lookup else "")
+        print(f"Recommendation: {flags}{k}{tree} "
               f"(expected {rec['expected_speedup']:.2f}x{meas})")
         print(f"  --speculative-config '{json.dumps(rec['speculative_config'])}'")
     print(f"Why: {adv.reason}")
