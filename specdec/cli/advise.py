@@ -25,6 +25,9 @@ def register(sub) -> None:
     p.add_argument("--repetition-penalty", type=float, default=1.0,
                    help="the repetition penalty your requests use (default 1: none); it changes what lookups gain")
     p.add_argument("--methods", default=None, help="comma list (default: every registered method)")
+    p.add_argument("--method-config", action="append", default=[], metavar="METHOD=JSON",
+                   help="extra speculative_config keys for one method, e.g. eagle3+ngram='{\"eagle_topk\": 3, "
+                        "\"num_steps\": 3, \"num_draft_tokens\": 9}' (an EAGLE-2 tree)")
     p.add_argument("--speculative-model", "--draft-model", dest="draft_model", default=None,
                    help="draft model for the draft_model method")
     p.add_argument("--max-prompts", type=int, default=16, help="use at most this many prompts")
@@ -36,6 +39,7 @@ def register(sub) -> None:
 def run(args) -> int:
     from specdec.bench.advise import advise
     from specdec.bench.prompts import load_prompt_file
+    from specdec.cli.bench import _method_configs
     from specdec.config import split_method
     from specdec.model.loader import resolve_model
     from specdec.model.tokenizer import Tokenizer
@@ -45,8 +49,8 @@ def run(args) -> int:
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip()) if args.methods else None
     log = (lambda *a: print(*a, file=sys.stderr, flush=True))
     adv = advise(args.model, prompts, args.dtype, args.threads, args.batch_size, args.max_tokens, args.k_max,
-                 methods, None, args.draft_model, not args.no_verify, log, args.temperature,
-                 args.repetition_penalty)
+                 methods, _method_configs(args.method_config), args.draft_model, not args.no_verify, log, args.temperature,
+                 args.repetition_penalty, bool(args.amx))  # --amx (add_model_args): measure on AMX tiles
     if args.json:
         print(json.dumps(adv.to_dict(), default=str))
         return 0
