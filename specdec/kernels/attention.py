@@ -45,6 +45,18 @@ def _load():
     return lib
 
 
+def tree_tails(block_mask: torch.Tensor, past: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """A tree pass's new rows (block_mask [T, T], spec/tree.py's tree_mask) after `past` cached keys as the
+    kernels read them (mask [T, T] uint8: columns 0..depth of the root path; tail_start [T]; tail_path
+    [T, T]: each row's root path in the columns of its positions), or None for a chain (causal already)."""
+    paths = root_path_columns(block_mask)
+    if paths is None:
+        return None
+    vis, path = paths
+    return (vis.to(torch.uint8).contiguous(), torch.full((len(path),), past, dtype=torch.int64),
+            (past + path).contiguous())
+
+
 def tail_args(tail_start: torch.Tensor | None, tail_path: torch.Tensor | None) -> tuple:
     """A tree pass's root paths as the kernels take them (tail_start, tail_path, tail_width), or none."""
     if tail_path is None:
@@ -70,12 +82,9 @@ class FusedAttention:
         self.past = cache.length
         # a tree: each row reads its root path in the columns of its positions (attention.c's tail_path)
         self.tail_start = self.tail_path = None
-        paths = None if block_mask is None else root_path_columns(block_mask)
-        if paths is not None:
-            vis, path = paths
-            self.mask = vis.to(torch.uint8).contiguous()  # [T, T]: columns 0..depth of the root path
-            self.tail_start = torch.full((len(path),), self.past, dtype=torch.int64)  # [T]
-            self.tail_path = (self.past + path).contiguous()  # [T, T]
+        tails = None if block_mask is None else tree_tails(block_mask, self.past)
+        if tails is not None:
+            self.mask, self.tail_start, self.tail_path = tails
         self.layer_shapes = {}  # layer.c's descriptions of this pass (specdec.kernels.layer), made once
 
     @classmethod

@@ -20,8 +20,7 @@ from typing import Sequence
 import torch
 
 from specdec.kernels import MAX_ROWS, load_kernels
-from specdec.kernels.attention import PAGED_ROWS, FusedAttention, PagedAttention, tail_args
-from specdec.spec.tree import root_path_columns
+from specdec.kernels.attention import PAGED_ROWS, FusedAttention, PagedAttention, tail_args, tree_tails
 
 LIN_F32, LIN_I8, LIN_I4, LIN_BF16, LIN_BF16_DOT, LIN_BF16_TILES = 0, 1, 2, 3, 4, 5
 
@@ -278,15 +277,11 @@ def head_layer(desc: _LayerWeights, x: torch.Tensor, attn_in: torch.Tensor, cach
         seq.past, seq.count, seq.max_len = cache.length, n, k.shape[2]
     _, n_kv, _, D = caches[0].k.shape
     pos = positions.reshape(N).to(torch.int64).contiguous()
-    paths = None if tree is None else root_path_columns(tree)  # None: a chain, causal already
-    if paths is not None:  # (held until the call returns)
-        vis, path = paths
-        mask = vis.to(torch.uint8).contiguous()  # [N, N]
-        tail_start = torch.full((N,), caches[0].length, dtype=torch.int64)
-        tail_path = (caches[0].length + path).contiguous()  # [N, N]
-    shape = _LayerShape(cos.data_ptr(), sin.data_ptr(), pos.data_ptr(), None if paths is None else mask.data_ptr(),
+    tails = None if tree is None else tree_tails(tree, caches[0].length)  # (held until the call returns)
+    mask, tail_start, tail_path = (None, None, None) if tails is None else tails
+    shape = _LayerShape(cos.data_ptr(), sin.data_ptr(), pos.data_ptr(), None if mask is None else mask.data_ptr(),
                         N, H, n_heads, n_kv, D, 0, 0, eps, 1.0 / math.sqrt(D), 0, 0, None, None, 0, None,
-                        *((None, None, 0) if paths is None else tail_args(tail_start, tail_path)), len(caches), seqs)
+                        *tail_args(tail_start, tail_path), len(caches), seqs)
     out = x.contiguous().clone()
     attn_in = attn_in.contiguous()
     if _load().specdec_head_layer_f32(out.data_ptr(), attn_in.data_ptr(), ctypes.byref(desc), ctypes.byref(shape)) != 0:

@@ -34,6 +34,7 @@ from specdec.proposers.head_io import default_head, load_head
 from specdec.quant.bf16 import on_tiles
 from specdec.sampler import argmax, sample, warp
 from specdec.spec.proposer import EMPTY, Proposal, Proposer, RequestState, TargetOutput, register_proposer
+from specdec.spec.tree import with_prefix
 
 # The head digests at most this many of the newest context rows (their features and next tokens) at
 # once, at their true positions; before its first draft, and after a long stretch of plain steps, it
@@ -107,11 +108,15 @@ class _EagleBase(Proposer):
         """Draft cache rows one proposal may add: a chain's, or the tree's frontier forwards (<= topk a depth)."""
         return max(self.budget, self.num_steps * self.topk) + 2
 
-    def _layer(self, emb, hidden, positions, cache, mask=None) -> torch.Tensor:
-        """One request's head pass (forward_layer), through the head's graphs where it has them."""
+    def _layer(self, emb, hidden, positions, cache, tree: torch.Tensor | None = None) -> torch.Tensor:
+        """One request's head pass (forward_layer; tree [T, T]: a tree's block, forward_tree), through the
+        head's graphs where it has them (their mask spelled out)."""
         if self.graphed is not None:
+            mask = None if tree is None else with_prefix(tree, cache.length)
             return self.graphed.forward(emb, hidden, positions, cache, mask)
-        return self.head.forward_layer(emb, hidden, positions, cache, None if mask is None else mask.to(emb.device))
+        if tree is None:
+            return self.head.forward_layer(emb, hidden, positions, cache)
+        return self.head.forward_tree(emb, hidden, positions, cache, tree.to(emb.device))
 
     # -- target features -> committed draft rows -------------------------------------------------
     def _features(self, fwd, rows: list[int]) -> torch.Tensor:
@@ -287,13 +292,7 @@ class _EagleBase(Proposer):
         emb = self.embed(torch.tensor(tokens, device=self.device))[None]  # [1, m, H]
         hidden = self.head.step_input(emb, parent_out[None])
         pos = (state.draft["offset"] + state.draft["len"] + torch.tensor(depths, device=self.device) - 1)[None]
-        cache = state.draft["cache"]
-        if tree is None:
-            return self._layer(emb, hidden, pos, cache)[0]
-        if self.graphed is not None:  # its graphs take the mask spelled out: [m, length + m]
-            mask = torch.cat([torch.ones(len(tokens), cache.length, dtype=torch.bool), tree], dim=1)
-            return self.graphed.forward(emb, hidden, pos, cache, mask)[0]
-        return self.head.forward_tree(emb, hidden, pos, cache, tree.to(self.device))[0]
+        return self._layer(emb, hidden, pos, state.draft["cache"], tree)[0]
 
     @torch.inference_mode()
     def propose(self, state: RequestState, k: int) -> Proposal:

@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from specdec.spec.proposer import Proposal
+from specdec.spec.tree import tree_mask
 
 
 def rerank(tok: list[int], par: list[int], val: list[float], budget: int) -> Proposal:
@@ -55,12 +56,7 @@ def dynamic_tree(root_logprobs: torch.Tensor, root_out: torch.Tensor, committed:
                 a = par[a]
         block = sorted(block, key=lambda n: (dep[n], n))  # parents first
         row = {n: i for i, n in enumerate(block)}
-        tree = torch.zeros(len(block), len(block), dtype=torch.bool)  # built on the host
-        for i, nd in enumerate(block):
-            a = nd
-            while a != -1:
-                tree[i, row[a]] = True
-                a = par[a]
+        tree = tree_mask([row.get(par[n], -1) for n in block])[1:, 1:]  # [m, m] on the host, without the root
         cache.length = committed
         out = forward([tok[n] for n in block], torch.stack([outs[par[n]] for n in block]),
                       [dep[n] for n in block], tree)

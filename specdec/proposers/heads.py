@@ -27,6 +27,7 @@ from specdec.kernels import MAX_ROWS, linear, rms_norm, silu_mul
 from specdec.kernels.layer import describe_head_layer, head_layer
 from specdec.model.layers import Rotary, apply_rotary, grouped_sdpa, sdpa
 from specdec.quant.bf16 import Bf16Weight, pack_tiles
+from specdec.spec.tree import with_prefix
 
 HEAD_KINDS = ("medusa", "eagle", "eagle3")
 
@@ -308,8 +309,7 @@ class EagleHead(torch.nn.Module):
         out = self._fused_layer(embeds, hidden, positions, [cache], [embeds.shape[1]], tree)
         if out is not None:
             return out
-        mask = torch.cat([torch.ones(tree.shape[0], cache.length, dtype=torch.bool), tree.cpu()], dim=1)
-        return self.forward_layer(embeds, hidden, positions, cache, mask.to(embeds.device))
+        return self.forward_layer(embeds, hidden, positions, cache, with_prefix(tree, cache.length))
 
     def _fused_layer(self, embeds, hidden, positions, caches: list[DraftKV], sizes: list[int],
                      tree: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -4,7 +4,8 @@ Vocabulary (Proposal.parents, see specdec.spec.proposer):
   row      input row of the verify pass: row 0 is the last emitted token (the root, depth 0), row i >= 1
            is drafted node i - 1;
   depth    row 0 has depth 0, a node has its parent's depth + 1; its position is prefix_len + depth;
-  mask     a row sees the prefix, its ancestors and itself (tree_mask gives the [T, T] block part);
+  mask     a row sees the prefix, its ancestors and itself (tree_mask gives the [T, T] block part,
+           with_prefix the whole [T, prefix + T]);
   path     the accepted rows, from the root down; the KV cache keeps exactly these.
 E.g. parents [-1, -1, 0] (nodes a, b children of the root, c child of a): rows 0 (root), 1 (a), 2 (b),
 3 (c); depths [0, 1, 1, 2]; row 3 sees rows 0, 1, 3; accepting a then c gives rows [0, 1, 3].
@@ -47,6 +48,12 @@ def tree_mask(parents: list[int]) -> torch.Tensor:
         mask[j + 1] = mask[par + 1]
         mask[j + 1, j + 1] = True
     return mask
+
+
+def with_prefix(tree: torch.Tensor, length: int) -> torch.Tensor:
+    """A tree block's mask [T, T] with the `length` cached keys every row sees before it: [T, length + T]
+    (an EAGLE head's torch layer and graphs take it so)."""
+    return torch.cat([torch.ones(tree.shape[0], length, dtype=torch.bool, device=tree.device), tree], dim=1)
 
 
 def root_path_columns(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
