@@ -377,7 +377,8 @@ def test_drafting_path_equals_the_training_path(tiny, tmp_path, kind, saved):
     kernels (bf16-stored where the saved head is bf16); training runs the modules. Same outputs, and
     the stacked weights follow an update."""
     from specdec.proposers.head_io import load_head, save_head
-    from specdec.proposers.heads import Bf16Weight, stacked_weight
+    from specdec.proposers.head_layer import stacked_weight
+    from specdec.quant.bf16 import Bf16Weight
     target = tiny[1].model
     head_dir = random_head(target, kind, tmp_path / "head", draft_vocab=64)
     save_head(load_head(head_dir), head_dir, saved)
