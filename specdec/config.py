@@ -22,6 +22,14 @@ class ConfigError(ValueError):
     """A configuration the user gave cannot be used (one clear line, no traceback in the CLI)."""
 
 
+def check_minimums(config, minimums: dict[str, float]) -> None:
+    """A ConfigError naming the first of config's fields below its minimum (a None value is unset: allowed)."""
+    for name, least in minimums.items():
+        value = getattr(config, name)
+        if value is not None and not value >= least:  # (NaN fails too)
+            raise ConfigError(f"{name} must be >= {least}, got {value}")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a Llama-family decoder, in HF config.json vocabulary."""
@@ -255,8 +263,33 @@ class SpeculativeConfig:
         if unknown:
             raise ConfigError(f"unknown speculative_config key(s): {', '.join(unknown)}")
         d = dict(d)
-        if d.get("skip_layers") is not None:
-            d["skip_layers"] = tuple(int(x) for x in d["skip_layers"])
         if "method" not in d:
             raise ConfigError("speculative_config needs 'method'")
+        for f in dataclasses.fields(cls):
+            if f.name in d:
+                _check_type(f.name, f.type, d[f.name])
+        if d.get("skip_layers") is not None:
+            d["skip_layers"] = tuple(d["skip_layers"])
         return cls(**d)
+
+
+# a field's annotation -> the JSON values it takes (bool is not a number here, though Python's int holds it)
+_VALUE_TYPES = {"str": (str, "a string"), "int": (int, "an integer"), "float": ((int, float), "a number"),
+                "bool": (bool, "true or false"), "dict": (dict, "an object")}
+
+
+def _check_type(name: str, annotation: str, value) -> None:
+    """A ConfigError unless `value` fits the field's annotation (e.g. 'int | None', 'tuple[int, ...] | None'):
+    a JSON config's {"num_speculative_tokens": "3"} is one clear line, not a TypeError in a comparison."""
+    base, _, rest = annotation.partition(" | ")
+    if value is None and rest == "None":
+        return
+    if base.startswith("tuple[int"):
+        ok = isinstance(value, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) for x in value)
+        what = "a list of integers"
+    else:
+        types, what = _VALUE_TYPES[base]
+        ok = isinstance(value, types) and (base == "bool" or not isinstance(value, bool))
+    if not ok:
+        raise ConfigError(f"speculative_config {name!r} must be {what}{' or null' if rest == 'None' else ''}, "
+                          f"got {value!r}")

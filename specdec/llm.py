@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.config import SpeculativeConfig
+from specdec.config import ConfigError, SpeculativeConfig
 from specdec.model.cuda_graph import GraphedModel, check_pass_width
 from specdec.model.loader import DEFAULT_MODEL, load_model, resolve_device, resolve_dtype, resolve_model
 from specdec.model.tokenizer import Tokenizer
@@ -57,6 +57,8 @@ class LLM:
                  num_threads: int | None = None, progress: bool = True, device: str = "auto",
                  enforce_eager: bool = False, pass_width: int = 1, enable_prefix_caching: bool = True,
                  amx: bool = False):
+        if num_threads is not None and num_threads < 0:
+            raise ConfigError(f"num_threads must be >= 1 (0 or None: every core), got {num_threads}")
         torch.set_num_threads(num_threads or os.cpu_count() or 1)
         check_pass_width(pass_width)  # a no-op on the CPU, whose kernels are batch-invariant at any width
         self.source, self.model, self.tokenizer = load_target(model, dtype, max_model_len, progress, device)

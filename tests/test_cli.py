@@ -21,12 +21,39 @@ def specdec(*args, timeout=300):
     (["generate", "--prompt", "hi", "--speculative-config", '{"method": "ngram", "bogus": 1}'], "bogus"),
     (["generate", "--prompt", "hi", "--speculative-method", "ngram", "--num-speculative-tokens", "0"], "num_speculative_tokens"),
     (["generate", "--prompt", "abc\udcff"], "not valid Unicode"),  # argv byte 0xff, not UTF-8 (surrogateescape)
+    (["generate", "--prompt", "hi", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": "3"}'],
+     "must be an integer"),
+    (["generate", "--prompt", "hi", "--threads", "-3"], "num_threads"),
+    (["generate", "--prompt", "hi", "--max-model-len", "1"], "max_model_len"),
+    (["bench", "--methods", "ngram,nope", "--out", "/nonexistent-never-made"], "unknown speculative method 'nope'"),
+    (["bench", "--methods", "ngram+suffix", "--out", "/nonexistent-never-made"], "pairs with a lookup"),
+    (["bench", "--peers", "vllm", "--out", "/nonexistent-never-made"], "unknown peer"),
+    (["bench", "--sweep-k", "two", "--out", "/nonexistent-never-made"], "--sweep-k"),
+    (["serve", "--port", "70000"], "--port"),
+    (["serve", "--kv-cache-memory-gb", "-1"], "kv_cache_memory_gb must be > 0"),
 ])
 def test_bad_input_one_line(args, needle):
     r = specdec(*args)
     assert r.returncode != 0
     assert "Traceback" not in r.stderr
     assert needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_bad_paths_and_files_are_one_line(tmp_path):
+    """An output path that cannot be a directory fails before any work (bench: not after the whole run);
+    a JSON file that is no bench report, and bad training sizes, are one line too."""
+    a_file = tmp_path / "file"
+    a_file.write_text("{}")
+    for args, needle in [
+        (["bench", "--methods", "ngram", "--peers", "none", "--out", str(a_file / "report")], "Not a directory"),
+        (["bench", "--from-json", str(a_file), "--out", str(tmp_path / "r")], "not a bench report"),
+        (["make-draft", "--layers", "2", "--out", str(a_file)], "Not a directory"),
+        (["train", "data", "--out", str(tmp_path / "d"), "--num-prompts", "-1"], "num_prompts must be >= 1"),
+    ]:
+        r = specdec(*args)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, (args, r.stderr)
+        assert needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)
+    assert not (tmp_path / "r").exists()
 
 
 def test_prompt_longer_than_context(tmp_path):

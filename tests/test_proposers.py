@@ -387,3 +387,22 @@ def test_speculation_off_the_cpu_says_it_is_not_batch_invariant():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         make_proposer(ProposerContext(SimpleNamespace(device=torch.device("cpu")), None, cfg))
+
+
+@pytest.mark.parametrize("value,ok", [
+    ({"num_speculative_tokens": 3}, True), ({"num_speculative_tokens": None}, True),
+    ({"num_speculative_tokens": "3"}, False), ({"num_speculative_tokens": 3.0}, False),
+    ({"num_speculative_tokens": True}, False), ({"adaptive": False}, True), ({"adaptive": 0}, False),
+    ({"draft_confidence_threshold": 0}, True), ({"draft_confidence_threshold": "0.5"}, False),
+    ({"method": "layerskip", "skip_layers": [1, 2]}, True), ({"method": "layerskip", "skip_layers": [1, "2"]}, False),
+    ({"method": 3}, False), ({"model": 7}, False),
+])
+def test_speculative_config_values_have_their_types(value, ok):
+    """A JSON config's value of the wrong type is a ConfigError naming the key (it was a TypeError from
+    a comparison, a traceback in the CLI); ints are numbers, booleans are not."""
+    d = {"method": "ngram", **value}
+    if ok:
+        assert SpeculativeConfig.from_dict(d).method == d["method"]
+    else:
+        with pytest.raises(ConfigError, match=f"'{list(value)[-1]}' must be"):
+            SpeculativeConfig.from_dict(d)

@@ -24,7 +24,7 @@ import torch
 
 from specdec.bench.costs import PeakRSS, rss_mb
 from specdec.bench.systems import BASELINE, Generated, SpecdecSystem, System
-from specdec.config import ConfigError, split_method
+from specdec.config import LOOKUP_METHODS, SPEC_METHODS, ConfigError, split_method
 
 
 
@@ -164,6 +164,17 @@ def set_threads(threads: int | None) -> int:
 DEFAULT_METHOD_CONFIGS: dict[str, dict] = {"draft_model": {}, "ngram": {}, "suffix": {}, "layerskip": {},
                                            "lookahead": {}, "recycle": {}}
 DEFAULT_PAIRS = ("qdraft+ngram",)  # model drafter + lookup pairs run by default beside the methods
+PEER_FAMILIES = ("transformers", "llama.cpp")
+
+
+def check_method_name(name: str) -> None:
+    """A bench system's method name: a speculative method, or a model drafter + lookup ('qdraft+ngram')."""
+    method, lookup = split_method(name)
+    if method not in SPEC_METHODS:
+        raise ConfigError(f"unknown speculative method {method!r} in {name!r}; choose one of {', '.join(SPEC_METHODS)}")
+    if lookup is not None and (lookup not in LOOKUP_METHODS or method in LOOKUP_METHODS + ("lookahead",)):
+        raise ConfigError(f"{name!r}: a model drafter pairs with a lookup ({', '.join(LOOKUP_METHODS)}), "
+                          f"as in qdraft+ngram")
 
 
 @dataclass(frozen=True)
@@ -190,6 +201,17 @@ class BenchConfig:
     temperature: float = 0.0  # > 0: every system samples, a seed per prompt (our systems only: peers run greedy)
     repetition_penalty: float = 1.0  # != 1: every system applies it (our systems only)
     amx: bool = False  # bf16 on an AMX CPU: every model of ours on AMX tiles (quant/bf16.py use_amx_tiles)
+
+    def __post_init__(self):
+        # named systems checked before anything loads: a typo fails now, not after minutes of measuring
+        for name in (self.methods or ()) + tuple(self.method_configs) + (self.sweep_methods or ()):
+            check_method_name(name)
+        for peer in self.peers or ():
+            if peer.split(":")[0].split("-")[0] not in PEER_FAMILIES:
+                raise ConfigError(f"unknown peer {peer!r}; choose {', '.join(PEER_FAMILIES)} (or one of their "
+                                  f"systems, e.g. transformers:assisted), or 'none'")
+        if any(k < 1 for k in self.sweep_ks):
+            raise ConfigError(f"sweep k values must be >= 1, got {list(self.sweep_ks)}")
 
     @property
     def decoding(self) -> dict:

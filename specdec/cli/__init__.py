@@ -15,7 +15,8 @@ import warnings
 
 from specdec.config import ConfigError
 
-USER_ERRORS = (ConfigError, ValueError, FileNotFoundError, PermissionError, IsADirectoryError)
+USER_ERRORS = (ConfigError, ValueError, FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError,
+               NotADirectoryError)
 
 
 def build_parser() -> argparse.ArgumentParser:

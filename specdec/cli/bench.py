@@ -105,7 +105,10 @@ def config_from_args(args):
         if value < 1:
             raise ConfigError(f"{name} must be >= 1")
     peers = None if args.peers is None else (() if args.peers.strip() == "none" else _csv(args.peers))
-    sweep = () if args.sweep_k.strip() == "none" else tuple(int(k) for k in _csv(args.sweep_k))
+    try:
+        sweep = () if args.sweep_k.strip() == "none" else tuple(int(k) for k in _csv(args.sweep_k))
+    except ValueError:
+        raise ConfigError(f"--sweep-k wants comma-separated integers or 'none', got {args.sweep_k!r}") from None
     draft = None if args.draft_model == "none" else args.draft_model
     return BenchConfig(model=args.model, dtypes=dtypes, categories=_csv(args.categories) if args.categories else None,
                        prompts_per_category=args.prompts_per_category, max_tokens=args.max_tokens,
@@ -140,9 +143,13 @@ def run(args) -> int:
             result = json.loads(args.from_json.read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise ConfigError(f"cannot read {args.from_json}: {e}") from None
+        if not isinstance(result, dict) or not isinstance(result.get("runs"), dict):
+            raise ConfigError(f"{args.from_json} is not a bench report's report.json (no 'runs')")
         result.pop("summary", None)
+        args.out.mkdir(parents=True, exist_ok=True)
     else:
         cfg = config_from_args(args)
+        args.out.mkdir(parents=True, exist_ok=True)  # a directory it cannot write fails now, not after the run
         result = run_benchmark(cfg, log=lambda *a: print(*a, file=sys.stderr, flush=True))
     paths = write_report(result, args.out, args.name, plots=not args.no_plots)
     summaries = {dt: summarize_run(run) for dt, run in result["runs"].items()}

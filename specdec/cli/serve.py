@@ -55,6 +55,8 @@ def build_server(args, engine_on_caller: bool = False):
                  "max_header_bytes"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0 <= args.port <= 65535:  # checked before the model loads, not by the socket after it
+        raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
     llm = LLM(args.model, speculative_config=spec_config_from_args(args), dtype=args.dtype,
               max_model_len=args.max_model_len, num_threads=args.threads, enforce_eager=True,  # the engine's passes
               enable_prefix_caching=False,  # (the engine has its own: --no-prefix-caching turns that off)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from specdec.cache.paged_cache import PagedKVPool
-from specdec.config import ConfigError
+from specdec.config import ConfigError, check_minimums
 from specdec.engine.block_manager import BlockManager
 from specdec.engine.grammar import GrammarState
 from specdec.engine.model_runner import ModelRunner, Row, pack_rows
@@ -46,6 +46,11 @@ class EngineConfig:
     kv_cache_memory_gb: float = 1.0
     enable_prefix_caching: bool = True
     profile_cost: bool = True  # measure c(N) at start (else learnt online only)
+
+    def __post_init__(self):
+        check_minimums(self, {"max_num_seqs": 1, "max_num_batched_tokens": 1, "block_size": 1, "num_kv_blocks": 1})
+        if not self.kv_cache_memory_gb > 0:
+            raise ConfigError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
 
 
 @dataclass

@@ -166,6 +166,8 @@ def specdec_to_hf(model, layers: list[int] | None = None) -> dict[str, torch.Ten
 def context_length(cfg: ModelConfig, max_len: int | None, directory: Path) -> int:
     """The context to allocate: max_len (default: up to 8192) within what the model computes exactly."""
     limit = cfg.context_limit
+    if max_len is not None and max_len < 2:  # a prompt token and one generated
+        raise ConfigError(f"max_model_len must be >= 2, got {max_len}")
     if max_len and max_len > limit and limit < cfg.max_position_embeddings:
         raise ConfigError(f"{directory}: a context of {max_len} tokens exceeds the model's sliding window "
                           f"({limit}); sliding-window attention past it is not supported for {cfg.model_type}")

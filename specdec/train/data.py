@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.config import ConfigError
+from specdec.config import ConfigError, check_minimums
 from specdec.jsonstream import iter_json_array
 from specdec.model.layers import sdpa_backends
 from specdec.train.features import Shard, write_shard
@@ -93,6 +93,9 @@ class DataSpec:
     later_turn_tokens: int = 0
 
     def __post_init__(self):
+        check_minimums(self, {"num_prompts": 1, "num_heldout": 0, "max_prompt_tokens": 1, "max_new_tokens": 1,
+                              "batch_size": 1, "scan": 1, "max_batches": 1, "max_seconds": 0,
+                              "later_turn_tokens": 0})
         if self.generator not in ("transformers", "specdec"):
             raise ConfigError(f"unknown generator {self.generator!r}; choose transformers or specdec")
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specdec.config import ConfigError
+from specdec.config import ConfigError, check_minimums
 from specdec.proposers.head_io import load_head, make_head, save_head
 from specdec.proposers.heads import HeadConfig
 from specdec.train.features import Shard, read_split, token_counts, with_features
@@ -64,6 +64,11 @@ class TrainSpec:
     max_seconds: float | None = None  # fit the number of steps to this budget (see the module docstring)
 
     def __post_init__(self):
+        check_minimums(self, {"warmup": 0, "batch_size": 1, "max_len": 2, "ttt_steps": 1, "draft_vocab_size": 0,
+                              "intermediate_size": 0, "medusa_heads": 1, "weight_decay": 0, "eval_every": 1,
+                              "ckpt_every": 1, "max_train_seqs": 1, "max_seconds": 0})
+        if not (self.lr > 0 and self.grad_clip > 0):
+            raise ConfigError(f"lr and grad_clip must be > 0, got {self.lr} and {self.grad_clip}")
         if self.epochs < 0 or (self.epochs == 0 and not self.init_from):
             raise ConfigError("epochs must be > 0 (0 with init_from: export the head it starts from, "
                               "its vocabulary grown to draft_vocab_size)")
