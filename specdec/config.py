@@ -171,6 +171,17 @@ def split_method(name: str) -> tuple[str, str | None]:
     return method, lookup or None
 
 
+def check_method_name(name: str) -> None:
+    """A ConfigError unless `name` is a speculative method or a model drafter + lookup ('qdraft+ngram'), as the
+    bench and eval-draft take method names."""
+    method, lookup = split_method(name)
+    if method not in SPEC_METHODS:
+        raise ConfigError(f"unknown speculative method {method!r} in {name!r}; choose one of {', '.join(SPEC_METHODS)}")
+    if lookup is not None and (lookup not in LOOKUP_METHODS or method in LOOKUP_METHODS + ("lookahead",)):
+        raise ConfigError(f"{name!r}: a model drafter pairs with a lookup ({', '.join(LOOKUP_METHODS)}), "
+                          f"as in qdraft+ngram")
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """What to speculate with. Keys follow vLLM's `--speculative-config`.

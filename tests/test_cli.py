@@ -3,8 +3,12 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+
+HEAD = Path(__file__).resolve().parents[1] / "specdec" / "assets" / "smollm2-135m-eagle3"
 
 
 def specdec(*args, timeout=300):
@@ -31,6 +35,11 @@ def specdec(*args, timeout=300):
     (["bench", "--sweep-k", "two", "--out", "/nonexistent-never-made"], "--sweep-k"),
     (["serve", "--port", "70000"], "--port"),
     (["serve", "--kv-cache-memory-gb", "-1"], "kv_cache_memory_gb must be > 0"),
+    (["bench", "serve", "--concurrency", "0", "--out", "/nonexistent-never-made"], "--concurrency"),
+    (["bench", "serve", "--speculative-method", "nope", "--out", "/nonexistent-never-made"], "unknown speculative"),
+    (["eval-draft", str(HEAD)], "nothing to evaluate"),
+    (["eval-draft", str(HEAD), "--data", "/nonexistent"], "no heldout/ split"),
+    (["eval-draft", str(HEAD), "--engine", "--compare", "nope"], "unknown speculative method"),
 ])
 def test_bad_input_one_line(args, needle):
     r = specdec(*args)
@@ -49,11 +58,26 @@ def test_bad_paths_and_files_are_one_line(tmp_path):
         (["bench", "--from-json", str(a_file), "--out", str(tmp_path / "r")], "not a bench report"),
         (["make-draft", "--layers", "2", "--out", str(a_file)], "Not a directory"),
         (["train", "data", "--out", str(tmp_path / "d"), "--num-prompts", "-1"], "num_prompts must be >= 1"),
+        (["train", "draft-model", "--data", str(tmp_path), "--out", str(tmp_path / "dm")], "no training sequences"),
     ]:
         r = specdec(*args)
         assert r.returncode == 2 and "Traceback" not in r.stderr, (args, r.stderr)
         assert needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("args", [
+    ["export", str(HEAD), "--format", "sglang", "--out", "/nonexistent-never-made", "--num-steps", "0"],
+    ["quantize", "--scheme", "int4", "--method", "awq", "--awq-grid", "0", "--out", "/nonexistent-never-made"],
+    ["advise", "--prompts", "/nonexistent", "--k-max", "0"],
+    ["eval-draft", str(HEAD), "--engine", "--prompts", "0"],
+    ["train", "data", "--out", "/nonexistent-never-made", "--teacher-forced", "-3"],
+])
+def test_sizes_below_their_minimum_are_usage_errors(args):
+    """Counts and sizes parsed with a floor: argparse's usage error (exit 2) before anything runs (they
+    wrote nonsense serve commands, divided by zero, or ran with a negative count)."""
+    r = specdec(*args, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "must be >= " in r.stderr, r.stderr
 
 
 def test_prompt_longer_than_context(tmp_path):

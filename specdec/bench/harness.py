@@ -24,7 +24,7 @@ import torch
 
 from specdec.bench.costs import PeakRSS, rss_mb
 from specdec.bench.systems import BASELINE, Generated, SpecdecSystem, System
-from specdec.config import LOOKUP_METHODS, SPEC_METHODS, ConfigError, split_method
+from specdec.config import ConfigError, check_method_name, split_method
 
 
 
@@ -165,16 +165,6 @@ DEFAULT_METHOD_CONFIGS: dict[str, dict] = {"draft_model": {}, "ngram": {}, "suff
                                            "lookahead": {}, "recycle": {}}
 DEFAULT_PAIRS = ("qdraft+ngram",)  # model drafter + lookup pairs run by default beside the methods
 PEER_FAMILIES = ("transformers", "llama.cpp")
-
-
-def check_method_name(name: str) -> None:
-    """A bench system's method name: a speculative method, or a model drafter + lookup ('qdraft+ngram')."""
-    method, lookup = split_method(name)
-    if method not in SPEC_METHODS:
-        raise ConfigError(f"unknown speculative method {method!r} in {name!r}; choose one of {', '.join(SPEC_METHODS)}")
-    if lookup is not None and (lookup not in LOOKUP_METHODS or method in LOOKUP_METHODS + ("lookahead",)):
-        raise ConfigError(f"{name!r}: a model drafter pairs with a lookup ({', '.join(LOOKUP_METHODS)}), "
-                          f"as in qdraft+ngram")
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ import time
 from itertools import islice
 from pathlib import Path
 
-from specdec.config import split_method
+from specdec.config import ConfigError, check_method_name, split_method
 from specdec.jsonstream import iter_json_array
 
 PCTS = (50, 90, 99)
@@ -276,16 +276,45 @@ def _ratio_table(ratios: list[dict]) -> str:
     return "\n".join(["| conc. | rate | runs | TPOT off / on, median | range | each run |", "|" + "---|" * 6, *lines])
 
 
+def _numbers(text: str, kind, flag: str) -> list:
+    """A comma list of positive numbers, or a ConfigError naming the flag."""
+    try:
+        values = [kind(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or not all(v > 0 for v in values):
+        raise ConfigError(f"{flag} wants comma-separated positive numbers, got {text!r}")
+    return values
+
+
+def check_args(args) -> tuple[list[int], list[float]]:
+    """The concurrencies and request rates, every other setting checked before a server starts (a bad one
+    failed late, or never: concurrency 0 waited on nothing); the output directory made."""
+    concs = _numbers(args.concurrency, int, "--concurrency")
+    rates = _numbers(args.request_rate, float, "--request-rate")
+    if not args.url:
+        check_method_name(args.speculative_method)
+        bad = [s for s in args.settings.split(",") if s and s not in ("off", "on")]
+        if bad or not args.settings.strip(","):
+            raise ConfigError(f"--settings takes off and/or on, got {args.settings!r}")
+    for flag, value in (("--num-prompts", args.num_prompts), ("--repeats", args.repeats),
+                        ("--max-prompt-tokens", args.max_prompt_tokens), ("--max-output-tokens", args.max_output_tokens),
+                        ("--max-num-seqs", args.max_num_seqs), ("--num-speculative-tokens", args.num_speculative_tokens)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {value}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    return concs, rates
+
+
 def run_serve_bench(args) -> int:
     from specdec.model.loader import resolve_model
     from specdec.model.tokenizer import Tokenizer
 
+    concs, rates = check_args(args)
     load_start = os.getloadavg()[0]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below: stop the servers
-    concs = [int(x) for x in str(args.concurrency).split(",") if x]
-    rates = [float(x) for x in str(args.request_rate).split(",") if x]
     tok = Tokenizer(resolve_model(args.model, progress=False).directory)
-    repeats = max(1, args.repeats)
+    repeats = args.repeats
     n_max = (args.num_prompts or max(8, 2 * max(concs))) * repeats
     work_all = sharegpt_workload(tok, n_max, args.max_prompt_tokens, args.max_output_tokens, args.seed)
     settings = ["server"] if args.url else [s for s in args.settings.split(",") if s]

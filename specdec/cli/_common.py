@@ -7,6 +7,17 @@ import json
 from specdec.config import SPEC_METHODS, ConfigError
 
 
+def at_least(least: int):
+    """An argparse type: an integer >= least (a size, a count), else argparse's one-line usage error."""
+    def parse(text: str) -> int:
+        value = int(text)  # a ValueError: argparse's "invalid int value"
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be >= {least}, got {value}")
+        return value
+    parse.__name__ = "int"
+    return parse
+
+
 def add_model_args(p: argparse.ArgumentParser, positional: bool = True) -> None:
     if positional:
         p.add_argument("model", nargs="?", default="smollm2-135m",

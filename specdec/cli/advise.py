@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from specdec.cli._common import add_model_args
+from specdec.cli._common import add_model_args, at_least
 
 
 def register(sub) -> None:
@@ -18,9 +18,9 @@ def register(sub) -> None:
     p.add_argument("--prompts", type=Path, required=True,
                    help="a text file (one prompt per line) or JSONL ({\"prompt\": ...} or {\"messages\": [...]})")
     p.add_argument("--raw", action="store_true", help="do not wrap prompts in the chat template")
-    p.add_argument("--batch-size", type=int, default=1, help="concurrent requests you will serve (default 1)")
-    p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per prompt while measuring")
-    p.add_argument("--k-max", type=int, default=8, help="largest k considered")
+    p.add_argument("--batch-size", type=at_least(1), default=1, help="concurrent requests you will serve (default 1)")
+    p.add_argument("--max-tokens", type=at_least(1), default=64, help="tokens generated per prompt while measuring")
+    p.add_argument("--k-max", type=at_least(1), default=8, help="largest k considered")
     p.add_argument("--temperature", type=float, default=0.0, help="how your requests sample (default 0: greedy)")
     p.add_argument("--repetition-penalty", type=float, default=1.0,
                    help="the repetition penalty your requests use (default 1: none); it changes what lookups gain")
@@ -30,7 +30,7 @@ def register(sub) -> None:
                         "\"num_steps\": 3, \"num_draft_tokens\": 9}' (an EAGLE-2 tree)")
     p.add_argument("--speculative-model", "--draft-model", dest="draft_model", default=None,
                    help="draft model for the draft_model method")
-    p.add_argument("--max-prompts", type=int, default=16, help="use at most this many prompts")
+    p.add_argument("--max-prompts", type=at_least(1), default=16, help="use at most this many prompts")
     p.add_argument("--no-verify", action="store_true", help="skip measuring the recommendation against plain decoding")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)

@@ -15,18 +15,21 @@ from pathlib import Path
 
 import torch
 
+from specdec.cli._common import at_least
+from specdec.config import ConfigError, check_method_name
+
 
 def register(sub) -> None:
     p = sub.add_parser("eval-draft", help="held-out tau and acceptance by position of a learned head")
     p.add_argument("head", type=Path, help="head directory (config.json + model.safetensors)")
     p.add_argument("--model", default="smollm2-135m", help="the target model")
     p.add_argument("--data", action="append", default=[], help="dataset dir with a heldout/ split")
-    p.add_argument("--depth", type=int, default=5)
+    p.add_argument("--depth", type=at_least(1), default=5)
     p.add_argument("--engine", action="store_true", help="also decode MT-bench prompts with the engine")
-    p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--num-steps", type=int, default=4)
-    p.add_argument("--eagle-topk", type=int, default=1)
+    p.add_argument("--prompts", type=at_least(1), default=8)
+    p.add_argument("--max-tokens", type=at_least(1), default=128)
+    p.add_argument("--num-steps", type=at_least(1), default=4)
+    p.add_argument("--eagle-topk", type=at_least(1), default=1)
     p.add_argument("--num-draft-tokens", type=int, default=None)
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="with --engine: draft this many tokens (a tree's nodes) every pass instead of adaptive k")
@@ -69,6 +72,15 @@ def run(args) -> int:
     from specdec.train.features import read_split, with_features
     from specdec.train.evaluate import chain_acceptance
 
+    if not args.data and not args.engine:
+        raise ConfigError("nothing to evaluate: give --data DIR (a dataset with a heldout/ split) and/or --engine")
+    if args.compare and not args.engine:
+        raise ConfigError("--compare decodes beside the head: it needs --engine")
+    for name in args.compare:
+        check_method_name(name)
+    for d in args.data:
+        if not (Path(d) / "heldout").is_dir():
+            raise ConfigError(f"{d} has no heldout/ split (a dataset from `specdec train data`)")
     head = load_head(args.head)
     report: dict = {"head": str(args.head), "kind": head.cfg.kind}
     if args.data:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from specdec.cli._common import at_least
+
 
 def register(sub) -> None:
     p = sub.add_parser("export", help="export a draft head for vLLM / SGLang (+ the serve command line)")
@@ -14,10 +16,10 @@ def register(sub) -> None:
     p.add_argument("--format", required=True, choices=("vllm", "sglang"))
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--model", default="smollm2-135m", help="the target the head drafts for")
-    p.add_argument("--num-speculative-tokens", type=int, default=5, help="vLLM chain length")
-    p.add_argument("--num-steps", type=int, default=5, help="SGLang --speculative-num-steps")
-    p.add_argument("--eagle-topk", type=int, default=4, help="SGLang --speculative-eagle-topk")
-    p.add_argument("--num-draft-tokens", type=int, default=8, help="SGLang --speculative-num-draft-tokens")
+    p.add_argument("--num-speculative-tokens", type=at_least(1), default=5, help="vLLM chain length")
+    p.add_argument("--num-steps", type=at_least(1), default=5, help="SGLang --speculative-num-steps")
+    p.add_argument("--eagle-topk", type=at_least(1), default=4, help="SGLang --speculative-eagle-topk")
+    p.add_argument("--num-draft-tokens", type=at_least(2), default=8, help="SGLang --speculative-num-draft-tokens")
     p.set_defaults(func=run)
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from specdec.cli._common import at_least
 from specdec.config import ConfigError
 
 
@@ -27,17 +28,17 @@ def register(sub) -> None:
                         "for GPUs (torch._scaled_mm; exact but slow on a CPU)")
     p.add_argument("--method", choices=("rtn", "awq"), default="rtn",
                    help="rtn: round to nearest; awq: activation-aware scales searched on calibration text")
-    p.add_argument("--group-size", type=int, default=None,
+    p.add_argument("--group-size", type=at_least(1), default=None,
                    help="weights per scale along the input dim, a multiple of 32 (default: int8 128, int4 32)")
     p.add_argument("--symmetric", action=argparse.BooleanOptionalAction, default=None,
                    help="zero-point-free groups (default: int8 symmetric, int4 asymmetric)")
     p.add_argument("--lm-head", choices=("int8", "int4", "fp8", "none"), default="int8",
                    help="scheme of the lm_head and a tied embedding (none: keep full precision)")
-    p.add_argument("--lm-head-group-size", type=int, default=32)
+    p.add_argument("--lm-head-group-size", type=at_least(1), default=32)
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--calib-tokens", type=int, default=512, help="AWQ calibration tokens")
     p.add_argument("--calib-file", default=None, help="AWQ calibration text file (default: ShareGPT chats)")
-    p.add_argument("--awq-grid", type=int, default=20, help="AWQ: alpha grid points in [0, 1]")
+    p.add_argument("--awq-grid", type=at_least(1), default=20, help="AWQ: alpha grid points in [0, 1]")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.set_defaults(func=run)
 

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from specdec.cli._common import at_least
+
 KINDS = ("medusa", "eagle", "eagle3")
 
 
@@ -34,7 +36,7 @@ def register(sub) -> None:
                         "where that fits N tokens (held-out stays first turns)")
     d.add_argument("--batch-size", type=int, default=48)
     d.add_argument("--max-batches", type=int, default=None, help="stop after N train batches (rerun to extend)")
-    d.add_argument("--teacher-forced", type=int, default=0, metavar="N",
+    d.add_argument("--teacher-forced", type=at_least(0), default=0, metavar="N",
                    help="instead: N ShareGPT answers as they are (one target pass each, no generation)")
     d.add_argument("--online", action="store_true",
                    help="store tokens only (disk short): the trainer computes the target's features per batch")

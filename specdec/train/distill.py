@@ -76,6 +76,9 @@ def distill(target, draft, data_dirs: list[str], out: Path, epochs: float = 1.0,
     torch.manual_seed(seed)
     train = [s for d in data_dirs for s in read_split(Path(d) / "train")]
     held = [s for d in data_dirs for s in read_split(Path(d) / "heldout")]
+    if not train:
+        raise ConfigError(f"no training sequences under {', '.join(str(Path(d) / 'train') for d in data_dirs)} "
+                          f"(a dataset from `specdec train data`)")
     counts = token_counts(train, target.config.vocab_size).float()
     ids_d = counts.topk(draft_vocab_size).indices.sort().values
     lm_t = target.lm_head.weight.detach()[ids_d]
