@@ -278,29 +278,36 @@ class SpeculativeConfig:
             raise ConfigError("speculative_config needs 'method'")
         for f in dataclasses.fields(cls):
             if f.name in d:
-                _check_type(f.name, f.type, d[f.name])
+                check_type("speculative_config", f.name, f.type, d[f.name])
         if d.get("skip_layers") is not None:
             d["skip_layers"] = tuple(d["skip_layers"])
         return cls(**d)
 
 
-# a field's annotation -> the JSON values it takes (bool is not a number here, though Python's int holds it)
-_VALUE_TYPES = {"str": (str, "a string"), "int": (int, "an integer"), "float": ((int, float), "a number"),
-                "bool": (bool, "true or false"), "dict": (dict, "an object")}
+# a field's annotation -> the values it takes (bool is not a number here, though Python's int holds it)
+_VALUE_TYPES = {"str": (str, "a string", "strings"), "int": (int, "an integer", "integers"),
+                "float": ((int, float), "a number", "numbers"), "bool": (bool, "true or false", "booleans"),
+                "dict": (dict, "an object", "objects")}
 
 
-def _check_type(name: str, annotation: str, value) -> None:
-    """A ConfigError unless `value` fits the field's annotation (e.g. 'int | None', 'tuple[int, ...] | None'):
-    a JSON config's {"num_speculative_tokens": "3"} is one clear line, not a TypeError in a comparison."""
+def _fits(value, base: str) -> bool:
+    return isinstance(value, _VALUE_TYPES[base][0]) and (base == "bool" or not isinstance(value, bool))
+
+
+def check_type(owner: str, name: str, annotation: str, value) -> None:
+    """A ConfigError unless `value` fits a dataclass field's annotation ('int', 'int | None', 'tuple[int, ...]',
+    ...): a config's {"num_speculative_tokens": "3"} is one clear line, not a TypeError in a comparison or a
+    wrong value taken silently. Annotations of nested tuples are left to their owner."""
     base, _, rest = annotation.partition(" | ")
     if value is None and rest == "None":
         return
-    if base.startswith("tuple[int"):
-        ok = isinstance(value, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) for x in value)
-        what = "a list of integers"
+    if base.startswith("tuple[tuple"):
+        return
+    if base.startswith("tuple["):
+        item = base[len("tuple["):].split(",")[0]
+        ok = isinstance(value, (list, tuple)) and all(_fits(v, item) for v in value)
+        what = f"a list of {_VALUE_TYPES[item][2]}"
     else:
-        types, what = _VALUE_TYPES[base]
-        ok = isinstance(value, types) and (base == "bool" or not isinstance(value, bool))
+        ok, what = _fits(value, base), _VALUE_TYPES[base][1]
     if not ok:
-        raise ConfigError(f"speculative_config {name!r} must be {what}{' or null' if rest == 'None' else ''}, "
-                          f"got {value!r}")
+        raise ConfigError(f"{owner} {name!r} must be {what}{' or null' if rest == 'None' else ''}, got {value!r}")

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+
+from specdec.config import check_type
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
@@ -39,6 +41,10 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
+        for f in fields(self):  # types first: SamplingParams(max_tokens="5") is a ValueError naming the field
+            value = getattr(self, f.name)
+            if not (f.name in ("stop", "stop_token_ids") and value is None):
+                check_type("SamplingParams", f.name, f.type, value)
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         if not (math.isfinite(self.temperature) and 0.0 <= self.temperature <= 2.0):
@@ -89,6 +95,8 @@ class SamplingParams:
 def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
     """A logit bias ({token id: bias} or (id, bias) pairs) as sorted pairs, each checked."""
     items = bias.items() if isinstance(bias, dict) else (bias or ())
+    if not isinstance(bias, dict) and not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in items):
+        raise ValueError("logit_bias must be {token id: bias} or (token id, bias) pairs")
     pairs = {}
     for tok, value in items:
         if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:

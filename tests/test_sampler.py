@@ -70,3 +70,23 @@ def test_sample_inverts_the_running_sum_exactly_at_its_edges(monkeypatch):
     monkeypatch.setattr(torch, "rand", lambda *a, **kw: torch.tensor(1.0 - 2.0 ** -53, dtype=torch.float64))
     assert sample(probs, None) == 3
     assert sample(torch.tensor([0.1, 0.2, 0.3]), None) == 2
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"max_tokens": "5"}, "max_tokens"), ({"max_tokens": 5.5}, "max_tokens"), ({"max_tokens": True}, "max_tokens"),
+    ({"temperature": "0.5"}, "temperature"), ({"temperature": None}, "temperature"), ({"top_k": 2.5}, "top_k"),
+    ({"stop": 123}, "stop"), ({"stop": ["a", 3]}, "stop"), ({"seed": "x"}, "seed"), ({"n": "2"}, "n"),
+    ({"ignore_eos": "yes"}, "ignore_eos"), ({"stop_token_ids": ["a"]}, "stop_token_ids"),
+    ({"logit_bias": [1, 2]}, "logit_bias"),
+])
+def test_sampling_params_of_the_wrong_type_are_value_errors(kwargs, field):
+    """A wrong type is a ValueError naming the field: it was a TypeError from a comparison, or taken
+    silently (max_tokens 5.5, a seed of 'x', stop ['a', 3])."""
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_take_their_usual_forms():
+    p = SamplingParams(temperature=0, stop="x", stop_token_ids=None, seed=None, logit_bias={5: 1}, allowed_token_ids=[2, 1])
+    assert p.greedy and p.stop == ("x",) and p.stop_token_ids == () and p.logit_bias == ((5, 1.0),)
+    assert p.allowed_token_ids == (1, 2) and SamplingParams(logit_bias=[(5, 1.0)]).logit_bias == ((5, 1.0),)
