@@ -88,23 +88,34 @@ class LLM:
         return model, Tokenizer(source.directory), source
 
     def _encode(self, prompt) -> tuple[str | None, list[int]]:
+        """A prompt as (text or None, token ids): a string, {"prompt": str}, {"prompt_token_ids": [...]} or a
+        list of token ids; anything else is a ValueError saying what a prompt is."""
+        given = prompt
+        if isinstance(prompt, dict) and set(prompt) == {"prompt"} and isinstance(prompt["prompt"], str):
+            prompt = prompt["prompt"]
+        elif isinstance(prompt, dict) and set(prompt) == {"prompt_token_ids"}:
+            prompt = prompt["prompt_token_ids"] if isinstance(prompt["prompt_token_ids"], (list, tuple)) else None
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return None, list(prompt["prompt_token_ids"])
-        return None, list(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"a prompt is a string, a list of token ids, {{'prompt': str}} or "
+                         f"{{'prompt_token_ids': [...]}}; got {repr(given)[:80]}")
 
     def generate_one(self, prompt_ids: list[int], params: SamplingParams, on_delta=None) -> GenerationResult:
         return self.decoder.generate(prompt_ids, params, on_delta)
 
     def generate(self, prompts, sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
-        """prompts: a string, a list of strings, or lists of token ids ({"prompt_token_ids": [...]})."""
+        """prompts: a prompt or a list of them; a prompt is a string, a list of token ids, {"prompt": str} or
+        {"prompt_token_ids": [...]} (as vLLM's)."""
+        if not isinstance(prompts, (str, dict, list, tuple)):
+            raise ValueError(f"prompts: a prompt or a list of prompts, got {repr(prompts)[:80]}")
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
+        encoded = [self._encode(prompt) for prompt in prompts]  # every prompt checked before any work
         results = []
-        for prompt in prompts:
-            text, ids = self._encode(prompt)
+        for text, ids in encoded:
             outs, runs = [], []
             for i in range(params.n):
                 p = params if params.n == 1 or params.seed is None else _with_seed(params, params.seed + i)

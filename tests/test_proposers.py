@@ -406,3 +406,22 @@ def test_speculative_config_values_have_their_types(value, ok):
     else:
         with pytest.raises(ConfigError, match=f"'{list(value)[-1]}' must be"):
             SpeculativeConfig.from_dict(d)
+
+
+def test_generate_takes_vllm_prompt_forms_and_refuses_others(tiny_dir):
+    """LLM.generate's prompts as vLLM's: a string, token ids, {"prompt"} or {"prompt_token_ids"}, one or a
+    list. Anything else is a ValueError saying what a prompt is, raised before any prompt is decoded (an int
+    list of floats or {"prompt_token_ids": "abc"} were TypeErrors, or decoded the string)."""
+    model = llm(tiny_dir("llama"))
+    ids = model.tokenizer.encode("hello there")
+    p = greedy(4)
+    ref = model.generate(ids, p)[0].outputs[0].token_ids
+    for form in ("hello there", {"prompt": "hello there"}, {"prompt_token_ids": ids}, [ids], [{"prompt_token_ids": ids}]):
+        assert model.generate(form, p)[0].outputs[0].token_ids == ref, form
+    calls = []
+    model.decoder.generate = lambda *a, **k: calls.append(a)  # nothing may be decoded for a bad list
+    for bad in (123, None, [1.5, 2.0], [True, False], [{"prompt_token_ids": "abc"}], [{"prompt": 5}],
+                [{"prompt_token_ids": ids, "extra": 1}], ["fine", 5]):
+        with pytest.raises(ValueError, match="a prompt"):
+            model.generate(bad, p)
+    assert calls == []
