@@ -305,8 +305,8 @@ def test_first_digest_keeps_the_newest_prompt_rows_at_their_positions(tiny, tmp_
     """A prompt longer than PROMPT_WINDOW: the head's first digest is its newest PROMPT_WINDOW rows, at
     their true positions (row 0 at position len - window), and the output is still plain decoding's."""
     from specdec.llm import LLM
-    from specdec.proposers import eagle
-    monkeypatch.setattr(eagle, "PROMPT_WINDOW", 6)
+    from specdec.proposers import eagle, eagle_rows
+    monkeypatch.setattr(eagle_rows, "PROMPT_WINDOW", 6)
     commits = []
     original = eagle._EagleBase._commit
 
@@ -333,9 +333,9 @@ def test_a_long_plain_stretch_restarts_the_head_from_its_newest_rows(tiny, tmp_p
     PROMPT_WINDOW; past it the head restarts from the newest rows at their true positions, and the output
     is still plain decoding's. (Unbounded, a busy server's rows queued features for every step.)"""
     from specdec.llm import LLM
-    from specdec.proposers import eagle
+    from specdec.proposers import eagle, eagle_rows
     from specdec.spec.adaptive import AdaptiveK, Choice
-    monkeypatch.setattr(eagle, "PROMPT_WINDOW", 6)
+    monkeypatch.setattr(eagle_rows, "PROMPT_WINDOW", 6)
     choose = AdaptiveK.choose
 
     def held(self, *args, **kwargs):
@@ -344,7 +344,7 @@ def test_a_long_plain_stretch_restarts_the_head_from_its_newest_rows(tiny, tmp_p
 
     monkeypatch.setattr(AdaptiveK, "choose", held)
     commits, queued = [], []
-    original_commit, original_trim = eagle._EagleBase._commit, eagle._EagleBase._trim_pending
+    original_commit, original_trim = eagle._EagleBase._commit, eagle_rows.trim_pending
 
     def record(self, work):
         commits.extend((state.draft["offset"], state.draft["len"], len(next_tokens)) for state, _, next_tokens in work)
@@ -355,7 +355,7 @@ def test_a_long_plain_stretch_restarts_the_head_from_its_newest_rows(tiny, tmp_p
         queued.append(sum(len(toks) for _, toks in st["pending"]))
 
     monkeypatch.setattr(eagle._EagleBase, "_commit", record)
-    monkeypatch.setattr(eagle._EagleBase, "_trim_pending", staticmethod(trim))
+    monkeypatch.setattr(eagle_rows, "trim_pending", trim)
     d, plain = tiny
     head = random_head(plain.model, "eagle3", tmp_path / "head", draft_vocab=512)
     spec = LLM(str(d), dtype="float32", progress=False, speculative_config={"method": "eagle3", "model": str(head)})
@@ -711,7 +711,7 @@ def test_heldout_decode_tau_is_the_engines_tokens_per_pass():
     the engine, pass for pass (within one: the head's attention sums its rows in another order there).
     Its `tau` averages over every start position instead: it is not what decoding sees."""
     from specdec.llm import LLM
-    from specdec.proposers.eagle import PROMPT_WINDOW
+    from specdec.proposers.eagle_rows import PROMPT_WINDOW
     from specdec.proposers.head_io import ASSETS
     from specdec.proposers.head_io import load_head
     from specdec.train.features import compute_features

@@ -27,6 +27,7 @@ import torch
 from specdec.cache.draft_kv import DraftKV
 from specdec.config import ConfigError
 from specdec.model.cuda_graph import TOKEN_BUCKETS, GraphedModel
+from specdec.proposers import eagle_rows
 from specdec.proposers.chain import unsure
 from specdec.proposers.eagle_graph import GraphedHead
 from specdec.proposers.eagle_tree import dynamic_tree, rerank
@@ -36,20 +37,6 @@ from specdec.sampler import argmax, sample, warp
 from specdec.spec.proposer import EMPTY, Proposal, Proposer, RequestState, TargetOutput, register_proposer
 from specdec.spec.tree import with_prefix
 
-# The head digests at most this many of the newest context rows (their features and next tokens) at
-# once, at their true positions; before its first draft, and after a long stretch of plain steps, it
-# restarts from them (_trim_pending): a rag prompt of 464-867 tokens through the head cost ~10%
-# of a 64-token bf16 answer, and adaptive k drafts that once per request to measure the head (run S16:
-# eagle3 0.87x on rag). The drafts may change; verification keeps the output exact.
-PROMPT_WINDOW = 128
-# A prompt whose prefix was cached (the offline kept prefix, the engine's prefix cache) is computed from
-# there on, and the head would see none of the cached rows: a chat's system prompt, an earlier turn.
-# The features of the last request's rows (at most KEPT_ROWS, from position 0) are kept for the next
-# request that shares its prefix. Without them (the system prompt cached), a chain of 5 on MT-bench's
-# first turns gave 1.78 tokens a pass instead of 1.85, on held-out ShareGPT 2.23 instead of 2.27 (fp32).
-# Memory: 3H floats a row (an eagle3 head's features), ~15% of the target's KV for SmolLM2, for the last
-# request and for each request in flight.
-KEPT_ROWS = 4096
 
 
 class _EagleBase(Proposer):
@@ -167,7 +154,7 @@ class _EagleBase(Proposer):
         st["offset"] = n - m  # position of the cache's row 0 (rows before the first draft's window are skipped)
         st["pending"] = [(feats, state.token_ids[n - m + 1:n + 1])]
         st["queued"] = m  # rows in pending
-        self._trim_pending(st)  # the first digest: only the prompt's newest PROMPT_WINDOW rows
+        eagle_rows.trim_pending(st)  # the first digest: only the prompt's newest PROMPT_WINDOW rows
 
     @torch.inference_mode()
     def on_verified(self, state: RequestState, proposal: Proposal, num_accepted: int,
@@ -192,8 +179,8 @@ class _EagleBase(Proposer):
         feats = self._features(target.forward, rows)
         st["pending"].append((feats, nxt))
         st["queued"] += len(nxt)
-        self._trim_pending(st)
-        if st["context"] is not None and st["context_rows"] < KEPT_ROWS:
+        eagle_rows.trim_pending(st)
+        if st["context"] is not None and st["context_rows"] < eagle_rows.KEPT_ROWS:
             st["context"].append(feats)
             st["context_rows"] += len(nxt)
 
@@ -209,39 +196,9 @@ class _EagleBase(Proposer):
             return feats
         return torch.cat([kept[:cached], feats])
 
-    @staticmethod
-    def _trim_pending(st: dict) -> None:
-        """Keep at most PROMPT_WINDOW queued rows. A long stretch without drafts (a prompt, or the steps
-        adaptive k made plain: a busy server's rows for thousands of steps) keeps only its newest rows,
-        and the head restarts from them at their true positions: its committed rows would no longer be
-        followed by the next ones. Bounds the queue's memory and the digest that ends such a stretch."""
-        pending = st["pending"]
-        over = st["queued"] - PROMPT_WINDOW
-        if over <= 0:
-            return
-        st["offset"] += st["len"] + over  # the position of the first kept row: the restarted cache's row 0
-        st["len"], st["queued"] = 0, PROMPT_WINDOW
-        while over >= len(pending[0][1]):
-            over -= len(pending.pop(0)[1])
-        if over:
-            feats, toks = pending[0]
-            pending[0] = (feats[over:], toks[over:])
-
-    def _take_pending(self, state: RequestState) -> tuple[torch.Tensor, list[int]] | None:
-        """The rows the target accepted since the request last drafted (features [n, .], next tokens), taken
-        off its queue; None if there are none."""
-        pending = state.draft.get("pending")
-        if not pending:
-            return None
-        feats = torch.cat([f for f, _ in pending])  # [n, H] or [n, 3H]: n <= PROMPT_WINDOW (_trim_pending)
-        tokens = [t for _, toks in pending for t in toks]
-        pending.clear()
-        state.draft["queued"] = 0
-        return feats, tokens
-
     def _flush(self, states: list[RequestState]) -> None:
         """Digest the rows the target accepted since each request last drafted (one head pass for all)."""
-        work = [(state, *rows) for state in states if (rows := self._take_pending(state)) is not None]
+        work = [(state, *rows) for state in states if (rows := eagle_rows.take_pending(state.draft)) is not None]
         if work:
             self._timed_commit(work)
 
@@ -261,7 +218,7 @@ class _EagleBase(Proposer):
         tokens kept) or tree (cut to k nodes) in one replay (GraphedHead.digest_and_draft); None where it
         does not apply (then the eager way)."""
         st = state.draft
-        rows = self._take_pending(state)
+        rows = eagle_rows.take_pending(state.draft)
         if rows is not None and len(rows[1]) > TOKEN_BUCKETS[-1]:  # a prompt's first digest: its own pass
             self._timed_commit([(state, *rows)])
             rows = None
@@ -396,7 +353,7 @@ class _EagleBase(Proposer):
     def end(self, state: RequestState) -> None:
         context = state.draft.get("context")
         if context:  # rows 0..R-1 in order: R = len(state.prompt_ids) + the accepted rows since
-            feats = torch.cat(context)[:KEPT_ROWS]
+            feats = torch.cat(context)[:eagle_rows.KEPT_ROWS]
             self._kept = (list(state.token_ids[:feats.shape[0]]), feats)
         state.draft.clear()
 
