@@ -90,6 +90,11 @@ BAD = [
     ("/v1/completions", {"prompt": [10**9]}, "prompt"),
     ("/v1/completions", {"prompt": "hi", "speculative": "no-such-method"}, "speculative"),
     ("/v1/completions", {"prompt": "hi", "response_format": {"type": "xml"}}, "response_format"),
+    # automata that would take minutes and gigabytes to build: refused before compiling (regex_size)
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "regex", "regex": "(a|b)*c{1000000}"}},
+     "response_format"),
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "string", "maxLength": 1000000}}}}, "response_format"),
     ("/v1/completions", {"max_tokens": 3}, "prompt"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.config import ConfigError
+from specdec.engine.regex_size import regex_size
 
 try:
     import outlines_core
@@ -24,6 +25,9 @@ except ImportError:  # optional: `pip install outlines-core` (the serve extra)
     outlines_core = None
 
 MASK_CACHE = 4096  # allowed-token masks kept per grammar (states are revisited constantly)
+# the most states a response_format's regex may have by regex_size's bound (~5 s of compiling at most
+# here; a counted repetition like c{1000000} ran for minutes and took gigabytes)
+MAX_REGEX_STATES = 10_000
 
 
 def available() -> bool:
@@ -137,6 +141,7 @@ class GrammarCompiler:
         self._vocab = None
         self._cache: OrderedDict[str, Grammar] = OrderedDict()
         self._lock = threading.Lock()
+        self._compiling = threading.Lock()  # one compile at a time: a burst of them does not starve the engine
         eos = tokenizer.eos_token
         eos_id = tokenizer._tok.token_to_id(eos) if eos else None
         self.eos_id = eos_id if eos_id is not None else min(tokenizer.eos_token_ids or {0})
@@ -176,18 +181,31 @@ class GrammarCompiler:
         regex = self.regex_for(response_format)
         if regex is None:
             return None
+        g = self._cached(regex)
+        if g is not None:
+            return g
+        states = regex_size(regex)
+        if states > MAX_REGEX_STATES:
+            raise ConfigError(f"response_format is too large to compile: its regex may need {states} states "
+                              f"(at most {MAX_REGEX_STATES}; counted repetitions such as {{n}} multiply them)")
+        with self._compiling:
+            g = self._cached(regex)  # (compiled meanwhile by the request this one waited for)
+            if g is not None:
+                return g
+            try:
+                index = outlines_core.Index(regex, self._vocabulary())
+            except (ValueError, TypeError, RuntimeError) as e:
+                raise ConfigError(f"cannot compile this response_format: {str(e).splitlines()[0][:200]}") from None
+            g = Grammar(index, self.eos_id, self.vocab_size)
+            with self._lock:
+                self._cache[regex] = g
+                if len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
+        return g
+
+    def _cached(self, regex: str) -> Grammar | None:
         with self._lock:
             g = self._cache.get(regex)
             if g is not None:
                 self._cache.move_to_end(regex)
-                return g
-        try:
-            index = outlines_core.Index(regex, self._vocabulary())
-        except (ValueError, TypeError, RuntimeError) as e:
-            raise ConfigError(f"cannot compile this response_format: {str(e).splitlines()[0][:200]}") from None
-        g = Grammar(index, self.eos_id, self.vocab_size)
-        with self._lock:
-            self._cache[regex] = g
-            if len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-        return g
+            return g

@@ -1,0 +1,18 @@
+"""regex_size: the bound on a response_format regex's automaton that the server checks before compiling."""
+import pytest
+
+from specdec.engine.regex_size import regex_size
+
+
+@pytest.mark.parametrize("regex,size", [
+    ("abc", 3), ("a|bc", 3), ("(ab){3}", 6), ("a{2,5}", 5), ("a{5,}", 5), ("[a-z]{10}", 10),
+    (r"\d{3}-\d{4}", 8), ("((a{10}){10}){10}", 1000), ("(a|b)*c{1000000}", 1000002), ("[]a]{4}", 4),
+    ("x*y+z?", 3), ("a{", 2),
+])
+def test_regex_size_counts_states_and_multiplies_counted_repetitions(regex, size):
+    assert regex_size(regex) == size
+
+
+def test_regex_size_is_iterative_and_bounds_an_unclosed_group():
+    assert regex_size("(" * 5000 + "a" + ")" * 5000) == 1  # no recursion: any nesting depth
+    assert regex_size("(unclosed") == 8
