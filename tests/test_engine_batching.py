@@ -190,6 +190,22 @@ def test_structured_output_with_speculation_is_valid_and_exact(plain, ngram):
     assert outs["plain"][("re", 0)]["ids"] == outs["spec"][("re", 0)]["ids"]
 
 
+@pytest.mark.skipif(not available(), reason="outlines-core is not installed")
+def test_grammar_warm_up_compiles_json_object_in_the_background(plain):
+    """The server warms json_object's grammar at start (its first compile took ~5 s on the real vocabulary);
+    a request then gets the compiled one. A regex too large to compile is refused before compiling."""
+    import threading
+    from specdec.config import ConfigError
+    gc = GrammarCompiler(plain.tokenizer, plain.model.config.vocab_size)
+    gc.warm_up()
+    for t in [t for t in threading.enumerate() if t.name == "grammar-warm-up"]:
+        t.join(120)
+    warmed = gc._cached(gc.regex_for({"type": "json_object"}))
+    assert warmed is not None and gc.compile({"type": "json_object"}) is warmed
+    with pytest.raises(ConfigError, match="too large"):
+        gc.compile({"type": "regex", "regex": "(a|b)*c{20000}"})
+
+
 def test_too_long_prompt_is_refused(plain):
     eng = Engine(plain, EngineConfig())
     with pytest.raises(ValueError):

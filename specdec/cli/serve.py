@@ -68,6 +68,7 @@ def build_server(args, engine_on_caller: bool = False):
     # the engine loop runs on the main thread (run()), uvicorn on another: see specdec/engine/async_engine.py
     state = ServerState(AsyncEngine(engine, on_stats=metrics.on_stats, own_thread=not engine_on_caller), name, args.api_key or None,
                         args.max_queued_requests, args.max_body_bytes, args.max_header_bytes, metrics=metrics)
+    state.grammars.warm_up()  # json_object's grammar, compiled in the background (its first use waited ~5 s)
     config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=args.log_level, http="h11",
                             h11_max_incomplete_event_size=args.max_header_bytes,
                             timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on")

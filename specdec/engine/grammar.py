@@ -203,6 +203,13 @@ class GrammarCompiler:
                     self._cache.popitem(last=False)
         return g
 
+    def warm_up(self) -> None:
+        """Compile the generic JSON object's grammar (response_format json_object) on a daemon thread, so
+        that the first request for it does not wait: on a 2-vCPU Xeon it takes ~5 s (SmolLM2's 49k tokens)."""
+        if available():
+            threading.Thread(target=self.compile, args=({"type": "json_object"},), daemon=True,
+                             name="grammar-warm-up").start()
+
     def _cached(self, regex: str) -> Grammar | None:
         with self._lock:
             g = self._cache.get(regex)
