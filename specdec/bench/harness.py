@@ -164,7 +164,6 @@ def set_threads(threads: int | None) -> int:
 DEFAULT_METHOD_CONFIGS: dict[str, dict] = {"draft_model": {}, "ngram": {}, "suffix": {}, "layerskip": {},
                                            "lookahead": {}, "recycle": {}}
 DEFAULT_PAIRS = ("qdraft+ngram",)  # model drafter + lookup pairs run by default beside the methods
-PEER_FAMILIES = ("transformers", "llama.cpp")
 
 
 @dataclass(frozen=True)
@@ -193,6 +192,8 @@ class BenchConfig:
     amx: bool = False  # bf16 on an AMX CPU: every model of ours on AMX tiles (quant/bf16.py use_amx_tiles)
 
     def __post_init__(self):
+        from specdec.bench.peers import PEER_FAMILIES
+
         # named systems checked before anything loads: a typo fails now, not after minutes of measuring
         for name in (self.methods or ()) + tuple(self.method_configs) + (self.sweep_methods or ()):
             check_method_name(name)

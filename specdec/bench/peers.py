@@ -230,6 +230,9 @@ def gguf_at_precision(src: Path, precision: str) -> Path:
     return out
 
 
+PEER_FAMILIES = (TransformersSystem.family, LlamaCppSystem.family)  # what --peers names (or their systems)
+
+
 def make_peers(model_dir: Path, dtype: torch.dtype, threads: int, n_ctx: int, eos_ids, draft_dir: Path | None,
                which: tuple[str, ...] | None = None) -> tuple[list[System], list[tuple[str, str]]]:
     """The peer systems to try, and (name, reason) for those that cannot run here."""

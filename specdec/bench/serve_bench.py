@@ -35,6 +35,7 @@ import time
 from itertools import islice
 from pathlib import Path
 
+from specdec.cli._common import at_least
 from specdec.config import ConfigError, check_method_name, split_method
 from specdec.jsonstream import iter_json_array
 
@@ -50,17 +51,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bf16 on an AMX CPU: the servers' passes on AMX tiles (serve's default; --no-amx: vdpbf16ps)")
     p.add_argument("--speculative-method", default="ngram",
                    help="the 'on' setting's method; METHOD+LOOKUP pairs a model drafter with a lookup (qdraft+ngram)")
-    p.add_argument("--num-speculative-tokens", type=int, default=None, help="fix k (default: adaptive)")
+    p.add_argument("--num-speculative-tokens", type=at_least(1), default=None, help="fix k (default: adaptive)")
     p.add_argument("--settings", default="off,on", help="which of off,on to run")
     p.add_argument("--concurrency", default="1,4,16")
     p.add_argument("--request-rate", default="inf", help="requests/s, comma-separated; inf = all at once")
-    p.add_argument("--num-prompts", type=int, default=None, help="per run (default: max(8, 2 x concurrency))")
-    p.add_argument("--repeats", type=int, default=1,
+    p.add_argument("--num-prompts", type=at_least(1), default=None, help="per run (default: max(8, 2 x concurrency))")
+    p.add_argument("--repeats", type=at_least(1), default=1,
                    help="runs of each concurrency, each on prompts of its own (a repeat on the same prompts would "
                         "find them in the prefix cache); the on/off TPOT ratio is reported per run, median and range")
-    p.add_argument("--max-prompt-tokens", type=int, default=256)
-    p.add_argument("--max-output-tokens", type=int, default=64)
-    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-prompt-tokens", type=at_least(1), default=256)
+    p.add_argument("--max-output-tokens", type=at_least(1), default=64)
+    p.add_argument("--max-num-seqs", type=at_least(1), default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--url", default=None, help="drive a running server instead (one setting, named 'server')")
     p.add_argument("--out", type=Path, default=Path("bench-out/serving"))
@@ -288,8 +289,9 @@ def _numbers(text: str, kind, flag: str) -> list:
 
 
 def check_args(args) -> tuple[list[int], list[float]]:
-    """The concurrencies and request rates, every other setting checked before a server starts (a bad one
-    failed late, or never: concurrency 0 waited on nothing); the output directory made."""
+    """The concurrencies and request rates, the method and settings checked before a server starts (a bad
+    one failed late, or never: concurrency 0 waited on nothing; counts parse with their floor, at_least);
+    the output directory made."""
     concs = _numbers(args.concurrency, int, "--concurrency")
     rates = _numbers(args.request_rate, float, "--request-rate")
     if not args.url:
@@ -297,11 +299,6 @@ def check_args(args) -> tuple[list[int], list[float]]:
         bad = [s for s in args.settings.split(",") if s and s not in ("off", "on")]
         if bad or not args.settings.strip(","):
             raise ConfigError(f"--settings takes off and/or on, got {args.settings!r}")
-    for flag, value in (("--num-prompts", args.num_prompts), ("--repeats", args.repeats),
-                        ("--max-prompt-tokens", args.max_prompt_tokens), ("--max-output-tokens", args.max_output_tokens),
-                        ("--max-num-seqs", args.max_num_seqs), ("--num-speculative-tokens", args.num_speculative_tokens)):
-        if value is not None and value < 1:
-            raise ConfigError(f"{flag} must be >= 1, got {value}")
     args.out.mkdir(parents=True, exist_ok=True)
     return concs, rates
 

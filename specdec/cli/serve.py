@@ -12,7 +12,7 @@ import os
 import signal
 import threading
 
-from specdec.cli._common import add_model_args, add_spec_args, spec_config_from_args
+from specdec.cli._common import add_model_args, add_spec_args, at_least, spec_config_from_args
 from specdec.config import ConfigError
 
 
@@ -26,15 +26,15 @@ def register(sub) -> None:
     g.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $SPECDEC_API_KEY, else none)")
     g.add_argument("--served-model-name", default=None, help="the model id clients use (default: MODEL)")
-    g.add_argument("--max-queued-requests", type=int, default=64, help="waiting sequences before 429")
-    g.add_argument("--max-body-bytes", type=int, default=1 << 20)
-    g.add_argument("--max-header-bytes", type=int, default=16 << 10)
+    g.add_argument("--max-queued-requests", type=at_least(1), default=64, help="waiting sequences before 429")
+    g.add_argument("--max-body-bytes", type=at_least(1), default=1 << 20)
+    g.add_argument("--max-header-bytes", type=at_least(1), default=16 << 10)
     g.add_argument("--shutdown-timeout", type=int, default=30, help="seconds SIGTERM waits for in-flight requests")
     g.add_argument("--log-level", default="warning")
     e = p.add_argument_group("engine")
-    e.add_argument("--max-num-seqs", type=int, default=16, help="sequences in the running batch")
-    e.add_argument("--max-num-batched-tokens", type=int, default=256, help="prefill tokens per step (padded)")
-    e.add_argument("--block-size", type=int, default=16)
+    e.add_argument("--max-num-seqs", type=at_least(1), default=16, help="sequences in the running batch")
+    e.add_argument("--max-num-batched-tokens", type=at_least(1), default=256, help="prefill tokens per step (padded)")
+    e.add_argument("--block-size", type=at_least(1), default=16)
     e.add_argument("--num-kv-blocks", type=int, default=None)
     e.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
     p.set_defaults(func=run)
@@ -51,10 +51,6 @@ def build_server(args, engine_on_caller: bool = False):
     from specdec.serve.api_server import ServerState, build_app
     from specdec.serve.metrics import ServerMetrics
 
-    for name in ("max_num_seqs", "max_queued_requests", "max_num_batched_tokens", "block_size", "max_body_bytes",
-                 "max_header_bytes"):
-        if getattr(args, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
     if not 0 <= args.port <= 65535:  # checked before the model loads, not by the socket after it
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
     llm = LLM(args.model, speculative_config=spec_config_from_args(args), dtype=args.dtype,
