@@ -189,7 +189,8 @@ def start_server(args, speculative: bool) -> tuple[subprocess.Popen, str]:
 
     port = _free_port()
     argv = ["serve", args.model, "--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--port",
-            str(port), "--max-num-seqs", str(args.max_num_seqs), "--max-queued-requests", "1024"]
+            str(port), "--max-num-seqs", str(args.max_num_seqs), "--max-queued-requests", "1024",
+            "--no-grammar-warm-up"]  # no grammar here: its background compile would share the first run's cores
     if args.threads:
         argv += ["--threads", str(args.threads)]
     argv += ["--amx" if args.amx else "--no-amx"]

@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import argparse
 import gc
 import logging
 import os
@@ -31,6 +32,9 @@ def register(sub) -> None:
     g.add_argument("--max-header-bytes", type=at_least(1), default=16 << 10)
     g.add_argument("--shutdown-timeout", type=int, default=30, help="seconds SIGTERM waits for in-flight requests")
     g.add_argument("--log-level", default="warning")
+    g.add_argument("--grammar-warm-up", action=argparse.BooleanOptionalAction, default=True,
+                   help="compile response_format json_object's grammar in the background at start, at the lowest "
+                        "CPU priority (~5 s of one core; its first request then does not wait for it)")
     e = p.add_argument_group("engine")
     e.add_argument("--max-num-seqs", type=at_least(1), default=16, help="sequences in the running batch")
     e.add_argument("--max-num-batched-tokens", type=at_least(1), default=256, help="prefill tokens per step (padded)")
@@ -64,7 +68,8 @@ def build_server(args, engine_on_caller: bool = False):
     # the engine loop runs on the main thread (run()), uvicorn on another: see specdec/engine/async_engine.py
     state = ServerState(AsyncEngine(engine, on_stats=metrics.on_stats, own_thread=not engine_on_caller), name, args.api_key or None,
                         args.max_queued_requests, args.max_body_bytes, args.max_header_bytes, metrics=metrics)
-    state.grammars.warm_up()  # json_object's grammar, compiled in the background (its first use waited ~5 s)
+    if args.grammar_warm_up:  # json_object's grammar, compiled in the background (its first use waited ~5 s)
+        state.grammars.warm_up()
     config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=args.log_level, http="h11",
                             h11_max_incomplete_event_size=args.max_header_bytes,
                             timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on")
