@@ -11,6 +11,7 @@ import torch
 from specdec.proposers.head_io import make_head, save_head
 from specdec.proposers.heads import HeadConfig
 from specdec.sampling_params import SamplingParams
+from specdec.spec.proposer import Proposal
 
 
 def random_head(target, kind: str, out: Path, draft_vocab: int = 0, seed: int = 0) -> Path:
@@ -200,6 +201,61 @@ def test_the_heads_c_layer_equals_its_torch_layer_and_each_row_is_what_it_is_alo
             alone.append(head.forward_rows(emb[:, rows], hid[:, rows], pos[:, rows], [c], [n]))
             start += n
     assert torch.equal(both, torch.cat(alone, dim=1))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_chains_in_one_c_call_draft_what_the_loop_drafts(tiny, tmp_path, monkeypatch, dtype):
+    """EAGLE-3's greedy chains go through one C call (head_chain.c: each depth's norm, LM head, argmax,
+    embedding and layer) for the offline decoder's row and the serving engine's rows together: every
+    proposal is the one the Python loop drafts, and the outputs are plain decoding's (bf16: the target's
+    embedding a bf16 table, widened by the C call as its rows() does)."""
+    from specdec.engine.engine import Engine, EngineConfig, EngineRequest
+    from specdec.kernels import layer as c_layer
+    from specdec.llm import LLM
+    if c_layer._load() is None:
+        pytest.skip("no compiled kernels")
+    d, plain = tiny
+    head = random_head(plain.model, "eagle3", tmp_path / "head", draft_vocab=512)
+    plain = plain if dtype == "float32" else LLM(str(d), dtype=dtype, progress=False)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompts = [plain.tokenizer.encode(p) for p in ("Hello there, 1 2 3 4", "The cat sat on the mat", "a b c d e f")]
+    c_calls = []
+
+    def drafted(use_c: bool) -> tuple[list, list]:
+        """Each run on a fresh LLM: the offline decoder keeps a prompt's prefix between requests."""
+        spec = LLM(str(d), dtype=dtype, progress=False, speculative_config={
+            "method": "eagle3", "model": str(head), "num_steps": 4, "num_speculative_tokens": 4})
+        eagle = spec.proposer
+        real_chains, real_loop = eagle.head.draft_chains, type(eagle)._greedy_chains
+        proposals = []
+
+        def chains_in_c(*args):  # use_c False: the C call declines, the loop drafts
+            c_calls.append(real_chains(*args) if use_c else None)
+            return c_calls[-1]
+
+        def recorded(states, ks):
+            proposals.append([p.tokens for p in real_loop(eagle, states, ks)])
+            return [Proposal(t) for t in proposals[-1]]
+
+        monkeypatch.setattr(eagle.head, "draft_chains", chains_in_c)
+        monkeypatch.setattr(eagle, "_greedy_chains", recorded)
+        outs = [spec.generate_one(ids, params).token_ids for ids in prompts]
+        engine = Engine(spec, EngineConfig(max_num_seqs=4, block_size=8))
+        for i, ids in enumerate(prompts):
+            engine.add_request(EngineRequest(str(i), ids, params))
+        got = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                got.setdefault(o.request_id, []).extend(o.token_ids)
+        return proposals, outs + [got[str(i)] for i in range(len(prompts))]
+
+    with_c, outs_c = drafted(True)
+    assert c_calls and all(c is not None for c in c_calls)  # the C call did answer
+    loop, outs_loop = drafted(False)
+    assert any(len(rows) > 1 for rows in with_c)  # the engine's rows drafted together
+    assert with_c == loop
+    want = [plain.generate_one(ids, params).token_ids for ids in prompts]
+    assert outs_c == outs_loop == want + want
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])

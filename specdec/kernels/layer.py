@@ -50,6 +50,12 @@ class _LayerShape(ctypes.Structure):
                 ("num_seqs", c_int64), ("seqs", ctypes.POINTER(_SeqCache))]
 
 
+class _ChainHead(ctypes.Structure):
+    _fields_ = [("norm", c_void_p), ("lm_head", _Linear), ("draft_ids", c_void_p), ("embed", c_void_p),
+                ("embed_bf16", c_int64), ("vocab", c_int64), ("input_norm", c_void_p), ("hidden_norm", c_void_p),
+                ("eps", c_float)]
+
+
 @functools.cache
 def _load():
     """The kernel library with this module's functions declared, or None."""
@@ -61,6 +67,9 @@ def _load():
         lib.specdec_head_layer_f32.argtypes = [c_void_p, c_void_p, ctypes.POINTER(_LayerWeights),
                                                ctypes.POINTER(_LayerShape)]
         lib.specdec_head_layer_f32.restype = ctypes.c_int
+        lib.specdec_head_chains_f32.argtypes = [c_void_p, ctypes.POINTER(_ChainHead), ctypes.POINTER(_LayerWeights),
+                                                ctypes.POINTER(_LayerShape), c_void_p, c_void_p, c_int64, c_void_p]
+        lib.specdec_head_chains_f32.restype = ctypes.c_int
     return lib
 
 
@@ -287,3 +296,54 @@ def head_layer(desc: _LayerWeights, x: torch.Tensor, attn_in: torch.Tensor, cach
     if _load().specdec_head_layer_f32(out.data_ptr(), attn_in.data_ptr(), ctypes.byref(desc), ctypes.byref(shape)) != 0:
         raise MemoryError("head layer kernel: out of memory for its buffers")
     return out
+
+
+def describe_head_chain(norm: torch.Tensor, lm_head, draft_ids: torch.Tensor, embed: torch.Tensor,
+                        input_norm: torch.Tensor, hidden_norm: torch.Tensor, eps: float) -> _ChainHead | None:
+    """An EAGLE-3 head's drafting weights for head_chains: its final norm, LM head and draft ids, the
+    target's embedding table (fp32, or a bf16 table whose rows widen exactly) and the layer's two input
+    norms; None where head_chain.c cannot run them."""
+    lin = _describe(lm_head, None)
+    if (lin is None or not all(_cpu_f32(t) for t in (norm, input_norm, hidden_norm))
+            or draft_ids.dtype is not torch.int64 or not draft_ids.is_contiguous() or draft_ids.device.type != "cpu"
+            or embed.device.type != "cpu" or not embed.is_contiguous()
+            or embed.dtype not in (torch.float32, torch.bfloat16) or embed.shape[1] != lin.K):
+        return None
+    return _ChainHead(norm.data_ptr(), lin, draft_ids.data_ptr(), embed.data_ptr(), int(embed.dtype is torch.bfloat16),
+                      embed.shape[0], input_norm.data_ptr(), hidden_norm.data_ptr(), eps)
+
+
+def head_chains(chain: _ChainHead, desc: _LayerWeights, g: torch.Tensor, caches: Sequence, starts: Sequence[int],
+                ks: Sequence[int], cos: torch.Tensor, sin: torch.Tensor, n_heads: int,
+                eps: float) -> list[list[int]] | None:
+    """Greedy chains of ks[b] draft tokens (target ids) for the rows b in one C call (head_chain.c): g [B, H]
+    the rows' head outputs where their chains start, caches their DraftKV (`length`: the committed rows; the
+    chain's rows are written after them, the lengths are the caller's to advance), starts[b] the position
+    of row b's first forward. None where it does not apply (then the caller's loop, which gives the same)."""
+    B, H = g.shape
+    if (not 0 < B <= MAX_ROWS or len(caches) != B or min(ks) < 1 or torch.is_grad_enabled() or _load() is None
+            or not _cpu_f32(g) or not (_cpu_f32(cos) and _cpu_f32(sin))
+            or max(s + k - 2 for s, k in zip(starts, ks)) >= cos.shape[0]):
+        return None
+    seqs = (_SeqCache * B)()
+    for seq, cache, k in zip(seqs, caches, ks):
+        if not (_cpu_f32(cache.k) and _cpu_f32(cache.v)) or cache.length + k - 1 > cache.k.shape[2]:
+            return None
+        seq.k_cache, seq.v_cache = cache.k.data_ptr(), cache.v.data_ptr()
+        seq.past, seq.count, seq.max_len = cache.length, 1, cache.k.shape[2]
+    _, n_kv, _, D = caches[0].k.shape
+    shape = _LayerShape(cos.data_ptr(), sin.data_ptr(), None, None, B, H, n_heads, n_kv, D, 0, 0, eps,
+                        1.0 / math.sqrt(D), 0, 0, None, None, 0, None, None, None, 0, B, seqs)
+    kmax = max(ks)
+    pos0 = torch.tensor(list(starts), dtype=torch.int64)
+    row_ks = torch.tensor(list(ks), dtype=torch.int64)
+    tokens = torch.empty(B, kmax, dtype=torch.int64)
+    work = g.clone()  # (the kernel overwrites it with each depth's outputs)
+    rc = _load().specdec_head_chains_f32(work.data_ptr(), ctypes.byref(chain), ctypes.byref(desc),
+                                         ctypes.byref(shape), pos0.data_ptr(), row_ks.data_ptr(), kmax,
+                                         tokens.data_ptr())
+    if rc == -1:
+        raise MemoryError("head chain kernel: out of memory for its buffers")
+    if rc != 0:
+        return None
+    return [row[:k] for row, k in zip(tokens.tolist(), ks)]

@@ -300,6 +300,12 @@ class _EagleBase(Proposer):
         """Row i drafts ks[i] tokens; each depth forwards the rows still drafting in one pass. With a
         draft_confidence_threshold a row stops after a token whose draft probability is below it."""
         g = torch.cat([s.draft["g"][0] for s in states])  # [B, H]
+        if not self.threshold and self.graphed is None:  # the whole loop below in one C call, where it applies
+            drafted = self.head.draft_chains(g, [s.draft["cache"] for s in states],
+                                             [s.draft["offset"] + s.draft["len"] for s in states], ks, self.embed,
+                                             self.draft_ids)
+            if drafted is not None:
+                return [Proposal(t, None) for t in drafted]
         tokens: list[list[int]] = [[] for _ in states]
         live = list(range(len(states)))
         for d in range(1, max(ks) + 1):

@@ -23,7 +23,7 @@ import torch
 from specdec.cache.draft_kv import DraftKV
 from specdec.config import ConfigError
 from specdec.kernels import MAX_ROWS, linear
-from specdec.kernels.layer import describe_head_layer, head_layer
+from specdec.kernels.layer import describe_head_chain, describe_head_layer, head_chains, head_layer
 from specdec.model.layers import Rotary, grouped_sdpa, sdpa
 from specdec.proposers.head_layer import EagleLayer, RMSNorm, stacked_weight
 from specdec.quant.bf16 import Bf16Weight, pack_tiles
@@ -237,6 +237,45 @@ class EagleHead(torch.nn.Module):
         if kept is None or kept[0] != key:  # (kept[1] holds the parts alive: their ids are not reused)
             kept = (key, parts, describe_head_layer(norm, *parts))
             self.__dict__["_c_layer"] = kept
+        return kept[2]
+
+    def draft_chains(self, g: torch.Tensor, caches: list[DraftKV], starts: list[int], ks: list[int],
+                     embed: torch.nn.Module, draft_ids: torch.Tensor) -> list[list[int]] | None:
+        """EAGLE-3 greedy chains in one C call (kernels/layer.py's head_chains), the tokens a loop of
+        logits / argmax / forward_rows gives: g [B, H] the rows' outputs where their chains start, caches
+        (their lengths advanced here by the chain's rows), starts[b] the position of row b's first forward,
+        ks[b] tokens, embed the target's embedding, draft_ids the target id of each draft id. None where
+        it does not apply (then the caller's loop)."""
+        if self.cfg.kind != "eagle3" or g.device.type != "cpu":
+            return None
+        layer, chain = self._layer_description(), self._chain_description(embed, draft_ids)
+        if layer is None or chain is None:
+            return None
+        tokens = head_chains(chain, layer, g, caches, starts, ks, self.rotary.cos, self.rotary.sin,
+                             self.cfg.num_attention_heads, self.cfg.rms_norm_eps)
+        if tokens is not None:
+            for cache, k in zip(caches, ks):
+                cache.length += k - 1
+        return tokens
+
+    def _chain_description(self, embed: torch.nn.Module, draft_ids: torch.Tensor):
+        """describe_head_chain's description, kept while the weights it points at are the same; None where the
+        C chain does not apply (an embedding table that is not fp32 or bf16, norms of other eps)."""
+        table = getattr(embed, "weight", None)
+        table = getattr(table, "qweight", table)  # a packed bf16 table's rows widen exactly (QEmbedding)
+        lm_head, layer = stacked_weight(self, ("lm_head",)), self.midlayer
+        norms = (self.norm, layer.input_layernorm, layer.hidden_norm)
+        key = (id(lm_head), getattr(lm_head, "tiles", None) is not None, getattr(lm_head, "round_inputs", False),
+               *((n.weight.data_ptr(), n.weight._version) for n in norms),
+               None if table is None else (table.data_ptr(), table._version), draft_ids.data_ptr(), draft_ids._version)
+        kept = self.__dict__.get("_c_chain")
+        if kept is None or kept[0] != key:
+            ok = (isinstance(table, torch.Tensor) and len({n.eps for n in norms}) == 1
+                  and (isinstance(embed, torch.nn.Embedding) or hasattr(embed.weight, "qweight")))
+            desc = describe_head_chain(self.norm.weight, lm_head, draft_ids, table, layer.input_layernorm.weight,
+                                       layer.hidden_norm.weight, self.norm.eps) if ok else None
+            kept = (key, (lm_head, table, draft_ids), desc)  # (holds what desc points at)
+            self.__dict__["_c_chain"] = kept
         return kept[2]
 
     def _layer_weights(self) -> tuple:
