@@ -206,9 +206,9 @@ def test_the_heads_c_layer_equals_its_torch_layer_and_each_row_is_what_it_is_alo
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_greedy_chains_in_one_c_call_draft_what_the_loop_drafts(tiny, tmp_path, monkeypatch, dtype):
     """EAGLE-3's greedy chains go through one C call (head_chain.c: each depth's norm, LM head, argmax,
-    embedding and layer) for the offline decoder's row and the serving engine's rows together: every
-    proposal is the one the Python loop drafts, and the outputs are plain decoding's (bf16: the target's
-    embedding a bf16 table, widened by the C call as its rows() does)."""
+    embedding and layer) for the offline decoder's row and the serving engine's rows together, and so does
+    the digest of the rows accepted before them: every proposal is the one the Python calls draft, and the
+    outputs are plain decoding's (bf16: the target's embedding a bf16 table, widened as its rows() does)."""
     from specdec.engine.engine import Engine, EngineConfig, EngineRequest
     from specdec.kernels import layer as c_layer
     from specdec.llm import LLM
@@ -226,11 +226,15 @@ def test_greedy_chains_in_one_c_call_draft_what_the_loop_drafts(tiny, tmp_path, 
         spec = LLM(str(d), dtype=dtype, progress=False, speculative_config={
             "method": "eagle3", "model": str(head), "num_steps": 4, "num_speculative_tokens": 4})
         eagle = spec.proposer
-        real_chains, real_loop = eagle.head.draft_chains, type(eagle)._greedy_chains
+        real_chains, real_digest, real_loop = eagle.head.draft_chains, eagle.head.digest, type(eagle)._greedy_chains
         proposals = []
 
-        def chains_in_c(*args):  # use_c False: the C call declines, the loop drafts
+        def chains_in_c(*args):  # use_c False: the C calls decline, the Python ones run
             c_calls.append(real_chains(*args) if use_c else None)
+            return c_calls[-1]
+
+        def digest_in_c(*args):
+            c_calls.append(real_digest(*args) if use_c else None)
             return c_calls[-1]
 
         def recorded(states, ks):
@@ -238,6 +242,7 @@ def test_greedy_chains_in_one_c_call_draft_what_the_loop_drafts(tiny, tmp_path, 
             return [Proposal(t) for t in proposals[-1]]
 
         monkeypatch.setattr(eagle.head, "draft_chains", chains_in_c)
+        monkeypatch.setattr(eagle.head, "digest", digest_in_c)
         monkeypatch.setattr(eagle, "_greedy_chains", recorded)
         outs = [spec.generate_one(ids, params).token_ids for ids in prompts]
         engine = Engine(spec, EngineConfig(max_num_seqs=4, block_size=8))
@@ -250,7 +255,7 @@ def test_greedy_chains_in_one_c_call_draft_what_the_loop_drafts(tiny, tmp_path, 
         return proposals, outs + [got[str(i)] for i in range(len(prompts))]
 
     with_c, outs_c = drafted(True)
-    assert c_calls and all(c is not None for c in c_calls)  # the C call did answer
+    assert c_calls and all(c is not None for c in c_calls)  # the C calls did answer
     loop, outs_loop = drafted(False)
     assert any(len(rows) > 1 for rows in with_c)  # the engine's rows drafted together
     assert with_c == loop
@@ -622,6 +627,7 @@ def test_engine_rows_draft_together_as_each_would_alone(tiny, tmp_path, kind, mo
     reqs = [EngineRequest(str(i), plain.tokenizer.encode(t), params) for i, t in enumerate(texts)]
     drafts, widths = defaultdict(list), []
     draft, forward_rows = eagle._EagleBase._draft, EagleHead.forward_rows
+    digest, chains = EagleHead.digest, EagleHead.draft_chains  # (eagle3's C calls, rows together likewise)
 
     def log_drafts(self, states, ks, trees):  # (what propose and propose_batch both run)
         out = draft(self, states, ks, trees)
@@ -633,8 +639,16 @@ def test_engine_rows_draft_together_as_each_would_alone(tiny, tmp_path, kind, mo
         widths.append(len(sizes))
         return forward_rows(self, embeds, hidden, positions, caches, sizes)
 
+    def log_c_width(real, caches_at: int):
+        def logged(self, *args):
+            widths.append(len(args[caches_at]))
+            return real(self, *args)
+        return logged
+
     monkeypatch.setattr(eagle._EagleBase, "_draft", log_drafts)
     monkeypatch.setattr(EagleHead, "forward_rows", log_width)
+    monkeypatch.setattr(EagleHead, "digest", log_c_width(digest, 2))
+    monkeypatch.setattr(EagleHead, "draft_chains", log_c_width(chains, 1))
     for r in reqs:
         spec.generate_one(r.prompt_ids, params)
     alone, widths[:] = dict(drafts), []

@@ -70,6 +70,9 @@ def _load():
         lib.specdec_head_chains_f32.argtypes = [c_void_p, ctypes.POINTER(_ChainHead), ctypes.POINTER(_LayerWeights),
                                                 ctypes.POINTER(_LayerShape), c_void_p, c_void_p, c_int64, c_void_p]
         lib.specdec_head_chains_f32.restype = ctypes.c_int
+        lib.specdec_head_digest_f32.argtypes = [c_void_p, c_void_p, ctypes.POINTER(_Linear), ctypes.POINTER(_ChainHead),
+                                                ctypes.POINTER(_LayerWeights), ctypes.POINTER(_LayerShape), c_void_p]
+        lib.specdec_head_digest_f32.restype = ctypes.c_int
     return lib
 
 
@@ -313,6 +316,50 @@ def describe_head_chain(norm: torch.Tensor, lm_head, draft_ids: torch.Tensor, em
                       embed.shape[0], input_norm.data_ptr(), hidden_norm.data_ptr(), eps)
 
 
+def describe_linear(weight) -> _Linear | None:
+    """The C description of linear(x, weight) (no bias), or None where layer.c cannot run it."""
+    return _describe(weight, None)
+
+
+def _seq_caches(caches: Sequence, counts: Sequence[int]):
+    """The DraftKV caches as layer.c's SeqCache array (each `count` new rows after its `length`), or None
+    where one is not an fp32 cache with room for them."""
+    seqs = (_SeqCache * len(caches))()
+    for seq, cache, n in zip(seqs, caches, counts):
+        if not (_cpu_f32(cache.k) and _cpu_f32(cache.v)) or cache.length + n > cache.k.shape[2]:
+            return None
+        seq.k_cache, seq.v_cache = cache.k.data_ptr(), cache.v.data_ptr()
+        seq.past, seq.count, seq.max_len = cache.length, n, cache.k.shape[2]
+    return seqs
+
+
+def head_digest(chain: _ChainHead, fc: _Linear, desc: _LayerWeights, feats: torch.Tensor, tokens: Sequence[int],
+                caches: Sequence, sizes: Sequence[int], positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                n_heads: int, eps: float) -> torch.Tensor | None:
+    """An EAGLE-3 head's digest of accepted rows in one C call (head_chain.c): x [N, H] = the layer over
+    [input_norm(embed(tokens)); hidden_norm(fc(feats))], feats [N, 3H] the rows of len(caches) sequences
+    back to back (sizes[i] after caches[i]'s `length` rows, which are the caller's to advance), positions
+    [N]. None where it does not apply (then forward_rows, which gives the same)."""
+    N = feats.shape[0]
+    if (not 0 < N <= MAX_ROWS or torch.is_grad_enabled() or _load() is None or not _cpu_f32(feats)
+            or not (_cpu_f32(cos) and _cpu_f32(sin)) or int(positions.max()) >= cos.shape[0]):
+        return None
+    seqs = _seq_caches(caches, sizes)
+    if seqs is None:
+        return None
+    _, n_kv, _, D = caches[0].k.shape
+    pos = positions.to(torch.int64).contiguous()
+    ids = torch.tensor(list(tokens), dtype=torch.int64)
+    shape = _LayerShape(cos.data_ptr(), sin.data_ptr(), pos.data_ptr(), None, N, chain.lm_head.K, n_heads, n_kv, D,
+                        0, 0, eps, 1.0 / math.sqrt(D), 0, 0, None, None, 0, None, None, None, 0, len(caches), seqs)
+    x = torch.empty(N, chain.lm_head.K, dtype=torch.float32)
+    rc = _load().specdec_head_digest_f32(feats.data_ptr(), ids.data_ptr(), ctypes.byref(fc), ctypes.byref(chain),
+                                         ctypes.byref(desc), ctypes.byref(shape), x.data_ptr())
+    if rc == -1:
+        raise MemoryError("head digest kernel: out of memory for its buffers")
+    return x if rc == 0 else None
+
+
 def head_chains(chain: _ChainHead, desc: _LayerWeights, g: torch.Tensor, caches: Sequence, starts: Sequence[int],
                 ks: Sequence[int], cos: torch.Tensor, sin: torch.Tensor, n_heads: int,
                 eps: float) -> list[list[int]] | None:
@@ -325,12 +372,9 @@ def head_chains(chain: _ChainHead, desc: _LayerWeights, g: torch.Tensor, caches:
             or not _cpu_f32(g) or not (_cpu_f32(cos) and _cpu_f32(sin))
             or max(s + k - 2 for s, k in zip(starts, ks)) >= cos.shape[0]):
         return None
-    seqs = (_SeqCache * B)()
-    for seq, cache, k in zip(seqs, caches, ks):
-        if not (_cpu_f32(cache.k) and _cpu_f32(cache.v)) or cache.length + k - 1 > cache.k.shape[2]:
-            return None
-        seq.k_cache, seq.v_cache = cache.k.data_ptr(), cache.v.data_ptr()
-        seq.past, seq.count, seq.max_len = cache.length, 1, cache.k.shape[2]
+    seqs = _seq_caches(caches, [k - 1 for k in ks])  # (count: the room the chain's forwards need)
+    if seqs is None:
+        return None
     _, n_kv, _, D = caches[0].k.shape
     shape = _LayerShape(cos.data_ptr(), sin.data_ptr(), None, None, B, H, n_heads, n_kv, D, 0, 0, eps,
                         1.0 / math.sqrt(D), 0, 0, None, None, 0, None, None, None, 0, B, seqs)

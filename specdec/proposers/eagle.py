@@ -125,12 +125,19 @@ class _EagleBase(Proposer):
             caches.append(st["cache"])
             positions.append(st["offset"] + torch.arange(st["len"], st["len"] + len(next_tokens), device=self.device))
         sizes = [len(t) for _, _, t in work]
-        emb = self.embed(torch.tensor([t for _, _, toks in work for t in toks], device=self.device))[None]  # [1, N, H]
-        feats = torch.cat([f for _, f, _ in work])[None].to(emb.dtype)  # [1, N, H or 3H]
-        if self.graphed is not None and len(work) == 1:
-            out = self._layer(emb, self.head.fuse(feats, emb), positions[0][None], caches[0])
-        else:
-            out = self.head.forward_rows(emb, self.head.fuse(feats, emb), torch.cat(positions)[None], caches, sizes)
+        tokens = [t for _, _, toks in work for t in toks]
+        feats = torch.cat([f for _, f, _ in work])  # [N, H or 3H]
+        out = None
+        if self.graphed is None:  # EAGLE-3 on the CPU: the lines below in one C call, where it applies
+            out = self.head.digest(feats, tokens, caches, sizes, torch.cat(positions), self.embed, self.draft_ids)
+            out = None if out is None else out[None]
+        if out is None:
+            emb = self.embed(torch.tensor(tokens, device=self.device))[None]  # [1, N, H]
+            feats = feats[None].to(emb.dtype)  # [1, N, H or 3H]
+            if self.graphed is not None and len(work) == 1:
+                out = self._layer(emb, self.head.fuse(feats, emb), positions[0][None], caches[0])
+            else:
+                out = self.head.forward_rows(emb, self.head.fuse(feats, emb), torch.cat(positions)[None], caches, sizes)
         end = 0
         for (state, _, _), cache, n in zip(work, caches, sizes):
             end += n

@@ -23,7 +23,8 @@ import torch
 from specdec.cache.draft_kv import DraftKV
 from specdec.config import ConfigError
 from specdec.kernels import MAX_ROWS, linear
-from specdec.kernels.layer import describe_head_chain, describe_head_layer, head_chains, head_layer
+from specdec.kernels.layer import (describe_head_chain, describe_head_layer, describe_linear, head_chains,
+                                  head_digest, head_layer)
 from specdec.model.layers import Rotary, grouped_sdpa, sdpa
 from specdec.proposers.head_layer import EagleLayer, RMSNorm, stacked_weight
 from specdec.quant.bf16 import Bf16Weight, pack_tiles
@@ -246,35 +247,58 @@ class EagleHead(torch.nn.Module):
         (their lengths advanced here by the chain's rows), starts[b] the position of row b's first forward,
         ks[b] tokens, embed the target's embedding, draft_ids the target id of each draft id. None where
         it does not apply (then the caller's loop)."""
-        if self.cfg.kind != "eagle3" or g.device.type != "cpu":
+        descs = self._c_descriptions(embed, draft_ids) if g.device.type == "cpu" else None
+        if descs is None:
             return None
-        layer, chain = self._layer_description(), self._chain_description(embed, draft_ids)
-        if layer is None or chain is None:
-            return None
-        tokens = head_chains(chain, layer, g, caches, starts, ks, self.rotary.cos, self.rotary.sin,
+        tokens = head_chains(descs[0], descs[2], g, caches, starts, ks, self.rotary.cos, self.rotary.sin,
                              self.cfg.num_attention_heads, self.cfg.rms_norm_eps)
         if tokens is not None:
             for cache, k in zip(caches, ks):
                 cache.length += k - 1
         return tokens
 
+    def digest(self, feats: torch.Tensor, tokens: list[int], caches: list[DraftKV], sizes: list[int],
+               positions: torch.Tensor, embed: torch.nn.Module, draft_ids: torch.Tensor) -> torch.Tensor | None:
+        """EAGLE-3's forward_rows(embed(tokens), fuse(feats), positions, caches, sizes) in one C call
+        (kernels/layer.py's head_digest): feats [N, 3H], positions [N]; the caches' lengths advanced by
+        their sizes. [N, H], or None where it does not apply (then the caller's torch calls)."""
+        descs = self._c_descriptions(embed, draft_ids) if feats.device.type == "cpu" else None
+        if descs is None:
+            return None
+        out = head_digest(descs[0], descs[1], descs[2], feats, tokens, caches, sizes, positions, self.rotary.cos,
+                          self.rotary.sin, self.cfg.num_attention_heads, self.cfg.rms_norm_eps)
+        if out is not None:
+            for cache, n in zip(caches, sizes):
+                cache.length += n
+        return out
+
+    def _c_descriptions(self, embed: torch.nn.Module, draft_ids: torch.Tensor) -> tuple | None:
+        """(head chain, fc, layer) descriptions for head_chain.c, or None where it does not apply (not an
+        EAGLE-3 head; weights or a table layer.c cannot read)."""
+        if self.cfg.kind != "eagle3":
+            return None
+        chain, layer = self._chain_description(embed, draft_ids), self._layer_description()
+        return None if chain is None or layer is None else (*chain, layer)
+
     def _chain_description(self, embed: torch.nn.Module, draft_ids: torch.Tensor):
-        """describe_head_chain's description, kept while the weights it points at are the same; None where the
-        C chain does not apply (an embedding table that is not fp32 or bf16, norms of other eps)."""
+        """(describe_head_chain's description, fc's), kept while the weights they point at are the same; None
+        where the C calls do not apply (an embedding table that is not fp32 or bf16, norms of other eps)."""
         table = getattr(embed, "weight", None)
         table = getattr(table, "qweight", table)  # a packed bf16 table's rows widen exactly (QEmbedding)
-        lm_head, layer = stacked_weight(self, ("lm_head",)), self.midlayer
+        lm_head, fc, layer = stacked_weight(self, ("lm_head",)), stacked_weight(self, ("fc",)), self.midlayer
         norms = (self.norm, layer.input_layernorm, layer.hidden_norm)
-        key = (id(lm_head), getattr(lm_head, "tiles", None) is not None, getattr(lm_head, "round_inputs", False),
+        key = (*((id(w), getattr(w, "tiles", None) is not None, getattr(w, "round_inputs", False)) for w in (lm_head, fc)),
                *((n.weight.data_ptr(), n.weight._version) for n in norms),
                None if table is None else (table.data_ptr(), table._version), draft_ids.data_ptr(), draft_ids._version)
         kept = self.__dict__.get("_c_chain")
         if kept is None or kept[0] != key:
             ok = (isinstance(table, torch.Tensor) and len({n.eps for n in norms}) == 1
                   and (isinstance(embed, torch.nn.Embedding) or hasattr(embed.weight, "qweight")))
-            desc = describe_head_chain(self.norm.weight, lm_head, draft_ids, table, layer.input_layernorm.weight,
-                                       layer.hidden_norm.weight, self.norm.eps) if ok else None
-            kept = (key, (lm_head, table, draft_ids), desc)  # (holds what desc points at)
+            chain = describe_head_chain(self.norm.weight, lm_head, draft_ids, table, layer.input_layernorm.weight,
+                                        layer.hidden_norm.weight, self.norm.eps) if ok else None
+            fc_desc = describe_linear(fc)
+            desc = None if chain is None or fc_desc is None else (chain, fc_desc)
+            kept = (key, (lm_head, fc, table, draft_ids), desc)  # (holds what desc points at)
             self.__dict__["_c_chain"] = kept
         return kept[2]
 
