@@ -307,10 +307,10 @@ def describe_head_chain(norm: torch.Tensor, lm_head, draft_ids: torch.Tensor, em
     target's embedding table (fp32, or a bf16 table whose rows widen exactly) and the layer's two input
     norms; None where head_chain.c cannot run them."""
     lin = _describe(lm_head, None)
-    if (lin is None or not all(_cpu_f32(t) for t in (norm, input_norm, hidden_norm))
+    if (lin is None or not all(_cpu_f32(t) and t.numel() == lin.K for t in (norm, input_norm, hidden_norm))
             or draft_ids.dtype is not torch.int64 or not draft_ids.is_contiguous() or draft_ids.device.type != "cpu"
-            or embed.device.type != "cpu" or not embed.is_contiguous()
-            or embed.dtype not in (torch.float32, torch.bfloat16) or embed.shape[1] != lin.K):
+            or draft_ids.numel() != lin.N or embed.device.type != "cpu" or not embed.is_contiguous()
+            or embed.dtype not in (torch.float32, torch.bfloat16) or embed.dim() != 2 or embed.shape[1] != lin.K):
         return None
     return _ChainHead(norm.data_ptr(), lin, draft_ids.data_ptr(), embed.data_ptr(), int(embed.dtype is torch.bfloat16),
                       embed.shape[0], input_norm.data_ptr(), hidden_norm.data_ptr(), eps)
@@ -342,6 +342,8 @@ def head_digest(chain: _ChainHead, fc: _Linear, desc: _LayerWeights, feats: torc
     [N]. None where it does not apply (then forward_rows, which gives the same)."""
     N = feats.shape[0]
     if (not 0 < N <= MAX_ROWS or torch.is_grad_enabled() or _load() is None or not _cpu_f32(feats)
+            or feats.dim() != 2 or feats.shape[1] != fc.K or fc.N != chain.lm_head.K or len(tokens) != N
+            or sum(sizes) != N or positions.numel() != N or len(caches) != len(sizes)
             or not (_cpu_f32(cos) and _cpu_f32(sin)) or int(positions.max()) >= cos.shape[0]):
         return None
     seqs = _seq_caches(caches, sizes)
@@ -368,7 +370,8 @@ def head_chains(chain: _ChainHead, desc: _LayerWeights, g: torch.Tensor, caches:
     chain's rows are written after them, the lengths are the caller's to advance), starts[b] the position
     of row b's first forward. None where it does not apply (then the caller's loop, which gives the same)."""
     B, H = g.shape
-    if (not 0 < B <= MAX_ROWS or len(caches) != B or min(ks) < 1 or torch.is_grad_enabled() or _load() is None
+    if (not 0 < B <= MAX_ROWS or len(caches) != B or len(starts) != B or len(ks) != B or min(ks) < 1
+            or H != chain.lm_head.K or torch.is_grad_enabled() or _load() is None
             or not _cpu_f32(g) or not (_cpu_f32(cos) and _cpu_f32(sin))
             or max(s + k - 2 for s, k in zip(starts, ks)) >= cos.shape[0]):
         return None
