@@ -129,12 +129,16 @@ def test_rmsnorm_and_silu_mul_match_torch():
 
 def test_rmsnorm_and_silu_mul_rows_do_not_depend_on_the_split():
     """From 32 rows (a prompt's pass) the rows go over the threads; each row's bits are those it gets alone."""
-    torch.set_num_threads(2)
     x, w, gu = torch.randn(100, 576), torch.rand(576), torch.randn(100, 2 * 1536)
     alone_norm = torch.cat([kernels.rms_norm(x[i:i + 1], w, 1e-5) for i in range(100)])
     alone_silu = torch.cat([kernels.silu_mul(gu[i:i + 1]) for i in range(100)])
-    assert torch.equal(kernels.rms_norm(x, w, 1e-5), alone_norm)
-    assert torch.equal(kernels.silu_mul(gu), alone_silu)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert torch.equal(kernels.rms_norm(x, w, 1e-5), alone_norm)
+        assert torch.equal(kernels.silu_mul(gu), alone_silu)
+    finally:
+        torch.set_num_threads(before)
 
 
 def _layer_and_inputs(T, past, seed=0, dims=(9, 3, 64), max_len=128):

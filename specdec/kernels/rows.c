@@ -5,9 +5,9 @@
 #include <math.h>
 #include "common.h"
 
-/* The rows split over the threads from this many on: a prompt's pass
- * (150 tokens, bf16: 10 of 60 ms in the two, on one core). A decode pass's few rows stay on the caller's
- * thread, where a dispatch would cost about what it saves. A row's values never depend on the split. */
+/* The rows split over the threads from this many on: a prompt's pass (150 tokens, bf16: 10 of 60 ms in
+ * the two, on one core). A decode pass's few rows stay on the caller's thread, where a dispatch would cost
+ * about what it saves. A row's values never depend on the split. */
 #define ROWS_PARALLEL 32
 
 typedef struct {
