@@ -39,6 +39,14 @@ static void embed_row(const ChainHead *c, int64_t token, int64_t H, float *out) 
     }
 }
 
+/* attn_in [n, 2H] = [input_norm(emb); hidden_norm(h)] row by row: the head layer's projections' input */
+static void layer_inputs(const ChainHead *c, const float *emb, const float *h, float *attn_in, int64_t n, int64_t H) {
+    for (int64_t i = 0; i < n; i++) {
+        specdec_rmsnorm_f32(emb + i * H, c->input_norm, attn_in + i * 2 * H, 1, H, c->eps);
+        specdec_rmsnorm_f32(h + i * H, c->hidden_norm, attn_in + i * 2 * H + H, 1, H, c->eps);
+    }
+}
+
 /* The rows the target accepted since each sequence last drafted, through the head (eagle.py's _commit):
  *     x = layer([input_norm(embed(token)); hidden_norm(h)], h),  h = fc(features)
  * feats [N, F] and tokens [N] the sequences' rows back to back (s->seqs[i].count of sequence i, after its
@@ -53,12 +61,11 @@ int specdec_head_digest_f32(const float *feats, const int64_t *tokens, const Lin
     if (buf == NULL) return -1;
     float *emb = buf, *attn_in = emb + N * H;
     int rc = specdec_layer_linear(fc, feats, x, N); /* h: the residual */
-    for (int64_t i = 0; i < N && rc == 0; i++) {
-        embed_row(c, tokens[i], H, emb + i * H);
-        specdec_rmsnorm_f32(emb + i * H, c->input_norm, attn_in + i * 2 * H, 1, H, c->eps);
-        specdec_rmsnorm_f32(x + i * H, c->hidden_norm, attn_in + i * 2 * H + H, 1, H, c->eps);
+    if (rc == 0) {
+        for (int64_t i = 0; i < N; i++) embed_row(c, tokens[i], H, emb + i * H);
+        layer_inputs(c, emb, x, attn_in, N, H);
+        rc = specdec_head_layer_f32(x, attn_in, w, s);
     }
-    if (rc == 0) rc = specdec_head_layer_f32(x, attn_in, w, s);
     free(buf);
     return rc;
 }
@@ -103,10 +110,9 @@ int specdec_head_chains_f32(float *g, const ChainHead *c, const LayerWeights *w,
         }
         n = m;
         if (rc != 0 || n == 0) break;
+        layer_inputs(c, emb, g, attn_in, n, H);
         for (int64_t j = 0; j < n; j++) {
             const int64_t b = live[j];
-            specdec_rmsnorm_f32(emb + j * H, c->input_norm, attn_in + j * 2 * H, 1, H, c->eps);
-            specdec_rmsnorm_f32(g + j * H, c->hidden_norm, attn_in + j * 2 * H + H, 1, H, c->eps);
             seqs[j] = s0->seqs[b];
             seqs[j].past += d - 1; /* the chain's earlier rows are in the cache */
             seqs[j].count = 1;

@@ -264,6 +264,30 @@ def describe_head_layer(post_norm: torch.Tensor, qkv, o_proj, gate_up, down) -> 
     return _LayerWeights(None, post_norm.data_ptr(), *lins, None, None)
 
 
+def _seq_caches(caches: Sequence, counts: Sequence[int]):
+    """The DraftKV caches as layer.c's SeqCache array (each `count` new rows after its `length`), or None
+    where one is not an fp32 cache with room for them."""
+    seqs = (_SeqCache * len(caches))()
+    for seq, cache, n in zip(seqs, caches, counts):
+        if not (_cpu_f32(cache.k) and _cpu_f32(cache.v)) or cache.length + n > cache.k.shape[2]:
+            return None
+        seq.k_cache, seq.v_cache = cache.k.data_ptr(), cache.v.data_ptr()
+        seq.past, seq.count, seq.max_len = cache.length, n, cache.k.shape[2]
+    return seqs
+
+
+def _head_shape(cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor | None, N: int, H: int, n_heads: int,
+                caches: Sequence, eps: float, seqs, mask: torch.Tensor | None = None,
+                tail_start: torch.Tensor | None = None, tail_path: torch.Tensor | None = None) -> _LayerShape:
+    """A draft head's pass over N rows of len(caches) sequences, each in its own cache (seqs), as layer.c
+    takes it; pos [N] (None: the C call sets them per depth), mask and tails: a tree block's."""
+    _, n_kv, _, D = caches[0].k.shape
+    return _LayerShape(cos.data_ptr(), sin.data_ptr(), None if pos is None else pos.data_ptr(),
+                       None if mask is None else mask.data_ptr(), N, H, n_heads, n_kv, D, 0, 0, eps,
+                       1.0 / math.sqrt(D), 0, 0, None, None, 0, None, *tail_args(tail_start, tail_path),
+                       len(caches), seqs)
+
+
 def head_layer(desc: _LayerWeights, x: torch.Tensor, attn_in: torch.Tensor, caches: Sequence, sizes: Sequence[int],
                positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int,
                eps: float, tree: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -280,20 +304,13 @@ def head_layer(desc: _LayerWeights, x: torch.Tensor, attn_in: torch.Tensor, cach
             or not (_cpu_f32(cos) and _cpu_f32(sin)) or int(positions.max()) >= cos.shape[0]
             or (tree is not None and len(caches) != 1)):
         return None
-    seqs = (_SeqCache * len(caches))()
-    for seq, cache, n in zip(seqs, caches, sizes):
-        k, v = cache.k, cache.v
-        if not (_cpu_f32(k) and _cpu_f32(v)) or cache.length + n > k.shape[2]:
-            return None
-        seq.k_cache, seq.v_cache = k.data_ptr(), v.data_ptr()
-        seq.past, seq.count, seq.max_len = cache.length, n, k.shape[2]
-    _, n_kv, _, D = caches[0].k.shape
+    seqs = _seq_caches(caches, sizes)
+    if seqs is None:
+        return None
     pos = positions.reshape(N).to(torch.int64).contiguous()
     tails = None if tree is None else tree_tails(tree, caches[0].length)  # (held until the call returns)
     mask, tail_start, tail_path = (None, None, None) if tails is None else tails
-    shape = _LayerShape(cos.data_ptr(), sin.data_ptr(), pos.data_ptr(), None if mask is None else mask.data_ptr(),
-                        N, H, n_heads, n_kv, D, 0, 0, eps, 1.0 / math.sqrt(D), 0, 0, None, None, 0, None,
-                        *tail_args(tail_start, tail_path), len(caches), seqs)
+    shape = _head_shape(cos, sin, pos, N, H, n_heads, caches, eps, seqs, mask, tail_start, tail_path)
     out = x.contiguous().clone()
     attn_in = attn_in.contiguous()
     if _load().specdec_head_layer_f32(out.data_ptr(), attn_in.data_ptr(), ctypes.byref(desc), ctypes.byref(shape)) != 0:
@@ -321,18 +338,6 @@ def describe_linear(weight) -> _Linear | None:
     return _describe(weight, None)
 
 
-def _seq_caches(caches: Sequence, counts: Sequence[int]):
-    """The DraftKV caches as layer.c's SeqCache array (each `count` new rows after its `length`), or None
-    where one is not an fp32 cache with room for them."""
-    seqs = (_SeqCache * len(caches))()
-    for seq, cache, n in zip(seqs, caches, counts):
-        if not (_cpu_f32(cache.k) and _cpu_f32(cache.v)) or cache.length + n > cache.k.shape[2]:
-            return None
-        seq.k_cache, seq.v_cache = cache.k.data_ptr(), cache.v.data_ptr()
-        seq.past, seq.count, seq.max_len = cache.length, n, cache.k.shape[2]
-    return seqs
-
-
 def head_digest(chain: _ChainHead, fc: _Linear, desc: _LayerWeights, feats: torch.Tensor, tokens: Sequence[int],
                 caches: Sequence, sizes: Sequence[int], positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 n_heads: int, eps: float) -> torch.Tensor | None:
@@ -349,11 +354,9 @@ def head_digest(chain: _ChainHead, fc: _Linear, desc: _LayerWeights, feats: torc
     seqs = _seq_caches(caches, sizes)
     if seqs is None:
         return None
-    _, n_kv, _, D = caches[0].k.shape
     pos = positions.to(torch.int64).contiguous()
     ids = torch.tensor(list(tokens), dtype=torch.int64)
-    shape = _LayerShape(cos.data_ptr(), sin.data_ptr(), pos.data_ptr(), None, N, chain.lm_head.K, n_heads, n_kv, D,
-                        0, 0, eps, 1.0 / math.sqrt(D), 0, 0, None, None, 0, None, None, None, 0, len(caches), seqs)
+    shape = _head_shape(cos, sin, pos, N, chain.lm_head.K, n_heads, caches, eps, seqs)
     x = torch.empty(N, chain.lm_head.K, dtype=torch.float32)
     rc = _load().specdec_head_digest_f32(feats.data_ptr(), ids.data_ptr(), ctypes.byref(fc), ctypes.byref(chain),
                                          ctypes.byref(desc), ctypes.byref(shape), x.data_ptr())
@@ -378,9 +381,7 @@ def head_chains(chain: _ChainHead, desc: _LayerWeights, g: torch.Tensor, caches:
     seqs = _seq_caches(caches, [k - 1 for k in ks])  # (count: the room the chain's forwards need)
     if seqs is None:
         return None
-    _, n_kv, _, D = caches[0].k.shape
-    shape = _LayerShape(cos.data_ptr(), sin.data_ptr(), None, None, B, H, n_heads, n_kv, D, 0, 0, eps,
-                        1.0 / math.sqrt(D), 0, 0, None, None, 0, None, None, None, 0, B, seqs)
+    shape = _head_shape(cos, sin, None, B, H, n_heads, caches, eps, seqs)
     kmax = max(ks)
     pos0 = torch.tensor(list(starts), dtype=torch.int64)
     row_ks = torch.tensor(list(ks), dtype=torch.int64)
