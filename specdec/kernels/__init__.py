@@ -93,8 +93,8 @@ def prune_builds(newest: Path, keep: int) -> list[Path]:
 
 # every kernel file goes into ONE library, so that all of them share pool.c's worker threads (two
 # pools would spin against each other between a layer stack's call and the LM head's)
-_SOURCES = tuple(_SRC.with_name(f) for f in ("layer.c", "head_chain.c", "gemv.c", "rows.c", "bf16dot.c", "bf16amx.c",
-                                              "qgemv.c", "attention.c", "topk.c", "pool.c"))
+_SOURCES = tuple(_SRC.with_name(f) for f in ("layer.c", "head_chain.c", "head_tree.c", "gemv.c", "rows.c", "bf16dot.c",
+                                              "bf16amx.c", "qgemv.c", "attention.c", "topk.c", "pool.c"))
 
 
 def _build() -> Path:
@@ -102,8 +102,8 @@ def _build() -> Path:
 
 
 def load_kernels() -> tuple[ctypes.CDLL | None, str | None]:
-    """The compiled kernels (gemv.c, rows.c, bf16dot.c, qgemv.c, attention.c, layer.c, head_chain.c, topk.c, pool.c in one library): (library,
-    None), or (None, why not). Loading it again returns the same library."""
+    """The compiled kernels (gemv.c, rows.c, bf16dot.c, qgemv.c, attention.c, layer.c, head_chain.c, head_tree.c,
+    topk.c, pool.c in one library): (library, None), or (None, why not). Loading it again returns the same library."""
     if os.environ.get("SPECDEC_KERNELS", "1") == "0" or platform.machine() not in ("x86_64", "AMD64"):
         return None, "disabled"
     try:

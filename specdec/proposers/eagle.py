@@ -360,6 +360,11 @@ class _EagleBase(Proposer):
             return self._forward_nodes(state, tokens, parent_outs, depths, tree)
 
         g = state.draft["g"][0]  # [1, H]
+        if self.graphed is None:  # the whole tree in one C call, where it applies
+            nodes = self.head.draft_tree(g[0], state.draft["cache"], state.draft["offset"] + state.draft["len"],
+                                         self.topk, min(self.num_steps, budget), self.embed, self.draft_ids)
+            if nodes is not None:
+                return rerank(*nodes, budget)
         return dynamic_tree(self._logprobs(g)[0], g[0], state.draft["len"], state.draft["cache"], budget,
                             self.topk, self.num_steps, self.draft_ids, forward, self._logprobs)
 

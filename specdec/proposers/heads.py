@@ -23,8 +23,8 @@ import torch
 from specdec.cache.draft_kv import DraftKV
 from specdec.config import ConfigError
 from specdec.kernels import MAX_ROWS, linear
-from specdec.kernels.layer import (describe_head_chain, describe_head_layer, describe_linear, head_chains,
-                                  head_digest, head_layer)
+from specdec.kernels.head import (describe_head_chain, describe_head_layer, describe_linear, head_chains,
+                                 head_digest, head_layer, head_tree)
 from specdec.model.layers import Rotary, grouped_sdpa, sdpa
 from specdec.proposers.head_layer import EagleLayer, RMSNorm, stacked_weight
 from specdec.quant.bf16 import Bf16Weight, pack_tiles
@@ -256,6 +256,18 @@ class EagleHead(torch.nn.Module):
             for cache, k in zip(caches, ks):
                 cache.length += k - 1
         return tokens
+
+    def draft_tree(self, g: torch.Tensor, cache: DraftKV, start: int, topk: int, depths: int, embed: torch.nn.Module,
+                   draft_ids: torch.Tensor) -> tuple[list[int], list[int], list[float]] | None:
+        """EAGLE-2's dynamic tree in one C call (kernels/head.py's head_tree): every node's target id, parent
+        and cumulative log-probability in eagle_tree.dynamic_tree's order, from g [H] (the output at the
+        committed rows of `cache`, whose rows past them the blocks overwrite), start the position of a depth-1
+        node's forward. None where it does not apply (then dynamic_tree)."""
+        descs = self._c_descriptions(embed, draft_ids) if g.device.type == "cpu" else None
+        if descs is None:
+            return None
+        return head_tree(descs[0], descs[2], g, cache, start, topk, depths, self.rotary.cos, self.rotary.sin,
+                         self.cfg.num_attention_heads, self.cfg.rms_norm_eps)
 
     def digest(self, feats: torch.Tensor, tokens: list[int], caches: list[DraftKV], sizes: list[int],
                positions: torch.Tensor, embed: torch.nn.Module, draft_ids: torch.Tensor) -> torch.Tensor | None:
