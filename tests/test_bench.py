@@ -379,3 +379,19 @@ def test_report_says_when_the_run_used_amx_tiles():
     on, off = asdict(BenchConfig(amx=True)), asdict(BenchConfig())
     assert "--amx" in _cli_flags(on) and "--amx" not in _cli_flags(off)
     assert "AMX tiles" in decoding(on) and "AMX" not in decoding(off)
+
+
+def test_bench_serve_checks_its_speculative_config(tmp_path):
+    """--speculative-config (further keys for the 'on' server, e.g. an EAGLE-2 tree) must be a JSON object:
+    anything else is one line before a server starts."""
+    import argparse
+    from specdec.bench.serve_bench import add_arguments, check_args
+    from specdec.config import ConfigError
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    for bad in ("{not json", "[1, 2]"):
+        with pytest.raises(ConfigError, match="--speculative-config"):
+            check_args(p.parse_args(["--speculative-config", bad, "--out", str(tmp_path)]))
+    good = '{"eagle_topk": 3, "num_steps": 3, "num_draft_tokens": 9}'
+    assert check_args(p.parse_args(["--speculative-config", good, "--out", str(tmp_path)])) == ([1, 4, 16], [float("inf")])

@@ -103,8 +103,8 @@ def _recorded(proposer) -> list:
         return seen
     propose = proposer.propose_batch
 
-    def record(states, ks):
-        out = propose(states, ks)
+    def record(states, ks, trees=False):
+        out = propose(states, ks, trees)
         seen.extend((p.tokens, p.parents) for p in out)
         return out
     proposer.propose_batch = record

@@ -528,8 +528,8 @@ def test_engine_rests_the_heads_features_while_nothing_drafts(tiny, tmp_path, mo
                        for st, _, toks in work)
         commit(self, work)
 
-    def record_drafts(self, states, ks):
-        out = propose_batch(self, states, ks)
+    def record_drafts(self, states, ks, trees=False):
+        out = propose_batch(self, states, ks, trees)
         drafted_after.extend(len(p.tokens) for p in out if step[0] >= 24)
         return out
 
@@ -577,9 +577,9 @@ def test_a_prompt_whose_last_token_is_left_to_a_decode_pass_begins_while_the_hea
 
 
 def test_the_engine_drafts_a_tree_configs_chain(tiny, tmp_path, monkeypatch):
-    """The serving engine verifies chains (a tree is cut to its first path), so with an EAGLE-2 tree
-    config its rows draft chains, together, and no tree is built; the offline decoder still drafts trees.
-    Outputs equal plain decoding either way."""
+    """A decode batch of two rows verifies chains (a tree would be cut to its first path), so with an
+    EAGLE-2 tree config its rows draft chains, together, and no tree is built; the offline decoder still
+    drafts trees (and so does a one-row batch: test_engine_trees.py). Outputs equal plain decoding either way."""
     from specdec.engine.engine import Engine, EngineConfig, EngineRequest
     from specdec.llm import LLM
     from specdec.proposers import eagle

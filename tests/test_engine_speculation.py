@@ -147,7 +147,7 @@ def test_a_model_drafters_time_is_not_counted_twice():
         def __init__(self, cost, model):
             self.draft_cost_per_token, self.has_model_drafter = cost, model
 
-        def propose_batch(self, states, ks):
+        def propose_batch(self, states, ks, trees=False):
             time.sleep(0.05)  # e.g. the drafter prefilling a whole prompt on its first call
             return [Proposal([1] * k) for k in ks]
 

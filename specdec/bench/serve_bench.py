@@ -52,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-method", default="ngram",
                    help="the 'on' setting's method; METHOD+LOOKUP pairs a model drafter with a lookup (qdraft+ngram)")
     p.add_argument("--num-speculative-tokens", type=at_least(1), default=None, help="fix k (default: adaptive)")
+    p.add_argument("--speculative-config", default=None,
+                   help="JSON of further keys for the 'on' server, e.g. an EAGLE-2 tree: "
+                        "'{\"eagle_topk\": 3, \"num_steps\": 3, \"num_draft_tokens\": 9}'")
     p.add_argument("--settings", default="off,on", help="which of off,on to run")
     p.add_argument("--concurrency", default="1,4,16")
     p.add_argument("--request-rate", default="inf", help="requests/s, comma-separated; inf = all at once")
@@ -199,6 +202,8 @@ def start_server(args, speculative: bool) -> tuple[subprocess.Popen, str]:
         argv += ["--speculative-method", method] + (["--speculative-lookup", lookup] if lookup else [])
         if args.num_speculative_tokens:
             argv += ["--num-speculative-tokens", str(args.num_speculative_tokens)]
+        if args.speculative_config:
+            argv += ["--speculative-config", args.speculative_config]
     code = "import sys; from specdec.cli import main; sys.exit(main())"
     proc = subprocess.Popen([sys.executable, "-c", code, *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
@@ -300,6 +305,13 @@ def check_args(args) -> tuple[list[int], list[float]]:
         bad = [s for s in args.settings.split(",") if s and s not in ("off", "on")]
         if bad or not args.settings.strip(","):
             raise ConfigError(f"--settings takes off and/or on, got {args.settings!r}")
+    if args.speculative_config is not None:
+        try:
+            extra = json.loads(args.speculative_config)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--speculative-config is not valid JSON: {e}") from None
+        if not isinstance(extra, dict):
+            raise ConfigError("--speculative-config must be a JSON object")
     args.out.mkdir(parents=True, exist_ok=True)
     return concs, rates
 
@@ -343,6 +355,7 @@ def run_serve_bench(args) -> int:
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": _cpu_name(), "cores": os.cpu_count(),
             "threads": args.threads or os.cpu_count(), "dtype": args.dtype, "model": args.model,
             "method": args.speculative_method, "k": args.num_speculative_tokens or "adaptive",
+            "speculative_config": json.loads(args.speculative_config) if args.speculative_config else None,
             "load_avg_start_end": [round(load_start, 2), round(os.getloadavg()[0], 2)],
             "max_num_seqs": args.max_num_seqs}
     ratios = tpot_ratios(rows)

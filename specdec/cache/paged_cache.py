@@ -37,9 +37,19 @@ class PagedKVPool:
 
     def slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         """Slot indices of positions [start, end) of a sequence. [end - start]"""
-        pos = torch.arange(start, end)
+        return self.slots_of(block_table, torch.arange(start, end))
+
+    def slots_of(self, block_table: list[int], positions: torch.Tensor) -> torch.Tensor:
+        """Slot indices of a sequence's positions [n] (any order)."""
         table = torch.as_tensor(block_table, dtype=torch.long)
-        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+
+    def move(self, block_table: list[int], src: list[int], dst: list[int]) -> None:
+        """Every layer's k/v of a sequence's positions src to its positions dst (a verified tree's accepted
+        path, packed after the prefix; the sources are read before any is overwritten)."""
+        s, d = self.slots_of(block_table, torch.tensor(src)), self.slots_of(block_table, torch.tensor(dst))
+        self.k[:, d] = self.k[:, s]
+        self.v[:, d] = self.v[:, s]
 
 
 class BatchKV:

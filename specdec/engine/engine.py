@@ -35,6 +35,7 @@ from specdec.spec.adaptive import PRIOR_ACCEPTANCE, AdaptiveK
 from specdec.spec.metrics import SpecMetrics
 from specdec.spec.proposer import TargetOutput
 from specdec.spec.rejection import Verdict, verify_greedy
+from specdec.spec.tree import verify_tree
 
 
 @dataclass(frozen=True)
@@ -263,17 +264,27 @@ class Engine:
         reported = logits  # logprobs: before penalties (vLLM's raw logprobs)
         # each row penalized after the output plus the drafts before it (what plain decoding would see)
         logits = apply_penalties(logits, seq.params, seq.prompt_ids, seq.output_ids, proposal.tokens,
-                                 eos_ids=self.tokenizer.eos_token_ids)
-        if best is not None and seq.params.greedy and seq.grammar is None and not seq.params.adjusts_logits:
+                                 proposal.parents, eos_ids=self.tokenizer.eos_token_ids)
+        fast = best is not None and seq.params.greedy and seq.grammar is None and not seq.params.adjusts_logits
+        rows = None  # the pass's rows now in the sequence (row 0: the newest token fed), where not the first ones
+        if proposal.is_tree:
+            verdict, rows = verify_tree(proposal, logits, seq.params, seq.state.generator,
+                                        best[-(k + 1):] if fast else None)
+            start = seq.num_computed + n - 1  # row 0's position: the accepted nodes' keys go right after it
+            moved = [(start + r, start + i) for i, r in enumerate(rows) if r != i]
+            if moved:
+                self.pool.move(seq.block_table, *map(list, zip(*moved)))
+        elif fast:
             verdict = verify_greedy(proposal.tokens, best[-(k + 1):])
         elif k:
             verdict = verify_rows(proposal, logits, seq.params, seq.state.generator)
         else:
             verdict = Verdict(0, [self._pick(logits[-1], seq)])
+        rows = rows or list(range(1 + verdict.num_accepted))
         first = not seq.output_ids
         seq.num_computed += n + verdict.num_accepted
         seq.token_from_draft.extend(j < verdict.num_accepted for j in range(len(verdict.tokens)))
-        seq.out.emit(seq.state, verdict.tokens, reported[:len(verdict.tokens)])
+        seq.out.emit(seq.state, verdict.tokens, reported[rows] if seq.params.logprobs is not None else None)
         del seq.token_from_draft[len(seq.output_ids):]
         if seq.grammar is not None:
             seq.grammar.advance(verdict.tokens)
@@ -286,7 +297,7 @@ class Engine:
         if seq.out.finish_reason is not None:
             self._finish(seq)
             return True
-        self._proposer_hooks(seq, out, proposal, verdict, first, n)
+        self._proposer_hooks(seq, out, proposal, verdict, first, n, rows)
         self.blocks.trim(seq, seq.num_computed)
         self.blocks.commit(seq)
         return True
@@ -308,7 +319,7 @@ class Engine:
         return sample(warp(logits[None], seq.params)[0], seq.state.generator)
 
     def _proposer_hooks(self, seq: Sequence, out: ForwardOutput, proposal, verdict: Verdict, first: bool,
-                        n: int) -> None:
+                        n: int, rows: list[int]) -> None:
         proposer = seq.spec.proposer
         if proposer is None:
             return
@@ -324,8 +335,7 @@ class Engine:
         # row 0 of what the proposer sees is the newest token fed this step (as in a single-request pass)
         tail = ForwardOutput(out.logits, out.hidden[:, n - 1:],
                              None if out.layer_hidden is None else {l: h[:, n - 1:] for l, h in out.layer_hidden.items()})
-        proposer.on_verified(seq.state, proposal, verdict.num_accepted,
-                             TargetOutput(tail, list(range(1 + verdict.num_accepted))))
+        proposer.on_verified(seq.state, proposal, verdict.num_accepted, TargetOutput(tail, rows))
 
     def _finish(self, seq: Sequence) -> None:
         seq.finish_time = time.monotonic()

@@ -1,9 +1,10 @@
 """Runs one batched target forward over rows of ragged length on the paged KV pool.
 
 A row feeds a sequence's uncomputed tokens token_ids[num_computed:num_computed + num_new] plus its
-drafted tokens; rows are left-padded to the longest (see specdec.cache.paged_cache), positions are
-explicit per row, and the forward's outputs are sliced back per row so that row index 0 of a
-`row_output` is the row's first real token (what proposers expect of a single-request pass). Where
+drafted tokens (a chain, or a token tree with its own mask and per-node positions); rows are left-padded
+to the longest (see specdec.cache.paged_cache), positions are explicit per row, and the forward's
+outputs are sliced back per row so that row index 0 of a `row_output` is the row's first real token
+(what proposers expect of a single-request pass). Where
 layer.c runs the batch, the padding costs nothing but attention's share: the linears and the LM head
 see the real tokens alone (ForwardOutput.packed; specdec/model/llama.py).
 """
@@ -16,6 +17,7 @@ import torch
 from specdec.cache.paged_cache import BatchKV, PagedKVPool
 from specdec.model.llama import ForwardOutput
 from specdec.spec.proposer import EMPTY, Proposal
+from specdec.spec.tree import tree_mask, tree_positions
 
 
 @dataclass
@@ -38,6 +40,20 @@ class Row:
     def tokens(self) -> list[int]:
         s = self.seq
         return s.token_ids[s.num_computed:s.num_computed + self.num_new] + self.proposal.tokens
+
+    def positions(self) -> torch.Tensor:
+        """[len(self)] the fed tokens' positions, then the drafts': a chain's follow on, a tree node's is
+        its parent's + 1 (spec/tree.py)."""
+        start = self.seq.num_computed
+        if not self.proposal.is_tree:
+            return torch.arange(start, start + len(self))
+        fed = torch.arange(start, start + self.num_new)
+        return torch.cat([fed, start + self.num_new - 1 + tree_positions(self.proposal.parents)[1:]])
+
+    def tree_mask(self) -> torch.Tensor | None:
+        """[len(self), len(self)] bool for a tree row (one fed token, its root: num_new is 1 in decode),
+        which token each input sees among the row's new ones; None for a chain (causal)."""
+        return tree_mask(self.proposal.parents) if self.proposal.is_tree else None
 
     def __len__(self) -> int:
         return self.num_new + len(self.proposal)
@@ -71,11 +87,12 @@ class ModelRunner:
         input_ids = torch.zeros(B, T, dtype=torch.long)  # [B, T] left-padded
         positions = torch.zeros(B, T, dtype=torch.long)
         for b, r in enumerate(rows):
-            n, start = len(r), r.seq.num_computed
+            n = len(r)
             input_ids[b, T - n:] = torch.tensor(r.tokens)
-            positions[b, T - n:] = torch.arange(start, start + n)
+            positions[b, T - n:] = r.positions()
+        trees = [r.tree_mask() for r in rows]
         kv = BatchKV(self.pool, [r.seq.block_table for r in rows], [r.seq.num_computed for r in rows],
-                     [len(r) for r in rows])
+                     [len(r) for r in rows], trees if any(t is not None for t in trees) else None)
         return self.model(input_ids, positions, kv, num_logits=None if all_logits else 1,
                           output_layers=output_layers,
                           prefill=not all_logits and all(r.in_prompt for r in rows))

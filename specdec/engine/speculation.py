@@ -1,7 +1,8 @@
 """Batched speculation: one shared draft length per decode batch, chosen from a measured cost model.
 
 Every running request in the decode batch drafts up to K tokens with its own proposer (from the
-registry; per-request method or none), and ONE target forward verifies all rows: rows are left-padded
+registry; per-request method or none): a chain, or in a batch of one row (TREE_MAX_ROWS) a tree drafter's
+tree of up to K nodes; and ONE target forward verifies all rows: rows are left-padded
 to T = 1 + (longest draft), and where the model runs the batch packed (layer.c: the linears on the
 real tokens alone) the pass costs about c(N), the time of a forward over N = B + (drafted tokens)
 token rows; else c(B * T), padding included. On a CPU c(N) is flat while the matmuls are
@@ -63,6 +64,11 @@ PROFILE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 # 37 ms step (the pass's copies of 3 layers, each row's slices and queue)
 REST_AFTER = 8
 WAKE_BEFORE = 4
+# a decode batch of at most this many rows verifies its tree drafters' trees (EAGLE-2, Medusa, recycling);
+# a wider one cuts each tree to its first path. One row: a tree's extra verify rows cost little beside
+# one row's pass, while 4 rows of 9-node trees would make a 40-row pass (a 16-row one costs 1.2x a 4-row one
+# in bf16 on tiles) for ~30% more tokens a row, and tree drafting is row by row (~1 ms a tree)
+TREE_MAX_ROWS = 1
 # passes wider than MAX_ROWS real tokens leave layer.c for the per-op path, which costs more per row than the
 # curve's slope up to 64 says (fp32, 135M model: c(80) 233 ms against 172 extrapolated from c(64) = 137);
 # a batch of 8+ rows can draft its way there, so its engine measures them too
@@ -144,7 +150,8 @@ def expected_tokens(a: float, k: int) -> float:
 
 
 def first_path(proposal: Proposal) -> Proposal:
-    """A token tree cut to its first root-to-leaf path, verified as a deterministic chain.
+    """A token tree cut to its first root-to-leaf path, verified as a deterministic chain (a batch of
+    more than TREE_MAX_ROWS rows, or a row with a grammar).
 
     Treating drafts as deterministic (q one-hot) is exact for any drafted tokens, sampled or not."""
     tokens, node = [], -1
@@ -281,23 +288,25 @@ class Speculation:
             groups.setdefault((id(seq.spec.proposer), chain is None), []).append(i)
             if self.pool is not None:  # self-speculation drafts into / reads the sequence's own blocks
                 seq.state.draft["target_cache"] = SeqKV(self.pool, seq.block_table, seq.num_computed)
+        trees = len(seqs) <= TREE_MAX_ROWS
         for (_, whole), rows in groups.items():
             proposer = seqs[rows[0]].spec.proposer
             t0 = time.perf_counter()
             states, row_ks = [seqs[i].state for i in rows], [ks[i] for i in rows]
-            drafted = (proposer.propose_batch if whole else proposer.propose_model_batch)(states, row_ks)
+            drafted = (proposer.propose_batch if whole else proposer.propose_model_batch)(states, row_ks, trees)
             # a model drafter's time is costed apart (draft_cost_per_token; its one-off prompt catch-up, before
             # it has a measured cost, nowhere): not step overhead. A lookup's stays there (it costs ~0)
             if proposer.has_model_drafter:
                 self.propose_seconds += time.perf_counter() - t0
             for i, p in zip(rows, drafted):
-                proposals[i] = self._fit(seqs[i], p, ks[i])
+                proposals[i] = self._fit(seqs[i], p, ks[i], trees)
         return proposals
 
     @staticmethod
-    def _fit(seq, proposal: Proposal, k: int) -> Proposal:
-        """A row's proposal as the verify pass takes it: a chain of at most k tokens the grammar allows."""
-        if proposal.is_tree:
+    def _fit(seq, proposal: Proposal, k: int, trees: bool = False) -> Proposal:
+        """A row's proposal as the verify pass takes it: at most k nodes of a tree where `trees` and the row
+        has no grammar, else a chain of at most k tokens the grammar allows (a tree's first path)."""
+        if proposal.is_tree and (not trees or seq.grammar is not None):
             proposal = first_path(proposal)
         tokens = proposal.tokens[:k]
         if seq.grammar is not None:

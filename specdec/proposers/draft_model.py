@@ -80,7 +80,7 @@ class DraftModelProposer(Proposer):
         return PagedKVPool.bytes_per_block(self.model.config, block_size, self.model.dtype)
 
     @torch.inference_mode()
-    def propose_batch(self, states: list[RequestState], ks: list[int]) -> list[Proposal]:
+    def propose_batch(self, states: list[RequestState], ks: list[int], trees: bool = False) -> list[Proposal]:
         """The engine's rows: one forward per draft step for all of them, keys/values in the engine's blocks."""
         if self.paged is None or not PagedDraft.applies(states):
             return super().propose_batch(states, ks)

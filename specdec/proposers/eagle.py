@@ -264,10 +264,11 @@ class _EagleBase(Proposer):
         return self._draft([state], [k], trees=True)[0]
 
     @torch.inference_mode()
-    def propose_batch(self, states: list[RequestState], ks: list[int]) -> list[Proposal]:
-        """The serving engine's rows. It verifies chains (a tree would be cut to its first path), so a
-        tree config drafts its chain here: the rows' chains go together, a head pass per depth."""
-        return self._draft(states, ks, trees=False)
+    def propose_batch(self, states: list[RequestState], ks: list[int], trees: bool = False) -> list[Proposal]:
+        """The serving engine's rows. A batch that verifies trees (one row: speculation.TREE_MAX_ROWS) gets a
+        tree config's trees; a wider one verifies chains, so a tree config drafts its chain there: the rows'
+        chains go together, a head pass per depth."""
+        return self._draft(states, ks, trees=trees)
 
     def _draft(self, states: list[RequestState], ks: list[int], trees: bool) -> list[Proposal]:
         """The rows' queued rows digested in one head pass, and greedy chains drafted together, one pass

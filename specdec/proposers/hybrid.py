@@ -93,17 +93,17 @@ class HybridProposer(Proposer):
         found = self.propose_lookup(state, k)
         return found if found else self.propose_model(state, k)
 
-    def propose_batch(self, states: list[RequestState], ks: list[int]) -> list[Proposal]:
+    def propose_batch(self, states: list[RequestState], ks: list[int], trees: bool = False) -> list[Proposal]:
         proposals = [self.propose_lookup(s, k) for s, k in zip(states, ks)]
         rest = [i for i, p in enumerate(proposals) if not p]
         if rest:
-            drafted = self.propose_model_batch([states[i] for i in rest], [ks[i] for i in rest])
+            drafted = self.propose_model_batch([states[i] for i in rest], [ks[i] for i in rest], trees)
             for i, p in zip(rest, drafted):
                 proposals[i] = p
         return proposals
 
-    def propose_model_batch(self, states: list[RequestState], ks: list[int]) -> list[Proposal]:
-        return self.model.propose_batch([_view(s, "model") for s in states], ks)
+    def propose_model_batch(self, states: list[RequestState], ks: list[int], trees: bool = False) -> list[Proposal]:
+        return self.model.propose_batch([_view(s, "model") for s in states], ks, trees)
 
     def on_verified(self, state: RequestState, proposal: Proposal, num_accepted: int,
                     target: TargetOutput | None = None) -> None:

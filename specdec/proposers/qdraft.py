@@ -115,7 +115,7 @@ class QDraftProposer(Proposer):
         return proposal
 
     @torch.inference_mode()
-    def propose_batch(self, states: list[RequestState], ks: list[int]) -> list[Proposal]:
+    def propose_batch(self, states: list[RequestState], ks: list[int], trees: bool = False) -> list[Proposal]:
         """All rows at once when every target cache is a sequence's blocks in one paged pool (see above)."""
         from specdec.cache.paged_cache import BatchKV, SeqKV
         kvs = [s.draft.get("target_cache") for s in states]

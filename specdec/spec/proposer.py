@@ -160,14 +160,16 @@ class Proposer(ABC):
         observations are capped, as adaptive k's own estimates are: one stalled step moves it <= 1.6x)."""
         self.draft_cost_per_token = robust_ema(self.draft_cost_per_token, per_token)
 
-    def propose_batch(self, states: list[RequestState], ks: list[int]) -> list[Proposal]:
+    def propose_batch(self, states: list[RequestState], ks: list[int], trees: bool = False) -> list[Proposal]:
         """Proposals for several requests of one decode batch (up to ks[b] tokens for states[b]).
-        Row by row here; a model drafter overrides it to run one forward per draft step for all rows."""
+        Row by row here; a model drafter overrides it to run one forward per draft step for all rows.
+        trees: the engine verifies trees for these rows (a drafter may then draft its trees where it
+        would draft chains for the batch; it may always return a tree, which the engine cuts otherwise)."""
         return [self.propose(s, k) for s, k in zip(states, ks)]
 
-    def propose_model_batch(self, states: list[RequestState], ks: list[int]) -> list[Proposal]:
+    def propose_model_batch(self, states: list[RequestState], ks: list[int], trees: bool = False) -> list[Proposal]:
         """propose_batch from the model drafter alone (a pairing's without its lookup)."""
-        return self.propose_batch(states, ks)
+        return self.propose_batch(states, ks, trees)
 
     def on_verified(self, state: RequestState, proposal: Proposal, num_accepted: int,
                     target: TargetOutput | None = None) -> None:
