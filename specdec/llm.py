@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.config import ConfigError, SpeculativeConfig
+from specdec.config import ConfigError, SpeculativeConfig, with_hardware_defaults
 from specdec.model.cuda_graph import GraphedModel, check_pass_width
 from specdec.model.loader import DEFAULT_MODEL, load_model, resolve_device, resolve_dtype, resolve_model
 from specdec.model.tokenizer import Tokenizer
@@ -68,7 +68,8 @@ class LLM:
             self.model = GraphedModel(self.model, pass_width=pass_width)  # decode/verify passes replay CUDA graphs
         self.dtype = self.model.dtype  # the activations' (bf16 on a CPU stores weights in bf16, computes in fp32)
         self.load_dtype = resolve_dtype(dtype, str(self.model.device))  # what the weights were asked in
-        self.speculative_config = SpeculativeConfig.from_dict(speculative_config)
+        # an eagle3 config that names no draft shape gets the one this hardware favours (config.py)
+        self.speculative_config = SpeculativeConfig.from_dict(with_hardware_defaults(speculative_config, self.amx))
         self.proposer = None
         if self.speculative_config is not None:
             ctx = ProposerContext(self.model, self.tokenizer, self.speculative_config, self.source.directory,

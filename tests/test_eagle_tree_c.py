@@ -98,3 +98,36 @@ def test_a_top_k_past_the_kernels_limit_drafts_in_python(tiny, tmp_path, monkeyp
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     assert spec.generate_one(ids, params).token_ids == plain.generate_one(ids, params).token_ids
     assert answers and all(a is None for a in answers) and len(python_trees) == len(answers)
+
+
+def test_an_eagle3_config_without_a_shape_gets_a_tree_on_amx_tiles():
+    """with_hardware_defaults: on AMX tiles an eagle3 config naming no draft shape (nor a fixed k) becomes
+    the 3 x 3 / 9 EAGLE-2 tree; any shape key, a fixed k, another method or no tiles leave it as given."""
+    from specdec.config import AMX_EAGLE3_TREE, SpeculativeConfig, with_hardware_defaults
+
+    bare = {"method": "eagle3", "lookup": "ngram"}
+    tree = SpeculativeConfig.from_dict(with_hardware_defaults(bare, amx=True))
+    assert (tree.eagle_topk, tree.num_steps, tree.num_draft_tokens, tree.k_max) == (3, 3, 9, 8)
+    assert with_hardware_defaults(bare, amx=False) is bare
+    for given in ({"method": "eagle3", "eagle_topk": 1}, {"method": "eagle3", "num_steps": 5},
+                  {"method": "eagle3", "num_speculative_tokens": 4}, {"method": "eagle"}, {"method": "ngram"}):
+        assert with_hardware_defaults(given, amx=True) is given
+    assert with_hardware_defaults(None, amx=True) is None and set(AMX_EAGLE3_TREE) <= set(tree.__dict__)
+
+
+def test_an_llm_and_a_servers_request_on_amx_tiles_draft_the_tree(smollm_dir):
+    """Where the CPU has AMX (bf16): LLM(..., amx=True) with {"method": "eagle3"} drafts EAGLE-2 trees, and so
+    does a server request asking for eagle3 by name; without the tiles, chains."""
+    from specdec.engine.engine import Engine, EngineConfig
+    from specdec.kernels import amx_active
+    from specdec.llm import LLM
+    if not amx_active():
+        pytest.skip("no AMX tiles here")
+    llm = LLM(str(smollm_dir), dtype="bfloat16", amx=True, progress=False, max_model_len=256,
+              speculative_config={"method": "eagle3"})
+    assert llm.speculative_config.eagle_topk == 3 and llm.proposer.topk == 3
+    engine = Engine(llm, EngineConfig(max_num_seqs=2, profile_cost=False))
+    assert engine.spec.proposer("eagle3+ngram").model.topk == 3
+    plain = LLM(str(smollm_dir), dtype="bfloat16", amx=False, progress=False, max_model_len=256,
+                speculative_config={"method": "eagle3"})
+    assert plain.speculative_config.eagle_topk == 1

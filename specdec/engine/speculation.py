@@ -46,7 +46,7 @@ import time
 import torch
 
 from specdec.cache.paged_cache import BatchKV, PagedKVPool, SeqKV
-from specdec.config import ConfigError, SpeculativeConfig, split_method
+from specdec.config import ConfigError, SpeculativeConfig, split_method, with_hardware_defaults
 from specdec.kernels import MAX_ROWS
 from specdec.kernels.attention import PAGED_ROWS
 from specdec.spec.adaptive import ProbeBackoff, StepOverhead, robust_ema
@@ -195,8 +195,9 @@ class Speculation:
                 raise ConfigError(f"speculative method {name!r} is not available; available: "
                                   f"{', '.join(available_methods())}")
             base = self.default_config
-            cfg = SpeculativeConfig(method=name, model=base.model if base and base.method == name else None,
-                                    lookup=lookup)
+            cfg = SpeculativeConfig.from_dict(with_hardware_defaults(
+                {"method": name, "model": base.model if base and base.method == name else None, "lookup": lookup},
+                self.llm.amx))
             llm = self.llm
             ctx = ProposerContext(llm.model, llm.tokenizer, cfg, llm.source.directory, llm.dtype, llm.model.max_len,
                                   llm._load_aux)
