@@ -131,3 +131,18 @@ def test_an_llm_and_a_servers_request_on_amx_tiles_draft_the_tree(smollm_dir):
     plain = LLM(str(smollm_dir), dtype="bfloat16", amx=False, progress=False, max_model_len=256,
                 speculative_config={"method": "eagle3"})
     assert plain.speculative_config.eagle_topk == 1
+
+
+def test_the_bench_gives_its_eagle3_systems_the_shape_an_llm_would(tiny, monkeypatch):
+    """The bench builds its decoders without LLM: its eagle3 systems take the same hardware default (and
+    report it in their config), a tree on AMX tiles, a chain elsewhere, a named shape as named."""
+    from specdec.bench import systems
+    d, plain = tiny
+    monkeypatch.setattr(systems, "on_tiles", lambda model: True)
+    tree = systems.SpecdecSystem(plain.model, plain.tokenizer, d, "eagle3+ngram")
+    assert tree.config == {"method": "eagle3", "lookup": "ngram", "eagle_topk": 3, "num_steps": 3,
+                           "num_draft_tokens": 9}
+    named = systems.SpecdecSystem(plain.model, plain.tokenizer, d, "eagle3", spec={"eagle_topk": 1})
+    assert named.config == {"method": "eagle3", "eagle_topk": 1}
+    monkeypatch.setattr(systems, "on_tiles", lambda model: False)
+    assert systems.SpecdecSystem(plain.model, plain.tokenizer, d, "eagle3").config == {"method": "eagle3"}

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from specdec.config import SpeculativeConfig, split_method
+from specdec.config import SpeculativeConfig, split_method, with_hardware_defaults
+from specdec.quant.bf16 import on_tiles
 from specdec.sampling_params import SamplingParams
 
 BASELINE = "specdec:plain"
@@ -76,6 +77,8 @@ class SpecdecSystem(System):
         self.precision = body if body == str(target.dtype).replace("torch.", "") else f"{body} weights, fp32 sums"
         base, lookup = split_method(self.method)
         self.config = dict(spec or {}, method=base, **({"lookup": lookup} if lookup else {})) if method else {}
+        if self.config:  # the draft shape LLM would give this config on this target (config.with_hardware_defaults)
+            self.config = with_hardware_defaults(self.config, on_tiles(target))
         self.load_aux = load_aux
         self.decoder = None
         self.cost = None
