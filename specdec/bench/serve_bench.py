@@ -35,7 +35,7 @@ import time
 from itertools import islice
 from pathlib import Path
 
-from specdec.cli._common import at_least
+from specdec.cli._common import at_least, json_object
 from specdec.config import ConfigError, check_method_name, split_method
 from specdec.jsonstream import iter_json_array
 
@@ -306,12 +306,7 @@ def check_args(args) -> tuple[list[int], list[float]]:
         if bad or not args.settings.strip(","):
             raise ConfigError(f"--settings takes off and/or on, got {args.settings!r}")
     if args.speculative_config is not None:
-        try:
-            extra = json.loads(args.speculative_config)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"--speculative-config is not valid JSON: {e}") from None
-        if not isinstance(extra, dict):
-            raise ConfigError("--speculative-config must be a JSON object")
+        json_object(args.speculative_config, "--speculative-config")
     args.out.mkdir(parents=True, exist_ok=True)
     return concs, rates
 

@@ -52,15 +52,19 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-config", default=None, help="JSON with vLLM's keys, e.g. '{\"method\": \"ngram\"}'")
 
 
+def json_object(text: str, flag: str) -> dict:
+    """A flag's JSON object (--speculative-config's), or a ConfigError naming the flag."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{flag} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{flag} must be a JSON object")
+    return value
+
+
 def spec_config_from_args(args) -> dict | None:
-    cfg = {}
-    if args.speculative_config:
-        try:
-            cfg = json.loads(args.speculative_config)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"--speculative-config is not valid JSON: {e}") from None
-        if not isinstance(cfg, dict):
-            raise ConfigError("--speculative-config must be a JSON object")
+    cfg = json_object(args.speculative_config, "--speculative-config") if args.speculative_config else {}
     flags = {"method": args.speculative_method, "model": args.speculative_model,
              "num_speculative_tokens": args.num_speculative_tokens,
              "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max,

@@ -15,6 +15,7 @@ import json
 import sys
 from pathlib import Path
 
+from specdec.cli._common import json_object
 from specdec.config import ConfigError
 
 
@@ -86,13 +87,7 @@ def _method_configs(items: list[str]) -> dict[str, dict]:
         name, sep, raw = item.partition("=")
         if not sep:
             raise ConfigError(f"--method-config wants METHOD=JSON, got {item!r}")
-        try:
-            cfg = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"--method-config {name}: not JSON ({e})") from None
-        if not isinstance(cfg, dict):
-            raise ConfigError(f"--method-config {name}: must be a JSON object")
-        out[name.strip()] = cfg
+        out[name.strip()] = json_object(raw, f"--method-config {name}")
     return out
 
 
