@@ -1,4 +1,4 @@
-/* The descriptions layer.c and head_chain.c share: a linear (Linear), a decoder layer's weights
+/* The descriptions layer.c, head_chain.c and head_tree.c share: a linear (Linear), a decoder layer's weights
  * (LayerWeights), a sequence's static cache (SeqCache) and a pass's shape (LayerShape); layer.c says what
  * each field means for its calls. Mirrored by ctypes structures in specdec/kernels/layer.py. */
 #ifndef SPECDEC_LAYER_H

@@ -58,7 +58,8 @@ class _ChainHead(ctypes.Structure):
 
 @functools.cache
 def _load():
-    """The kernel library with this module's functions declared, or None."""
+    """The kernel library with this module's functions declared (and kernels/head.py's: the head's layer,
+    chains, digest and tree), or None."""
     lib, _ = load_kernels()
     if lib is not None:
         lib.specdec_decoder_layers_f32.argtypes = [c_void_p, ctypes.POINTER(ctypes.POINTER(_LayerWeights)),
