@@ -44,9 +44,16 @@ class PagedKVPool:
         table = torch.as_tensor(block_table, dtype=torch.long)
         return table[positions // self.block_size] * self.block_size + positions % self.block_size
 
+    def keep(self, block_table: list[int], positions: list[int], start: int) -> None:
+        """A sequence's k/v at `positions` (ascending, all >= start) packed from `start` on, as KVCache.keep:
+        a verified tree's accepted path. Nothing moves where they are packed already (a chain-shaped path)."""
+        packed = list(range(start, start + len(positions)))
+        if positions != packed:
+            self.move(block_table, positions, packed)
+
     def move(self, block_table: list[int], src: list[int], dst: list[int]) -> None:
-        """Every layer's k/v of a sequence's positions src to its positions dst (a verified tree's accepted
-        path, packed after the prefix; the sources are read before any is overwritten)."""
+        """Every layer's k/v of a sequence's positions src to its positions dst (the sources are read before
+        any is overwritten)."""
         s, d = self.slots_of(block_table, torch.tensor(src)), self.slots_of(block_table, torch.tensor(dst))
         self.k[:, d] = self.k[:, s]
         self.v[:, d] = self.v[:, s]

@@ -270,10 +270,8 @@ class Engine:
         if proposal.is_tree:
             verdict, rows = verify_tree(proposal, logits, seq.params, seq.state.generator,
                                         best[-(k + 1):] if fast else None)
-            start = seq.num_computed + n - 1  # row 0's position: the accepted nodes' keys go right after it
-            moved = [(start + r, start + i) for i, r in enumerate(rows) if r != i]
-            if moved:
-                self.pool.move(seq.block_table, *map(list, zip(*moved)))
+            start = seq.num_computed + n - 1  # row 0's position: the accepted path, packed from there
+            self.pool.keep(seq.block_table, [start + r for r in rows], start)
         elif fast:
             verdict = verify_greedy(proposal.tokens, best[-(k + 1):])
         elif k:

@@ -39,4 +39,11 @@ static inline void layer_inputs(const ChainHead *c, const float *emb, const floa
     }
 }
 
+/* logits [n, Vd] = lm_head(norm(g)) for the n rows of g [n, H] (normed [n, H]: scratch): the head's drafting
+ * distribution, before its argmax or log-softmax. 0, or -1 (layer.c's linear) */
+static inline int head_logits(const ChainHead *c, const float *g, int64_t n, int64_t H, float *normed, float *logits) {
+    specdec_rmsnorm_f32(g, c->norm, normed, n, H, c->eps);
+    return specdec_layer_linear(&c->lm_head, normed, logits, n);
+}
+
 #endif

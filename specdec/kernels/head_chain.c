@@ -56,8 +56,7 @@ int specdec_head_chains_f32(float *g, const ChainHead *c, const LayerWeights *w,
     int rc = 0;
     for (int64_t b = 0; b < B; b++) live[b] = b;
     for (int64_t d = 1; d <= kmax && rc == 0; d++) {
-        specdec_rmsnorm_f32(g, c->norm, normed, n, H, c->eps);  /* g's rows: the live rows, in order */
-        rc = specdec_layer_linear(&c->lm_head, normed, logits, n);
+        rc = head_logits(c, g, n, H, normed, logits); /* g's rows: the live rows, in order */
         if (rc != 0) break;
         if (!specdec_topk_f32(logits, n, Vd, 1, best)) {
             rc = -3;

@@ -26,8 +26,7 @@
 static int node_scores(const ChainHead *c, const float *g, int64_t n, int64_t H, float *normed, float *lp,
                        const float *base) {
     const int64_t Vd = c->lm_head.N;
-    specdec_rmsnorm_f32(g, c->norm, normed, n, H, c->eps);
-    const int rc = specdec_layer_linear(&c->lm_head, normed, lp, n);
+    const int rc = head_logits(c, g, n, H, normed, lp);
     if (rc != 0) return rc;
     for (int64_t i = 0; i < n; i++) {
         float *x = lp + i * Vd, mx = -INFINITY, sum = 0.f;
@@ -73,14 +72,14 @@ int specdec_head_tree_f32(const float *g, const ChainHead *c, const LayerWeights
         s0->B != 0 || c->lm_head.K != H || s0->seqs[0].past + F > s0->seqs[0].max_len)
         return -2;
     const int64_t N = K + (depths - 1) * K * K, rows = F > 1 ? F : 1;
-    float *fbuf = malloc(sizeof(float) * (size_t)(K * H + K * Vd + (1 + F) * H + rows * 4 * H + K * H + K));
+    float *fbuf = malloc(sizeof(float) * (size_t)(K * H + K * Vd + (1 + F) * H + rows * 4 * H + K));
     int64_t *ibuf = malloc(sizeof(int64_t) * (size_t)(3 * N + rows * (3 + rows) + K * K + 2 * K));
     uint8_t *mask = malloc((size_t)(rows * rows));
     uint8_t *in_block = malloc((size_t)N);
     int rc = fbuf && ibuf && mask && in_block ? 0 : -1;
     if (rc != 0) goto done;
     float *normed = fbuf, *lp = normed + K * H, *outs = lp + K * Vd, *x = outs + (1 + F) * H, *emb = x + rows * H;
-    float *attn_in = emb + rows * H, *front = attn_in + 2 * rows * H, *front_val = front + K * H;
+    float *attn_in = emb + rows * H, *front_val = attn_in + 2 * rows * H;
     int64_t *dep = ibuf, *out_of = dep + N, *row_of = out_of + N, *block = row_of + N, *pos = block + rows;
     int64_t *tail_start = pos + rows, *tail_path = tail_start + rows, *idx = tail_path + rows * rows;
     int64_t *frontier = idx + K * K, *next = frontier + K;
@@ -118,15 +117,15 @@ int specdec_head_tree_f32(const float *g, const ChainHead *c, const LayerWeights
         s.mask = tree ? mask : NULL, s.tail_start = tree ? tail_start : NULL, s.tail_path = tree ? tail_path : NULL;
         s.tail_width = tree ? m : 0;
         if ((rc = specdec_head_layer_f32(x, attn_in, w, &s)) != 0) goto done;
-        /* 3. the frontier's outputs kept; its children scored */
+        /* 3. the frontier's outputs kept, in frontier order (outs rows first..first + K - 1); its children scored */
+        const int64_t first = filled;
         for (int64_t i = 0; i < K; i++) {
             const int64_t n = frontier[i];
             memcpy(outs + filled * H, x + row_of[n] * H, sizeof(float) * H);
-            memcpy(front + i * H, x + row_of[n] * H, sizeof(float) * H);
             front_val[i] = val[n];
             out_of[n] = filled++;
         }
-        if ((rc = node_scores(c, front, K, H, normed, lp, front_val)) != 0) goto done;
+        if ((rc = node_scores(c, outs + first * H, K, H, normed, lp, front_val)) != 0) goto done;
         if (!specdec_topk_f32(lp, K, Vd, K, idx)) { rc = -3; goto done; }
         /* 4. the K * K children, each frontier node's in its order; the next frontier: their K best, ties in
          * that order (a stable sort's) */

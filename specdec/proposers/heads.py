@@ -242,7 +242,7 @@ class EagleHead(torch.nn.Module):
 
     def draft_chains(self, g: torch.Tensor, caches: list[DraftKV], starts: list[int], ks: list[int],
                      embed: torch.nn.Module, draft_ids: torch.Tensor) -> list[list[int]] | None:
-        """EAGLE-3 greedy chains in one C call (kernels/layer.py's head_chains), the tokens a loop of
+        """EAGLE-3 greedy chains in one C call (kernels/head.py's head_chains), the tokens a loop of
         logits / argmax / forward_rows gives: g [B, H] the rows' outputs where their chains start, caches
         (their lengths advanced here by the chain's rows), starts[b] the position of row b's first forward,
         ks[b] tokens, embed the target's embedding, draft_ids the target id of each draft id. None where
@@ -272,7 +272,7 @@ class EagleHead(torch.nn.Module):
     def digest(self, feats: torch.Tensor, tokens: list[int], caches: list[DraftKV], sizes: list[int],
                positions: torch.Tensor, embed: torch.nn.Module, draft_ids: torch.Tensor) -> torch.Tensor | None:
         """EAGLE-3's forward_rows(embed(tokens), fuse(feats), positions, caches, sizes) in one C call
-        (kernels/layer.py's head_digest): feats [N, 3H], positions [N]; the caches' lengths advanced by
+        (kernels/head.py's head_digest): feats [N, 3H], positions [N]; the caches' lengths advanced by
         their sizes. [N, H], or None where it does not apply (then the caller's torch calls)."""
         descs = self._c_descriptions(embed, draft_ids) if feats.device.type == "cpu" else None
         if descs is None:
@@ -285,8 +285,8 @@ class EagleHead(torch.nn.Module):
         return out
 
     def _c_descriptions(self, embed: torch.nn.Module, draft_ids: torch.Tensor) -> tuple | None:
-        """(head chain, fc, layer) descriptions for head_chain.c, or None where it does not apply (not an
-        EAGLE-3 head; weights or a table layer.c cannot read)."""
+        """(head chain, fc, layer) descriptions for head_chain.c and head_tree.c, or None where they do not apply
+        (not an EAGLE-3 head; weights or a table layer.c cannot read)."""
         if self.cfg.kind != "eagle3":
             return None
         chain, layer = self._chain_description(embed, draft_ids), self._layer_description()
