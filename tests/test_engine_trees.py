@@ -86,3 +86,32 @@ def test_an_eagle_tree_config_drafts_trees_for_one_row_in_the_engine(tiny, tmp_p
     for i, ids in enumerate(prompts):
         assert got[(str(i), 0)]["ids"] == plain.generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids
     assert any(p.is_tree and len(p) == 8 for p in verified)
+
+
+def test_a_sampled_rows_tree_draws_what_the_offline_decoder_draws(tiny, tmp_path):
+    """Sampling (temperature 0.8, a seed): the engine's one-row tree verification consumes the request's
+    generator as the offline decoder's does (spec/tree.py's recursive rejection over the same rows), so the
+    same trees give the same tokens; the distribution itself is tests/test_tree_distribution.py's. With
+    top_k 1 the sampled path is the greedy one, and the oracle's second children are accepted through it."""
+    from specdec.llm import LLM
+    d, plain = tiny
+    head = random_head(plain.model, "eagle3", tmp_path / "head", draft_vocab=512)
+    spec = LLM(str(d), dtype="float32", progress=False, enforce_eager=True, speculative_config={
+        "method": "eagle3", "model": str(head), **TREE, "num_speculative_tokens": 5})
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [plain.tokenizer.encode(p) for p in PROMPTS[:2]]
+    want = {tuple(ids): plain.generate({"prompt_token_ids": ids}, greedy)[0].outputs[0].token_ids for ids in prompts}
+    drafted = []
+    _oracle(spec.proposer, want, drafted)
+    for params in (SamplingParams(temperature=0.8, seed=11, max_tokens=24, ignore_eos=True),
+                   SamplingParams(temperature=0.8, top_k=1, seed=11, max_tokens=24, ignore_eos=True)):
+        drafted.clear()
+        offline = [spec.generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids for ids in prompts]
+        n_offline = len(drafted)
+        engine = memory_bound(Engine(spec, EngineConfig(max_num_seqs=1, block_size=8)))
+        got = run(engine, [EngineRequest(str(i), ids, params) for i, ids in enumerate(prompts)])
+        assert [got[(str(i), 0)]["ids"] for i in range(len(prompts))] == offline
+        assert n_offline and len(drafted) == 2 * n_offline  # the same number of trees
+        if params.top_k == 1:
+            assert offline == [want[tuple(ids)] for ids in prompts]
+            assert engine.totals.num_accepted_tokens >= 2.5 * engine.totals.num_drafts
