@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec.cache.kv_cache import KV_CACHE_DTYPES, kv_dtype
 from specdec.config import ConfigError, SpeculativeConfig, with_hardware_defaults
 from specdec.model.cuda_graph import GraphedModel, check_pass_width
 from specdec.model.loader import DEFAULT_MODEL, load_model, resolve_device, resolve_dtype, resolve_model
@@ -56,14 +57,18 @@ class LLM:
                  dtype: str | torch.dtype = "auto", max_model_len: int | None = None,
                  num_threads: int | None = None, progress: bool = True, device: str = "auto",
                  enforce_eager: bool = False, pass_width: int = 1, enable_prefix_caching: bool = True,
-                 amx: bool = False):
+                 amx: bool = False, kv_cache_dtype: str = "auto"):
         if num_threads is not None and num_threads < 0:
             raise ConfigError(f"num_threads must be >= 1 (0 or None: every core), got {num_threads}")
         torch.set_num_threads(num_threads or os.cpu_count() or 1)
         check_pass_width(pass_width)  # a no-op on the CPU, whose kernels are batch-invariant at any width
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+        self.kv_cache_dtype = KV_CACHE_DTYPES[kv_cache_dtype]  # None ("auto"): the model's dtype
         self.source, self.model, self.tokenizer = load_target(model, dtype, max_model_len, progress, device)
         # bf16 on an AMX CPU: decode/verify matmuls on AMX tiles, for this model and its drafters (use_amx_tiles)
         self.amx = amx and use_amx_tiles(self.model) > 0
+        self.model.kv_cache_dtype = self.kv_cache_dtype  # every cache of the target (and of its drafters)
         if self.model.device.type == "cuda" and not enforce_eager and hasattr(self.model, "forward_static"):
             self.model = GraphedModel(self.model, pass_width=pass_width)  # decode/verify passes replay CUDA graphs
         self.dtype = self.model.dtype  # the activations' (bf16 on a CPU stores weights in bf16, computes in fp32)
@@ -86,6 +91,7 @@ class LLM:
         source = resolve_model(name)
         model = load_model(source.directory, self.load_dtype, self.model.max_len, str(self.model.device))
         use_amx_tiles(model, self.amx)
+        model.kv_cache_dtype = self.kv_cache_dtype
         return model, Tokenizer(source.directory), source
 
     def _encode(self, prompt) -> tuple[str | None, list[int]]:
@@ -149,6 +155,7 @@ class LLM:
                 "prefill_matmuls": inputs if prompt is None else str(prompt).replace("torch.", ""),
                 "matmul_inputs": inputs,
                 "amx_tiles": self.amx,
+                "kv_cache_dtype": str(kv_dtype(self.model)).replace("torch.", ""),
                 "device": str(self.model.device),
                 "max_model_len": self.model.max_len, "threads": torch.get_num_threads(), "kernels": kernel_status(),
                 "speculative_config": None if self.speculative_config is None else self.speculative_config.method,

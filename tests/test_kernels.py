@@ -141,14 +141,15 @@ def test_rmsnorm_and_silu_mul_rows_do_not_depend_on_the_split():
         torch.set_num_threads(before)
 
 
-def _layer_and_inputs(T, past, seed=0, dims=(9, 3, 64), max_len=128):
-    """A tiny attention layer (default 9 query heads, 3 kv heads, D 64), a filled cache, T new tokens."""
+def _layer_and_inputs(T, past, seed=0, dims=(9, 3, 64), max_len=128, kv_dtype=torch.float32):
+    """A tiny attention layer (default 9 query heads, 3 kv heads, D 64), a filled cache (of kv_dtype), T new
+    tokens."""
     from specdec.cache.kv_cache import KVCache
     from specdec.model.layers import Rotary
     torch.manual_seed(seed)
     Hq, Hkv, D = dims
     rotary = Rotary(D, 10000.0, None, max(512, max_len))
-    cache = KVCache(2, 1, Hkv, D, max_len, torch.float32)
+    cache = KVCache(2, 1, Hkv, D, max_len, kv_dtype)
     cache.k.normal_(), cache.v.normal_()
     cache.length = past
     qkv = torch.randn(1, T, (Hq + 2 * Hkv) * D)
@@ -180,24 +181,48 @@ def _tree(T: int, past: int) -> tuple[torch.Tensor, torch.Tensor]:
     return block_mask, torch.tensor([[past + d for d in depth]])
 
 
-# past 37: one split of keys (attention_split.h's KEY_SPLIT, 128); 300: three, folded; 2300: eighteen
+# past 37: one split of keys (attention_split.h's KEY_SPLIT, 128); 300: three, folded; 2300: eighteen.
+# A bfloat16 cache: the kernel rounds what it writes as torch does and reads it back widened.
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("past", [37, 300, 2300])
 @pytest.mark.parametrize("T,tree", [(1, False), (5, False), (7, True)])
-def test_fused_attention_matches_torch(T, tree, past):
+def test_fused_attention_matches_torch(T, tree, past, kv_dtype):
     from specdec.kernels.attention import FusedAttention
     positions = torch.arange(past, past + T)[None]
     block_mask = None
     if tree:
         block_mask, positions = _tree(T, past)
-    rotary, cache, qkv, dims = _layer_and_inputs(T, past, max_len=past + 64)
+    rotary, cache, qkv, dims = _layer_and_inputs(T, past, max_len=past + 64, kv_dtype=kv_dtype)
     fused = FusedAttention.build(rotary, positions, block_mask, cache, qkv)
-    assert fused is not None
+    assert fused is not None and fused.kv_bf16 == (kv_dtype is torch.bfloat16)
     got = fused(qkv, 1, *dims)
     k_written, v_written = cache.k[1, 0, :, past:past + T].clone(), cache.v[1, 0, :, past:past + T].clone()
     want = _torch_attention(rotary, cache, qkv, dims, positions, block_mask)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(k_written, cache.k[1, 0, :, past:past + T], atol=1e-6, rtol=1e-5)
+    # rotary's last bit may differ from torch's, and move a key's bf16 rounding by one step (2^-8 relative)
+    tol = dict(atol=1e-6, rtol=1e-5) if kv_dtype is torch.float32 else dict(atol=1e-6, rtol=2 ** -7)
+    torch.testing.assert_close(k_written, cache.k[1, 0, :, past:past + T], **tol)
     assert torch.equal(v_written, cache.v[1, 0, :, past:past + T])
+
+
+def test_fused_attention_rounds_a_bf16_caches_values_as_torch():
+    """What the kernel writes into a bfloat16 cache is torch's rounding of the fp32 value, bit for bit: ties
+    to even, values past bf16's largest to inf, NaN kept a NaN, subnormals and signed zeros as they are."""
+    from specdec.kernels.attention import FusedAttention
+    T, past = 4, 10
+    rotary, cache, qkv, (Hq, Hkv, D) = _layer_and_inputs(T, past, max_len=64, kv_dtype=torch.bfloat16)
+    one = torch.tensor(1.0).view(torch.int32)
+    special = torch.tensor([1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, -(1.0 + 2 ** -8), 3.3895e38, -3.4e38, float("nan"),
+                            float("inf"), -0.0, 1e-40, -1e-40, 2 ** -133, float((one + 0x7fff).view(torch.float32)),
+                            float((one + 0x8001).view(torch.float32))])
+    v = qkv[0, :, (Hq + Hkv) * D:]  # the new tokens' values: [T, Hkv D], a view into qkv
+    v[0, :len(special)] = special
+    positions = torch.arange(past, past + T)[None]
+    FusedAttention.build(rotary, positions, None, cache, qkv)(qkv, 1, Hq, Hkv, D)
+    written = cache.v[1, 0, :, past:past + T].transpose(0, 1).reshape(T, Hkv * D)  # [T, Hkv D]
+    want = v.to(torch.bfloat16)
+    assert torch.equal(written.view(torch.int16)[~want.isnan()], want.view(torch.int16)[~want.isnan()])
+    assert torch.equal(written.isnan(), want.isnan()) and bool(want.isnan().any())
 
 
 # head layouts beyond SmolLM2's (9 query heads over 3 kv heads): multi-head, Qwen2.5-0.5B's 7-head
@@ -220,12 +245,14 @@ def test_fused_attention_matches_torch_for_head_layouts(dims, T, past):
 
 # past 30: one split of keys; 250 + 9 new tokens: the rows cross the split boundary at 256 (two splits, then
 # three); 2040 + 12: sixteen splits, then seventeen
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("past,T", [(30, 6), (250, 9), (2040, 12)])
 @pytest.mark.parametrize("dims", HEAD_LAYOUTS)
-def test_fused_attention_is_batch_invariant(dims, past, T):
-    """Row t of a pass over T tokens equals, bit for bit, a single-token pass at that position."""
+def test_fused_attention_is_batch_invariant(dims, past, T, kv_dtype):
+    """Row t of a pass over T tokens equals, bit for bit, a single-token pass at that position (a bfloat16
+    cache too: the pass reads its own new keys back rounded, as the later single-token passes do)."""
     from specdec.kernels.attention import FusedAttention
-    rotary, cache, qkv, dims = _layer_and_inputs(T, past, dims=dims, max_len=past + 64)
+    rotary, cache, qkv, dims = _layer_and_inputs(T, past, dims=dims, max_len=past + 64, kv_dtype=kv_dtype)
     positions = torch.arange(past, past + T)[None]
     block = FusedAttention.build(rotary, positions, None, cache, qkv)(qkv, 1, *dims)
     rows = []

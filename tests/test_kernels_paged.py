@@ -3,6 +3,7 @@ each row the logits of that sequence decoded alone in a static cache, and the po
 import pytest
 import torch
 
+from specdec.cache.kv_cache import kv_dtype
 from specdec.cache.paged_cache import BatchKV, PagedKVPool
 from specdec.kernels import attention
 from specdec.model.loader import load_model
@@ -28,7 +29,7 @@ def _batched(model, pool, tables, past, new_tokens, new_positions, row_masks):
 
 
 def _run(model, prompts, new, trees, num_blocks=64):
-    pool = PagedKVPool.for_model(model.config, num_blocks, BLOCK, torch.float32)
+    pool = PagedKVPool.for_model(model.config, num_blocks, BLOCK, kv_dtype(model))
     tables, nxt = [], 0
     for p in prompts:  # disjoint blocks, in an order that is not the sequences' own
         n = (len(p) + 8 + BLOCK - 1) // BLOCK
@@ -52,9 +53,12 @@ def _run(model, prompts, new, trees, num_blocks=64):
 
 # prompts of 3-12 tokens: one split of keys (attention.c's KEY_SPLIT, 128); of 300 and 140: three and two,
 # beside a short row whose later splits are all padding
+# A bfloat16 pool and cache (kv_cache_dtype): the same, bit for bit.
+@pytest.mark.parametrize("kv_cache_dtype", [None, torch.bfloat16])
 @pytest.mark.parametrize("lengths", [(7, 12, 3), (300, 140, 9)])
-def test_paged_kernel_rows_equal_single_sequence_static_decoding(tiny_dir, monkeypatch, lengths):
+def test_paged_kernel_rows_equal_single_sequence_static_decoding(tiny_dir, monkeypatch, lengths, kv_cache_dtype):
     model = load_model(tiny_dir("llama"), torch.float32)
+    model.kv_cache_dtype = kv_cache_dtype
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in lengths]
     new = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (1, 3, 5)]
@@ -81,8 +85,10 @@ def test_paged_kernel_rows_equal_single_sequence_static_decoding(tiny_dir, monke
         assert torch.equal(pool.k[:, slots].transpose(1, 2), cache.k[:, 0, :, :len(slots)])
 
 
-def test_paged_kernel_equals_torch_path(tiny_dir, monkeypatch):
+@pytest.mark.parametrize("kv_cache_dtype", [None, torch.bfloat16])
+def test_paged_kernel_equals_torch_path(tiny_dir, monkeypatch, kv_cache_dtype):
     model = load_model(tiny_dir("qwen2"), torch.float32)
+    model.kv_cache_dtype = kv_cache_dtype
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (9, 2)]
     new = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (4, 1)]
@@ -92,5 +98,7 @@ def test_paged_kernel_equals_torch_path(tiny_dir, monkeypatch):
     for b in range(2):
         n = len(new[b])
         torch.testing.assert_close(got[b, -n:], want[b, -n:], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(pool_c.k, pool_t.k, atol=1e-6, rtol=1e-5)
+    assert pool_c.k.dtype == pool_t.k.dtype == kv_dtype(model)
+    tol = {} if kv_cache_dtype is None else dict(atol=1e-6, rtol=2 ** -7)  # (bf16: a key's rounding may move a step)
+    torch.testing.assert_close(pool_c.k, pool_t.k, **({"atol": 1e-6, "rtol": 1e-5} | tol))
     torch.testing.assert_close(pool_c.v, pool_t.v, atol=1e-6, rtol=1e-5)

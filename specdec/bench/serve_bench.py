@@ -49,6 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="server CPU threads (default: all cores)")
     p.add_argument("--amx", action=argparse.BooleanOptionalAction, default=True,
                    help="bf16 on an AMX CPU: the servers' passes on AMX tiles (serve's default; --no-amx: vdpbf16ps)")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="both servers' KV cache dtype (serve --kv-cache-dtype)")
     p.add_argument("--speculative-method", default="ngram",
                    help="the 'on' setting's method; METHOD+LOOKUP pairs a model drafter with a lookup (qdraft+ngram)")
     p.add_argument("--num-speculative-tokens", type=at_least(1), default=None, help="fix k (default: adaptive)")
@@ -196,7 +198,7 @@ def start_server(args, speculative: bool) -> tuple[subprocess.Popen, str]:
             "--no-grammar-warm-up"]  # no grammar here: its background compile would share the first run's cores
     if args.threads:
         argv += ["--threads", str(args.threads)]
-    argv += ["--amx" if args.amx else "--no-amx"]
+    argv += ["--amx" if args.amx else "--no-amx", "--kv-cache-dtype", args.kv_cache_dtype]
     if speculative:
         method, lookup = split_method(args.speculative_method)  # "qdraft+ngram": qdraft with an n-gram lookup
         argv += ["--speculative-method", method] + (["--speculative-lookup", lookup] if lookup else [])

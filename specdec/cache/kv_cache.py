@@ -9,6 +9,16 @@ from __future__ import annotations
 
 import torch
 
+KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def kv_dtype(model) -> torch.dtype:
+    """The dtype a model's caches store keys and values in: its `kv_cache_dtype` (LLM(kv_cache_dtype=...)),
+    else its own dtype. A bfloat16 cache of an fp32-activation model rounds each key and value once, when
+    written, and every pass reads the same rounded values back (widened exactly), so plain and speculative
+    decoding still compute the same."""
+    return getattr(model, "kv_cache_dtype", None) or model.dtype
+
 
 class KVCache:
     def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int,
@@ -32,9 +42,9 @@ class KVCache:
         start, end = self.length, self.length + k.shape[2]
         if end > self.max_len:
             raise ValueError(f"KV cache overflow: {end} > {self.max_len} positions")
-        self.k[layer, :, :, start:end] = k
+        self.k[layer, :, :, start:end] = k  # (rounded to the cache's dtype; read back widened to k's)
         self.v[layer, :, :, start:end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        return self.k[layer, :, :, :end].to(k.dtype), self.v[layer, :, :, :end].to(v.dtype)
 
     def attention_mask(self, block_mask: torch.Tensor | None, num_new: int) -> torch.Tensor | None:
         """Mask [T, length + T] for T new tokens: the whole prefix, plus block_mask (causal if None)."""

@@ -130,9 +130,9 @@ class BatchKV:
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # k, v: [B, n_kv, T, D] -> store valid entries, return [B, n_kv, Lmax, D] views
         k_pool, v_pool = self.pool.k[layer], self.pool.v[layer]
-        k_pool.index_copy_(0, self.new_slots, k[self.rows, :, self.cols])  # [N, n_kv, D]
-        v_pool.index_copy_(0, self.new_slots, v[self.rows, :, self.cols])
-        return k_pool[self.gather].transpose(1, 2), v_pool[self.gather].transpose(1, 2)
+        k_pool.index_copy_(0, self.new_slots, k[self.rows, :, self.cols].to(k_pool.dtype))  # [N, n_kv, D]
+        v_pool.index_copy_(0, self.new_slots, v[self.rows, :, self.cols].to(v_pool.dtype))
+        return k_pool[self.gather].transpose(1, 2).to(k.dtype), v_pool[self.gather].transpose(1, 2).to(v.dtype)
 
     def advance(self, n: int) -> None:
         """Lengths live in the sequences, which the engine advances after verification."""
@@ -165,9 +165,10 @@ class SeqKV:
         if end > self.max_len:
             raise ValueError(f"KV cache overflow: {end} > {self.max_len} positions")
         slots = self.pool.slots(self.block_table, 0, end)
-        self.pool.k[layer].index_copy_(0, slots[self.length:], k[0].transpose(0, 1))
-        self.pool.v[layer].index_copy_(0, slots[self.length:], v[0].transpose(0, 1))
-        return self.pool.k[layer][slots].transpose(0, 1)[None], self.pool.v[layer][slots].transpose(0, 1)[None]
+        self.pool.k[layer].index_copy_(0, slots[self.length:], k[0].transpose(0, 1).to(self.pool.k.dtype))
+        self.pool.v[layer].index_copy_(0, slots[self.length:], v[0].transpose(0, 1).to(self.pool.v.dtype))
+        return (self.pool.k[layer][slots].transpose(0, 1)[None].to(k.dtype),
+                self.pool.v[layer][slots].transpose(0, 1)[None].to(v.dtype))
 
     def advance(self, n: int) -> None:
         self.length += n

@@ -35,6 +35,10 @@ def add_model_args(p: argparse.ArgumentParser, positional: bool = True) -> None:
                    help="bf16 on an Intel CPU with AMX: prompt, decode and verify passes on AMX tiles (cheap "
                         "multi-token passes, a single token 5-10%% slower; default: on for serve, off elsewhere; "
                         "serve without them runs prompts on vdpbf16ps, slower, since oneDNN's are not row-invariant there)")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="what the KV cache stores (auto: the model's dtype; a CPU bf16 model computes in fp32). "
+                        "bfloat16 halves the cache's memory and what a pass reads from it, and rounds each key and "
+                        "value once: a precision choice like --dtype (plain and speculative decoding stay equal)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="never reuse an earlier request's keys/values for a shared prompt prefix (generate/chat: "
                         "the previous request's, where exact; serve: the engine's block cache)")
@@ -80,4 +84,5 @@ def make_llm(args, speculative: bool = True):
     return LLM(args.model, speculative_config=spec_config_from_args(args) if speculative else None,
                dtype=args.dtype, max_model_len=args.max_model_len, num_threads=args.threads, device=args.device,
                enforce_eager=getattr(args, "enforce_eager", False), pass_width=getattr(args, "pass_width", 1),
-               enable_prefix_caching=not getattr(args, "no_prefix_caching", False), amx=bool(getattr(args, "amx", False)))
+               enable_prefix_caching=not getattr(args, "no_prefix_caching", False), amx=bool(getattr(args, "amx", False)),
+               kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from specdec.cache.kv_cache import kv_dtype
 from specdec.cache.paged_cache import PagedKVPool
 from specdec.config import ConfigError, check_minimums
 from specdec.engine.block_manager import BlockManager
@@ -131,7 +132,7 @@ class Engine:
             raise ConfigError(f"{num_blocks} KV blocks of {config.block_size} cannot hold one sequence of "
                               f"max_model_len {self.max_model_len}; raise the KV memory or lower --max-model-len")
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.pool = PagedKVPool.for_model(self.model.config, num_blocks, config.block_size, self.model.dtype)
+        self.pool = PagedKVPool.for_model(self.model.config, num_blocks, config.block_size, kv_dtype(self.model))
         self.runner = ModelRunner(self.model, self.pool)
         self.spec.pool = self.pool
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
@@ -146,7 +147,7 @@ class Engine:
     def _num_blocks(self, config: EngineConfig) -> int:
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks
-        per_block = PagedKVPool.bytes_per_block(self.model.config, config.block_size, self.model.dtype)
+        per_block = PagedKVPool.bytes_per_block(self.model.config, config.block_size, kv_dtype(self.model))
         if self.llm.proposer is not None:  # a draft model keeps its keys/values in the same blocks
             per_block += self.llm.proposer.kv_bytes_per_block(config.block_size)
         by_memory = int(config.kv_cache_memory_gb * 2**30 // per_block)

@@ -45,6 +45,7 @@ import time
 
 import torch
 
+from specdec.cache.kv_cache import kv_dtype
 from specdec.cache.paged_cache import BatchKV, PagedKVPool, SeqKV
 from specdec.config import ConfigError, SpeculativeConfig, split_method, with_hardware_defaults
 from specdec.kernels import MAX_ROWS
@@ -99,7 +100,7 @@ class BatchCost:
         """c(N) for N rows of one new token each, through the engine's own path (a scratch paged pool
         and BatchKV, whose kernels differ from the single-sequence static cache's)."""
         per_seq = -(-(prefix_len + 1) // block_size)
-        pool = PagedKVPool.for_model(model.config, per_seq * max(sizes), block_size, model.dtype, model.device)
+        pool = PagedKVPool.for_model(model.config, per_seq * max(sizes), block_size, kv_dtype(model), model.device)
         for n in sizes:
             tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(n)]
             times = []

@@ -1,5 +1,7 @@
 /* Decode-shaped attention for one sequence in a static KV cache, fp32: rotary embedding, the KV
- * write and attention over the cached prefix plus T new tokens, in one call per layer.
+ * write and attention over the cached prefix plus T new tokens, in one call per layer. The cache holds
+ * fp32 or, with kv_bf16, bfloat16 (--kv-cache-dtype bfloat16: half the bytes a pass reads from it); a
+ * bf16 cache gets each new key and value rounded once, here, and is read back widened (attention_kv.h).
  *
  * For T <= 64 new tokens (MAX_ROWS) the work is small and a chain of ~25 torch ops per layer (split, views,
  * rotary, cache slices, SDPA, transposes) costs more in dispatch than in arithmetic; here it is
@@ -19,7 +21,8 @@
  * qkv:   [T, (Hq + 2 Hkv) * D]  the fused projection (q heads, then k heads, then v heads)
  * cos, sin: [max_pos, D]        tables; sin has its first half negated (rotate_half layout)
  * pos:   [T]                     positions of the new tokens
- * kc, vc: [Hkv, max_len, D]      this layer's cache; new k/v are written at [past, past + T)
+ * kc, vc: [Hkv, max_len, D]      this layer's cache (fp32, or bf16 where kv_bf16); new k/v are written at
+ *                                [past, past + T)
  * mask:  [T, T] uint8 or NULL    which new tokens each new token sees (NULL: causal)
  * out:   [T, Hq * D]             attention output, heads concatenated (o_proj's input layout)
  * tail_start, tail_path: NULL, or a tree pass's root paths (Remap in attention_split.h): new token t
@@ -42,6 +45,30 @@ static void rope(const float *x, const float *c, const float *s, float *y, int64
 
 #include "attention_split.h"
 
+/* attend_split_f32 and attend_split_bf16: attention_split.h's split over an fp32 or a bfloat16 cache */
+#define KV float
+#define KV_BF16 0
+#define KVN(f) f##_f32
+#include "attention_kv.h"
+#undef KV
+#undef KV_BF16
+#undef KVN
+#define KV uint16_t
+#define KV_BF16 1
+#define KVN(f) f##_bf16
+#include "attention_kv.h"
+#undef KV
+#undef KV_BF16
+#undef KVN
+
+/* x rounded to bfloat16 (nearest, ties to even; a NaN stays a NaN), as torch's float -> bfloat16 */
+static inline uint16_t to_bf16(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
 /* The queries that share one kv head's keys (a "set": every new token's group of query heads, of one
  * sequence) are split into work units of at most MAX_Q consecutive queries; with one key split, into two
  * units at least, so that both cores have work even at T = 1 (with more, the splits give them work). */
@@ -52,15 +79,26 @@ static int64_t units_per_set(int64_t n, int64_t nsplits) {
     return nsplits == 1 && n >= 2 && u < 2 ? 2 : u;
 }
 
-/* Writes new token t's rotated keys and its values at kc/vc + dst + h * head_stride. */
-static void write_kv(const float *qkv, const float *cos, const float *sin, const int64_t *pos, float *kc, float *vc,
-                     int64_t t, int64_t Hq, int64_t Hkv, int64_t D, int64_t dst, int64_t head_stride) {
+/* Writes new token t's rotated keys and its values at kc/vc + dst + h * head_stride (elements: fp32, or
+ * rounded to bfloat16 where kv_bf16). */
+static void write_kv(const float *qkv, const float *cos, const float *sin, const int64_t *pos, void *kc, void *vc,
+                     int kv_bf16, int64_t t, int64_t Hq, int64_t Hkv, int64_t D, int64_t dst, int64_t head_stride) {
     const int64_t row = (Hq + 2 * Hkv) * D;
     const float *c = cos + pos[t] * D, *s = sin + pos[t] * D;
+    float rotated[D];
     for (int64_t h = 0; h < Hkv; h++) {
         const float *k = qkv + t * row + (Hq + h) * D, *v = qkv + t * row + (Hq + Hkv + h) * D;
-        rope(k, c, s, kc + dst + h * head_stride, D);
-        for (int64_t i = 0; i < D; i++) vc[dst + h * head_stride + i] = v[i];
+        const int64_t at = dst + h * head_stride;
+        if (!kv_bf16) {
+            rope(k, c, s, (float *)kc + at, D);
+            memcpy((float *)vc + at, v, sizeof(float) * D);
+            continue;
+        }
+        rope(k, c, s, rotated, D);
+        for (int64_t i = 0; i < D; i++) {
+            ((uint16_t *)kc)[at + i] = to_bf16(rotated[i]);
+            ((uint16_t *)vc)[at + i] = to_bf16(v[i]);
+        }
     }
 }
 
@@ -104,13 +142,13 @@ static void unit_remaps(const int64_t *tail_start, const int64_t *tail_path, int
 typedef struct {
     const float *qkv, *cos, *sin;
     const int64_t *pos;
-    const float *kc, *vc;
+    const void *kc, *vc; /* fp32, or bfloat16 where kv_bf16 */
     const int64_t *new_slot, *gather;
     const int64_t *tail_start, *tail_path; /* [B T], [B T, tail_width] or NULL */
     const uint8_t *vis; /* static: [T, L] visibility; paged: the [B, T, L] mask */
     float *out, *parts;
     _Atomic int64_t *remaining;
-    int64_t B, T, L, Hq, Hkv, D, max_len, group, per_set, units, nsplits, tail_width;
+    int64_t B, T, L, Hq, Hkv, D, max_len, group, per_set, units, nsplits, tail_width, kv_bf16;
     float scale;
     _Atomic int failed;
 } AttendJob;
@@ -143,12 +181,15 @@ static void attend_share(void *ctx, int64_t me, int64_t nth) {
         for (int64_t m = 0; m < nq; m++) /* query row r = (outs[m] - out) / D: its partials */
             part[m] = j->nsplits == 1 ? local + m * PART(D) : j->parts + ((outs[m] - j->out) / D * j->nsplits + s) * PART(D);
         const int64_t j0 = s * KEY_SPLIT, j1 = j0 + KEY_SPLIT < j->L ? j0 + KEY_SPLIT : j->L;
-        if (paged)
-            attend_split(q, nq, vis, part, j->kc + g * D, j->vc + g * D, j->gather + b * j->L, rm, j->Hkv * D, j0,
-                         j1, D, j->scale, buf);
+        /* kv head g's keys: the pool's slots hold every head ([slot, Hkv, D]), the static cache one head's rows */
+        const int64_t head = paged ? g * D : g * j->max_len * D, stride = paged ? j->Hkv * D : D;
+        const int64_t *gather = paged ? j->gather + b * j->L : NULL;
+        if (j->kv_bf16)
+            attend_split_bf16(q, nq, vis, part, (const uint16_t *)j->kc + head, (const uint16_t *)j->vc + head, gather,
+                              rm, stride, j0, j1, D, j->scale, buf);
         else
-            attend_split(q, nq, vis, part, j->kc + g * j->max_len * D, j->vc + g * j->max_len * D, NULL, rm, D, j0,
-                         j1, D, j->scale, buf);
+            attend_split_f32(q, nq, vis, part, (const float *)j->kc + head, (const float *)j->vc + head, gather, rm,
+                             stride, j0, j1, D, j->scale, buf);
         if (j->nsplits > 1 && atomic_fetch_sub_explicit(&j->remaining[unit], 1, memory_order_acq_rel) != 1)
             continue; /* another split of this unit is still to come: its finisher folds */
         for (int64_t m = 0; m < nq; m++)
@@ -176,13 +217,14 @@ static int run_job(AttendJob *job, int64_t work) {
 
 /* Returns 0, or -1 when a scratch buffer cannot be allocated. */
 int specdec_attention_f32(const float *qkv, const float *cos, const float *sin, const int64_t *pos,
-                          float *kc, float *vc, const uint8_t *mask, float *out,
+                          void *kc, void *vc, const uint8_t *mask, float *out,
                           int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t past, int64_t max_len,
-                          float scale, const int64_t *tail_start, const int64_t *tail_path, int64_t tail_width) {
+                          float scale, const int64_t *tail_start, const int64_t *tail_path, int64_t tail_width,
+                          int64_t kv_bf16) {
     const int64_t group = Hq / Hkv, n_keys = past + T, nsplits = (n_keys + KEY_SPLIT - 1) / KEY_SPLIT;
     const int64_t per_set = T * group, units = units_per_set(per_set, nsplits);
     /* 1. rotary on k, write k and v of the new tokens into the cache */
-    for (int64_t t = 0; t < T; t++) write_kv(qkv, cos, sin, pos, kc, vc, t, Hq, Hkv, D, (past + t) * D, max_len * D);
+    for (int64_t t = 0; t < T; t++) write_kv(qkv, cos, sin, pos, kc, vc, kv_bf16, t, Hq, Hkv, D, (past + t) * D, max_len * D);
     /* 2. which keys each new token sees: the whole prefix, then the new tokens its mask allows */
     uint8_t *vis_rows = malloc(T * n_keys);
     if (vis_rows == NULL) return -1;
@@ -192,7 +234,7 @@ int specdec_attention_f32(const float *qkv, const float *cos, const float *sin, 
     }
     /* 3. softmax(q k^T * scale) v for every query, a unit of one kv head's queries at a time */
     AttendJob job = {qkv, cos, sin, pos, kc, vc, NULL, NULL, tail_start, tail_path, vis_rows, out, NULL, NULL, 1, T,
-                     n_keys, Hq, Hkv, D, max_len, group, per_set, units, nsplits, tail_width, scale, 0};
+                     n_keys, Hq, Hkv, D, max_len, group, per_set, units, nsplits, tail_width, kv_bf16, scale, 0};
     const int rc = run_job(&job, Hq * T * n_keys * D);
     free(vis_rows);
     return rc;
@@ -201,7 +243,8 @@ int specdec_attention_f32(const float *qkv, const float *cos, const float *sin, 
 /* The same attention for a batch of sequences in the paged pool (the serving engine's BatchKV):
  * B rows left-padded to T new tokens, L key columns per row.
  *
- * kc, vc:   [num_slots, Hkv, D]  this layer's pool; the key column j of row b lives at slot gather[b, j]
+ * kc, vc:   [num_slots, Hkv, D]  this layer's pool (fp32, or bf16 where kv_bf16); the key column j of row b
+ *                                lives at slot gather[b, j]
  * new_slot: [B, T]               where column t's new k/v is written (-1: a padding column)
  * pos:      [B, T]               positions of the new tokens (rotary)
  * mask:     [B, T, L] uint8      which key columns each query column sees (chain, tree or padding)
@@ -210,15 +253,15 @@ int specdec_attention_f32(const float *qkv, const float *cos, const float *sin, 
  * A row's value depends only on its own keys, visited in column order with the same dot products
  * and aligned-8 exponentials as above, so it does not depend on B, T, L or the other rows. */
 int specdec_paged_attention_f32(const float *qkv, const float *cos, const float *sin, const int64_t *pos,
-                                float *kc, float *vc, const int64_t *new_slot, const int64_t *gather,
+                                void *kc, void *vc, const int64_t *new_slot, const int64_t *gather,
                                 const uint8_t *mask, float *out, int64_t B, int64_t T, int64_t L, int64_t Hq,
                                 int64_t Hkv, int64_t D, float scale, const int64_t *tail_start,
-                                const int64_t *tail_path, int64_t tail_width) {
+                                const int64_t *tail_path, int64_t tail_width, int64_t kv_bf16) {
     const int64_t group = Hq / Hkv, nsplits = (L + KEY_SPLIT - 1) / KEY_SPLIT, slot = Hkv * D;
     const int64_t per_set = T * group, units = units_per_set(per_set, nsplits);
     for (int64_t bt = 0; bt < B * T; bt++)
-        if (new_slot[bt] >= 0) write_kv(qkv, cos, sin, pos, kc, vc, bt, Hq, Hkv, D, new_slot[bt] * slot, D);
+        if (new_slot[bt] >= 0) write_kv(qkv, cos, sin, pos, kc, vc, kv_bf16, bt, Hq, Hkv, D, new_slot[bt] * slot, D);
     AttendJob job = {qkv, cos, sin, pos, kc, vc, new_slot, gather, tail_start, tail_path, mask, out, NULL, NULL, B, T,
-                     L, Hq, Hkv, D, 0, group, per_set, units, nsplits, tail_width, scale, 0};
+                     L, Hq, Hkv, D, 0, group, per_set, units, nsplits, tail_width, kv_bf16, scale, 0};
     return run_job(&job, B * Hq * T * L * D);
 }

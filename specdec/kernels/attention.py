@@ -38,6 +38,7 @@ def _load():
     lib, _ = load_kernels()
     if lib is not None:
         tail = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]  # tail_start, tail_path, tail_width
+        tail += [ctypes.c_int64]  # kv_bf16: the cache holds bfloat16
         lib.specdec_attention_f32.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 6 + [ctypes.c_float] + tail
         lib.specdec_attention_f32.restype = ctypes.c_int
         lib.specdec_paged_attention_f32.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int64] * 6 + [ctypes.c_float] + tail
@@ -64,9 +65,13 @@ def tail_args(tail_start: torch.Tensor | None, tail_path: torch.Tensor | None) -
     return tail_start.data_ptr(), tail_path.data_ptr(), tail_path.shape[-1]
 
 
+KV_DTYPES = (torch.float32, torch.bfloat16)  # the caches the kernels read (bfloat16: widened exactly on load)
+
+
 def _kernel_applies(rotary, positions: torch.Tensor, x: torch.Tensor, kv_dtype: torch.dtype) -> bool:
-    """What both attention kernels need: fp32 on the CPU, positions inside the rotary tables, the library."""
-    return (x.dtype is torch.float32 and x.device.type == "cpu" and kv_dtype is torch.float32
+    """What both attention kernels need: fp32 on the CPU, an fp32 or bf16 cache, positions inside the rotary
+    tables, the library."""
+    return (x.dtype is torch.float32 and x.device.type == "cpu" and kv_dtype in KV_DTYPES
             and rotary.cos.dtype is torch.float32 and _load() is not None
             and int(positions.max()) < rotary.cos.shape[0])
 
@@ -79,6 +84,7 @@ class FusedAttention:
         self.positions = positions[0].to(torch.int64).contiguous()  # [T]
         self.mask = None if block_mask is None else block_mask.to(torch.uint8).contiguous()  # [T, T]
         self.cache = cache
+        self.kv_bf16 = int(cache.k.dtype is torch.bfloat16)
         self.past = cache.length
         # a tree: each row reads its root path in the columns of its positions (attention.c's tail_path)
         self.tail_start = self.tail_path = None
@@ -118,7 +124,7 @@ class FusedAttention:
                 self.positions.data_ptr() + 8 * start, k.data_ptr(), v.data_ptr(),
                 None if self.mask is None else self.mask.data_ptr(), out.data_ptr() + 4 * start * out.shape[-1],
                 rows, n_heads, n_kv, head_dim, self.past + start, self.cache.max_len, 1.0 / math.sqrt(head_dim),
-                *tail)
+                *tail, self.kv_bf16)
             if rc != 0:
                 raise MemoryError("attention kernel: out of memory for its score buffer")
         return out
@@ -132,6 +138,7 @@ class PagedAttention:
         self.cos, self.sin = cos, sin
         self.positions = positions.to(torch.int64).contiguous()  # [B, T]
         self.cache = cache
+        self.kv_bf16 = int(cache.pool.k.dtype is torch.bfloat16)
         new_slot = torch.full((B, T), -1, dtype=torch.int64)
         new_slot[cache.rows, cache.cols] = cache.new_slots
         self.new_slot = new_slot  # [B, T], -1 on padding
@@ -186,7 +193,7 @@ class PagedAttention:
             qkv.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(), positions.data_ptr(), k.data_ptr(),
             v.data_ptr(), new_slot.data_ptr(), self.gather.data_ptr(), mask.data_ptr(), out.data_ptr(),
             B, T, L, n_heads, n_kv, head_dim, 1.0 / math.sqrt(head_dim),
-            *tail_args(tail_start, tail_path))
+            *tail_args(tail_start, tail_path), self.kv_bf16)
         if rc != 0:
             raise MemoryError("paged attention kernel: out of memory for its score buffer")
         return out

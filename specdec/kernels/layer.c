@@ -32,14 +32,14 @@ int specdec_qlinear_i8(const float *x, const uint8_t *q, const uint16_t *scales,
 int specdec_qlinear_i4(const float *x, const uint8_t *q, const uint16_t *scales, const uint16_t *zeros,
                        const float *bias, float *y, int64_t T, int64_t K, int64_t N, int64_t G);
 int specdec_attention_f32(const float *qkv, const float *cos, const float *sin, const int64_t *pos,
-                          float *kc, float *vc, const uint8_t *mask, float *out, int64_t T, int64_t Hq,
+                          void *kc, void *vc, const uint8_t *mask, float *out, int64_t T, int64_t Hq,
                           int64_t Hkv, int64_t D, int64_t past, int64_t max_len, float scale,
-                          const int64_t *tail_start, const int64_t *tail_path, int64_t tail_width);
+                          const int64_t *tail_start, const int64_t *tail_path, int64_t tail_width, int64_t kv_bf16);
 int specdec_paged_attention_f32(const float *qkv, const float *cos, const float *sin, const int64_t *pos,
-                                float *kc, float *vc, const int64_t *new_slot, const int64_t *gather,
+                                void *kc, void *vc, const int64_t *new_slot, const int64_t *gather,
                                 const uint8_t *mask, float *out, int64_t B, int64_t T, int64_t L, int64_t Hq,
                                 int64_t Hkv, int64_t D, float scale, const int64_t *tail_start,
-                                const int64_t *tail_path, int64_t tail_width);
+                                const int64_t *tail_path, int64_t tail_width, int64_t kv_bf16);
 void specdec_silu_mul_f32(const float *gu, float *y, int64_t T, int64_t I);
 
 /* 0, or -1 when a packed kind cannot allocate its quantized activations */
@@ -82,10 +82,10 @@ static int attention(const float *qkv, const LayerWeights *w, const LayerShape *
     if (s->B > 0)
         return specdec_paged_attention_f32(qkv, s->cos, s->sin, s->pos, w->k_cache, w->v_cache, s->new_slot,
                                            s->gather, s->mask, out, s->B, s->T, s->L, s->Hq, s->Hkv, s->D,
-                                           s->scale, s->tail_start, s->tail_path, s->tail_width);
+                                           s->scale, s->tail_start, s->tail_path, s->tail_width, s->kv_bf16);
     return specdec_attention_f32(qkv, s->cos, s->sin, s->pos, w->k_cache, w->v_cache, s->mask, out, s->T, s->Hq,
                                  s->Hkv, s->D, s->past, s->max_len, s->scale, s->tail_start, s->tail_path,
-                                 s->tail_width);
+                                 s->tail_width, s->kv_bf16);
 }
 
 /* Packed rows: the [num_real, n] rows `real` into their places of the [grid, n] `padded`, whose padding
@@ -117,7 +117,7 @@ static int attention_seqs(const float *qkv, const LayerWeights *w, const LayerSh
         const int rc = specdec_attention_f32(qkv + row * qkv_n, s->cos, s->sin, s->pos + row, c->k_cache, c->v_cache,
                                              tree ? s->mask : NULL, out + row * out_n, c->count, s->Hq, s->Hkv, s->D,
                                              c->past, c->max_len, s->scale, tree ? s->tail_start : NULL,
-                                             tree ? s->tail_path : NULL, tree ? s->tail_width : 0);
+                                             tree ? s->tail_path : NULL, tree ? s->tail_width : 0, s->kv_bf16);
         if (rc != 0) return rc;
         row += c->count;
     }
@@ -198,4 +198,4 @@ int specdec_decoder_layers_f32(float *x, LayerWeights *const *layers, int64_t n,
     return 0;
 }
 
-int specdec_layer_abi(void) { return 8; }
+int specdec_layer_abi(void) { return 9; }

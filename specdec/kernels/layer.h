@@ -19,11 +19,12 @@ typedef struct {
 typedef struct {
     const float *input_norm, *post_norm; /* [H] */
     Linear qkv, o_proj, gate_up, down;
-    float *k_cache, *v_cache;            /* [Hkv, max_len, D] */
+    void *k_cache, *v_cache;             /* [Hkv, max_len, D] (paged: the pool's [num_slots, Hkv, D] layer),
+                                            fp32 or bfloat16 (LayerShape.kv_bf16) */
 } LayerWeights;
 
 typedef struct {
-    float *k_cache, *v_cache; /* a sequence's static cache, [Hkv, max_len, D] */
+    void *k_cache, *v_cache; /* a sequence's static cache, [Hkv, max_len, D], of LayerShape.kv_bf16's type */
     int64_t past, count, max_len; /* keys already there; its rows of x (their keys go after them) */
 } SeqCache;
 
@@ -42,6 +43,7 @@ typedef struct {
     int64_t num_seqs;       /* > 0: x's T rows are these sequences' rows back to back, each over its own */
     const SeqCache *seqs;   /* static cache, causal among its rows (a draft head's rows), or, one sequence
                                with mask and tails set, a tree; B = 0 */
+    int64_t kv_bf16;        /* the caches hold bfloat16 (--kv-cache-dtype bfloat16), else fp32 */
 } LayerShape;
 
 /* y [T, N] = x [T, K] @ W^T (+ bias) through the kernel the Linear names (layer.c): 0, or -1 when a packed

@@ -47,7 +47,7 @@ class _LayerShape(ctypes.Structure):
                 ("B", c_int64), ("L", c_int64), ("new_slot", c_void_p), ("gather", c_void_p),
                 ("num_real", c_int64), ("real_index", c_void_p),
                 ("tail_start", c_void_p), ("tail_path", c_void_p), ("tail_width", c_int64),
-                ("num_seqs", c_int64), ("seqs", ctypes.POINTER(_SeqCache))]
+                ("num_seqs", c_int64), ("seqs", ctypes.POINTER(_SeqCache)), ("kv_bf16", c_int64)]
 
 
 class _ChainHead(ctypes.Structure):
@@ -249,7 +249,7 @@ def _layer_shape(fused, T: int, H: int, Hq: int, Hkv: int, D: int, eps: float) -
     return _LayerShape(fused.cos.data_ptr(), fused.sin.data_ptr(), fused.positions.data_ptr(),
                        None if fused.mask is None else fused.mask.data_ptr(), T, H, Hq, Hkv, D, fused.past,
                        fused.cache.max_len, eps, 1.0 / math.sqrt(D), 0, 0, None, None, 0, None,
-                       *tail_args(fused.tail_start, fused.tail_path))
+                       *tail_args(fused.tail_start, fused.tail_path), 0, None, fused.kv_bf16)
 
 
 def _paged_shape(fused, T: int, H: int, Hq: int, Hkv: int, D: int, eps: float) -> _LayerShape:
@@ -257,4 +257,4 @@ def _paged_shape(fused, T: int, H: int, Hq: int, Hkv: int, D: int, eps: float) -
     return _LayerShape(fused.cos.data_ptr(), fused.sin.data_ptr(), fused.positions.data_ptr(),
                        fused.mask.data_ptr(), T, H, Hq, Hkv, D, 0, 0, eps, 1.0 / math.sqrt(D), B, L,
                        fused.new_slot.data_ptr(), fused.gather.data_ptr(), 0, None,
-                       *tail_args(fused.tail_start, fused.tail_path))
+                       *tail_args(fused.tail_start, fused.tail_path), 0, None, fused.kv_bf16)

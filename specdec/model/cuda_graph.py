@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from specdec.cache.kv_cache import KVCache
+from specdec.cache.kv_cache import KVCache, kv_dtype
 from specdec.config import ConfigError
 
 TOKEN_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32)
@@ -163,7 +163,7 @@ class GraphedModel:
             return self.model.new_cache(max_len, batch_size)
         if self.cache is None:  # room for the widest bucket's padding past the context's last slot
             self.cache = KVCache.for_model(self.model.config, self.model.max_len + TOKEN_BUCKETS[-1],
-                                           self.model.dtype, 1, self.model.device)
+                                           kv_dtype(self.model), 1, self.model.device)
         self.cache.reset()
         return self.cache
 

@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from specdec.cache.kv_cache import KVCache
+from specdec.cache.kv_cache import KVCache, kv_dtype
 from specdec.config import ConfigError, ModelConfig
 from specdec.kernels import linear
 from specdec.model.layers import RMSNorm, Rotary, apply_rotary, rounded_linear, sdpa
@@ -90,6 +90,7 @@ class Gemma3Model(torch.nn.Module):
             self.lm_head.weight = self.embed.weight
         init_rotary(self, self.max_len)
         self.prefill_matmul_dtype: torch.dtype | None = None  # as LlamaModel's (set by the loader)
+        self.kv_cache_dtype: torch.dtype | None = None  # as LlamaModel's
 
     @property
     def dtype(self) -> torch.dtype:
@@ -100,7 +101,7 @@ class Gemma3Model(torch.nn.Module):
         return self.norm.weight.device
 
     def new_cache(self, max_len: int | None = None, batch_size: int = 1) -> KVCache:
-        return KVCache.for_model(self.config, min(max_len or self.max_len, self.max_len), self.dtype,
+        return KVCache.for_model(self.config, min(max_len or self.max_len, self.max_len), kv_dtype(self),
                                  batch_size, self.device)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from specdec.cache.kv_cache import KVCache
+from specdec.cache.kv_cache import KVCache, kv_dtype
 from specdec.config import ModelConfig
 from specdec.kernels import linear, silu_mul
 from specdec.kernels.attention import FusedAttention, fused_attention
@@ -100,9 +100,10 @@ class DecoderLayer(torch.nn.Module):
         B, T, _ = qkv.shape
         S = mask.shape[-1]
         q, k, v = self.heads(qkv, cos, sin)
-        cache.k[layer_idx].index_copy_(2, slots, k)
-        cache.v[layer_idx].index_copy_(2, slots, v)
-        attn = grouped_sdpa(q, cache.k[layer_idx, :, :, :S], cache.v[layer_idx, :, :, :S], mask)  # [B, H, T, D]
+        cache.k[layer_idx].index_copy_(2, slots, k.to(cache.k.dtype))
+        cache.v[layer_idx].index_copy_(2, slots, v.to(cache.v.dtype))
+        k_all, v_all = cache.k[layer_idx, :, :, :S].to(q.dtype), cache.v[layer_idx, :, :, :S].to(q.dtype)
+        attn = grouped_sdpa(q, k_all, v_all, mask)  # [B, H, T, D]
         return attn.transpose(1, 2).reshape(B, T, -1)
 
 
@@ -121,6 +122,8 @@ class LlamaModel(torch.nn.Module):
         # the matmuls' dtype in a prompt's pass (forward(prefill=True)); None: as every other pass.
         # The loader sets bfloat16 for bf16 weights on a CPU with native bf16 dot products (quant/bf16.py)
         self.prefill_matmul_dtype: torch.dtype | None = None
+        # what caches store keys/values in (LLM(kv_cache_dtype=...)); None: the model's dtype
+        self.kv_cache_dtype: torch.dtype | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -131,7 +134,7 @@ class LlamaModel(torch.nn.Module):
         return self.embed.weight.device
 
     def new_cache(self, max_len: int | None = None, batch_size: int = 1) -> KVCache:
-        return KVCache.for_model(self.config, min(max_len or self.max_len, self.max_len), self.dtype,
+        return KVCache.for_model(self.config, min(max_len or self.max_len, self.max_len), kv_dtype(self),
                                  batch_size, self.device)
 
     @torch.inference_mode()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 import torch
 
+from specdec.cache.kv_cache import kv_dtype
 from specdec.cache.paged_cache import PagedKVPool
 from specdec.config import ConfigError
 from specdec.proposers.chain import draft_chain, draft_chains, fit_vocab, time_one_step  # noqa: F401 (re-exported)
@@ -77,7 +78,7 @@ class DraftModelProposer(Proposer):
     def kv_bytes_per_block(self, block_size: int) -> int:
         if self.paged is None:
             return 0
-        return PagedKVPool.bytes_per_block(self.model.config, block_size, self.model.dtype)
+        return PagedKVPool.bytes_per_block(self.model.config, block_size, kv_dtype(self.model))
 
     @torch.inference_mode()
     def propose_batch(self, states: list[RequestState], ks: list[int], trees: bool = False) -> list[Proposal]:

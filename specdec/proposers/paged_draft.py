@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from specdec.cache.kv_cache import kv_dtype
 from specdec.cache.paged_cache import BatchKV, PagedKVPool, SeqKV
 from specdec.proposers.chain import draft_chains, fit_vocab
 from specdec.spec.proposer import EMPTY, Proposal, RequestState
@@ -45,7 +46,7 @@ class PagedDraft:
         if pool is None:
             self.pools.clear()  # one engine at a time: a new pool replaces the last one's
             pool = self.pools[id(target)] = PagedKVPool.for_model(
-                self.model.config, target.num_blocks, target.block_size, self.model.dtype, target.k.device)
+                self.model.config, target.num_blocks, target.block_size, kv_dtype(self.model), target.k.device)
         return pool
 
     def _forward(self, pool, tables: list[list[int]], past: list[int], new: list[list[int]]) -> torch.Tensor:

@@ -87,6 +87,7 @@ def quantized_copy(model: LlamaModel, scheme: Scheme, head: Scheme | None = DEFA
         for name, module in src.named_children():
             setattr(dst, name, _qlinear(module, scheme, dtype) if name in LAYER_LINEARS else module)
     _quantize_head(model, copy, head, embed=False)
+    copy.kv_cache_dtype = getattr(model, "kv_cache_dtype", None)  # its caches as the target's (qdraft copies them)
     return copy.eval()
 
 
