@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.cache.kv_cache import KV_CACHE_DTYPES, kv_dtype
+from specdec.cache.kv_cache import kv_cache_dtype_named, kv_dtype
 from specdec.config import ConfigError, SpeculativeConfig, with_hardware_defaults
 from specdec.model.cuda_graph import GraphedModel, check_pass_width
 from specdec.model.loader import DEFAULT_MODEL, load_model, resolve_device, resolve_dtype, resolve_model
@@ -62,9 +62,7 @@ class LLM:
             raise ConfigError(f"num_threads must be >= 1 (0 or None: every core), got {num_threads}")
         torch.set_num_threads(num_threads or os.cpu_count() or 1)
         check_pass_width(pass_width)  # a no-op on the CPU, whose kernels are batch-invariant at any width
-        if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
-        self.kv_cache_dtype = KV_CACHE_DTYPES[kv_cache_dtype]  # None ("auto"): the model's dtype
+        self.kv_cache_dtype = kv_cache_dtype_named(kv_cache_dtype)  # None ("auto"): the model's dtype
         self.source, self.model, self.tokenizer = load_target(model, dtype, max_model_len, progress, device)
         # bf16 on an AMX CPU: decode/verify matmuls on AMX tiles, for this model and its drafters (use_amx_tiles)
         self.amx = amx and use_amx_tiles(self.model) > 0

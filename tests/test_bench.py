@@ -142,7 +142,8 @@ def test_advise_recommends_with_a_reason(tiny_dir, tmp_path):
 def test_advise_prints_flags_the_cli_takes_for_a_pairing(tiny_dir, tmp_path, monkeypatch, capsys):
     """A recommended pairing (qdraft+ngram, the bench's and the server's per-request name) is printed as the
     CLI's flags, --speculative-method qdraft --speculative-lookup ngram, which `generate` parses (it printed
-    --speculative-method qdraft+ngram, which argparse refuses). --method-config and --amx reach advise()."""
+    --speculative-method qdraft+ngram, which argparse refuses). --method-config, --amx and --kv-cache-dtype
+    reach advise()."""
     import shlex
 
     from specdec.bench import advise as advise_mod
@@ -157,8 +158,9 @@ def test_advise_prints_flags_the_cli_takes_for_a_pairing(tiny_dir, tmp_path, mon
     seen = {}
     monkeypatch.setattr(advise_mod, "advise", lambda *a, **k: seen.update(args=a) or fake)
     assert main(["advise", str(tiny_dir("llama")), "--prompts", str(f), "--amx", "--method-config",
-                 'qdraft+ngram={"prompt_lookup_max": 3}']) == 0
-    assert seen["args"][8] == {"qdraft+ngram": {"prompt_lookup_max": 3}} and seen["args"][-1] is True  # configs, amx
+                 'qdraft+ngram={"prompt_lookup_max": 3}', "--kv-cache-dtype", "bfloat16"]) == 0
+    assert seen["args"][8] == {"qdraft+ngram": {"prompt_lookup_max": 3}}  # configs
+    assert seen["args"][-2:] == (True, "bfloat16")  # amx, kv_cache_dtype
     line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("Recommendation:"))
     flags = shlex.split(line.split(":", 1)[1].split("(")[0])
     assert flags == ["--speculative-method", "qdraft", "--speculative-lookup", "ngram", "--num-speculative-tokens", "3"]

@@ -90,3 +90,24 @@ def test_real_model_speculation_over_a_bf16_cache_equals_plain():
         engine.add_request(EngineRequest(str(i), spec.tokenizer.encode(p), params))
     got, _ = drain_engine(engine)
     assert [got[str(i)] for i in range(len(prompts))] == want
+
+
+def test_every_command_passes_its_kv_cache_dtype_on(tiny_dir, capsys):
+    """serve's engine, generate/info's LLM (make_llm) and the offline bench's models keep bf16 caches when asked
+    (advise: tests/test_bench.py); a name outside the choices is refused before anything loads."""
+    from specdec.bench.harness import BenchConfig, _cached_loader
+    from specdec.cli import main
+    from tests.server_util import ThreadServer
+
+    srv = ThreadServer(str(tiny_dir("llama")), "--dtype", "float32", "--threads", "1", "--max-model-len", "128",
+                       "--kv-cache-dtype", "bfloat16")
+    try:
+        assert srv.engine.pool.k.dtype is torch.bfloat16
+    finally:
+        srv.stop()
+    assert main(["info", str(tiny_dir("llama")), "--dtype", "float32", "--kv-cache-dtype", "bfloat16"]) == 0
+    assert "kv_cache_dtype: bfloat16" in capsys.readouterr().out
+    model = _cached_loader(torch.float32, 128, False, "bfloat16")(str(tiny_dir("llama")))[0]
+    assert model.new_cache(8).k.dtype is torch.bfloat16
+    with pytest.raises(ConfigError, match="kv_cache_dtype must be one of"):
+        BenchConfig(kv_cache_dtype="half")

@@ -195,11 +195,14 @@ def typical_context(prompts: list[list[int]], max_tokens: int) -> int:
 def advise(model: str, prompts: list[list[int]], dtype: str = "auto", threads: int | None = None,
            batch_size: int = 1, max_tokens: int = 64, k_max: int = 8, methods: tuple[str, ...] | None = None,
            method_configs: dict | None = None, draft_model: str | None = None, verify: bool = True,
-           log=None, temperature: float = 0.0, repetition_penalty: float = 1.0, amx: bool = False) -> Advice:
+           log=None, temperature: float = 0.0, repetition_penalty: float = 1.0, amx: bool = False,
+           kv_cache_dtype: str = "auto") -> Advice:
     """temperature, repetition_penalty: how the requests will decode (every system measured so; sampled
     runs seed each prompt, the same seed for every system). amx: bf16 on AMX tiles (LLM(amx=True), the
-    server's default), where verify passes cost far less than on vdpbf16ps."""
+    server's default), where verify passes cost far less than on vdpbf16ps. kv_cache_dtype: the caches'
+    (LLM(kv_cache_dtype=...)), for the target and its drafters."""
     from specdec.bench.harness import BenchConfig, _cached_loader, our_systems, set_threads
+    from specdec.cache.kv_cache import kv_cache_dtype_named
     from specdec.model.loader import load_model, resolve_dtype, resolve_model
     from specdec.model.tokenizer import Tokenizer
     from specdec.quant.bf16 import use_amx_tiles
@@ -217,6 +220,7 @@ def advise(model: str, prompts: list[list[int]], dtype: str = "auto", threads: i
     max_len = max(len(p) for p in prompts) + max_tokens + 2 * k_max + 64
     target = load_model(source.directory, dt, max_len)
     use_amx_tiles(target, amx)
+    target.kv_cache_dtype = kv_cache_dtype_named(kv_cache_dtype)
     tokenizer = Tokenizer(source.directory)
     top = batch_size * (k_max + 1)
     context = min(typical_context(prompts, max_tokens), max_len - top - 1)
@@ -232,7 +236,7 @@ def advise(model: str, prompts: list[list[int]], dtype: str = "auto", threads: i
     plain.generate(prompts[0][:32], 4)
     c1 = curve.seconds[0]
     draft_dir = resolve_model(draft_model, progress=False).directory if draft_model else None
-    probes, skipped = our_systems(cfg, target, tokenizer, source.directory, draft_dir, _cached_loader(dt, max_len, amx),
+    probes, skipped = our_systems(cfg, target, tokenizer, source.directory, draft_dir, _cached_loader(dt, max_len, amx, kv_cache_dtype),
                                   k=k_max)
     skipped = [{"method": n.split(":", 1)[1], "reason": r} for n, r in skipped]
     candidates: list[MethodEstimate] = []
@@ -272,7 +276,7 @@ def advise(model: str, prompts: list[list[int]], dtype: str = "auto", threads: i
         if verify:
             rec.update(_verify(plain, best, spec, batch_size, prompts, max_tokens, log,
                                lambda config: SpecdecSystem(target, tokenizer, source.directory, best.method, config,
-                                                            _cached_loader(dt, max_len, amx), **cfg.decoding)))
+                                                            _cached_loader(dt, max_len, amx, kv_cache_dtype), **cfg.decoding)))
     reason = _reason(regime, ratio, batch_size, k_max, best, rec, len(prompts))
     return Advice(model, str(dt).replace("torch.", ""), n_threads, batch_size, len(prompts), regime, round(ratio, 3),
                   rec, reason, candidates, skipped, curve.to_dict(), cfg.decoding)

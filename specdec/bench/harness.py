@@ -24,6 +24,7 @@ import torch
 
 from specdec.bench.costs import PeakRSS, rss_mb
 from specdec.bench.systems import BASELINE, Generated, SpecdecSystem, System
+from specdec.cache.kv_cache import kv_cache_dtype_named
 from specdec.config import ConfigError, check_method_name, split_method
 
 
@@ -190,6 +191,7 @@ class BenchConfig:
     temperature: float = 0.0  # > 0: every system samples, a seed per prompt (our systems only: peers run greedy)
     repetition_penalty: float = 1.0  # != 1: every system applies it (our systems only)
     amx: bool = False  # bf16 on an AMX CPU: every model of ours on AMX tiles (quant/bf16.py use_amx_tiles)
+    kv_cache_dtype: str = "auto"  # every model of ours keeps its keys/values in this (LLM(kv_cache_dtype=...))
 
     def __post_init__(self):
         from specdec.bench.peers import PEER_FAMILIES
@@ -203,6 +205,7 @@ class BenchConfig:
                                   f"systems, e.g. transformers:assisted), or 'none'")
         if any(k < 1 for k in self.sweep_ks):
             raise ConfigError(f"sweep k values must be >= 1, got {list(self.sweep_ks)}")
+        kv_cache_dtype_named(self.kv_cache_dtype)  # a ConfigError for another name
 
     @property
     def decoding(self) -> dict:
@@ -239,7 +242,7 @@ def _draft_layers(draft_dir: Path) -> list[int] | None:
     return json.loads(meta.read_text()).get("layers") if meta.exists() else None
 
 
-def _cached_loader(dtype, max_len, amx: bool = False):
+def _cached_loader(dtype, max_len, amx: bool = False, kv_cache_dtype: str = "auto"):
     from specdec.model.loader import load_model, resolve_model
     from specdec.model.tokenizer import Tokenizer
     from specdec.quant.bf16 import use_amx_tiles
@@ -250,6 +253,7 @@ def _cached_loader(dtype, max_len, amx: bool = False):
             src = resolve_model(name, progress=False)
             model = load_model(src.directory, dtype, max_len)
             use_amx_tiles(model, amx)
+            model.kv_cache_dtype = kv_cache_dtype_named(kv_cache_dtype)
             loaded[name] = (model, Tokenizer(src.directory), src)
         return loaded[name]
     return load
@@ -305,6 +309,7 @@ def run_dtype(cfg: BenchConfig, dtype_name: str, prompts: list | None, log=print
     base_rss = rss_mb()
     target = load_model(source.directory, dtype, max_len)
     amx_tiles = use_amx_tiles(target, cfg.amx)
+    target.kv_cache_dtype = kv_cache_dtype_named(cfg.kv_cache_dtype)
     target_rss = None if base_rss is None else rss_mb() - base_rss
     tokenizer = Tokenizer(source.directory)
     load_seconds = time.perf_counter() - t0
@@ -327,7 +332,7 @@ def run_dtype(cfg: BenchConfig, dtype_name: str, prompts: list | None, log=print
         draft_dir = resolve_model(cfg.draft_model, progress=False).directory
     result["draft_model"] = None if draft_dir is None else {"dir": str(draft_dir), "auto": cfg.draft_model == "auto",
                                                              "layers": _draft_layers(draft_dir)}
-    load_aux = _cached_loader(dtype, max_len, cfg.amx)
+    load_aux = _cached_loader(dtype, max_len, cfg.amx, cfg.kv_cache_dtype)
     ours, skipped = our_systems(cfg, target, tokenizer, source.directory, draft_dir, load_aux)
     peers, peer_skips = ([], []) if cfg.peers == () else make_peers(
         source.directory, dtype, threads, max_len + 64, sorted(tokenizer.eos_token_ids), draft_dir, cfg.peers)

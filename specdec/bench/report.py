@@ -310,7 +310,9 @@ def decoding(cfg: dict) -> str:
     t, r = cfg.get("temperature") or 0.0, cfg.get("repetition_penalty") or 1.0
     how = "greedy" if t == 0 else f"sampled at temperature {t:g} (a seed per prompt, the same for every system)"
     how = how if r == 1.0 else f"{how}, repetition penalty {r:g}"
-    return f"{how}; bf16 decode and verify matmuls on AMX tiles (--amx)" if cfg.get("amx") else how
+    how = f"{how}; bf16 decode and verify matmuls on AMX tiles (--amx)" if cfg.get("amx") else how
+    kv = cfg.get("kv_cache_dtype", "auto")
+    return how if kv == "auto" else f"{how}; KV caches in {kv} (--kv-cache-dtype)"
 
 
 def _cli_flags(cfg: dict) -> list[str]:
@@ -325,6 +327,8 @@ def _cli_flags(cfg: dict) -> list[str]:
         flags.append(f"--threads {cfg['threads']}")
     if cfg.get("amx"):
         flags.append("--amx")
+    if cfg.get("kv_cache_dtype", "auto") != "auto":
+        flags.append(f"--kv-cache-dtype {cfg['kv_cache_dtype']}")
     if cfg.get("categories"):
         flags.append(f"--categories {','.join(cfg['categories'])}")
     if cfg.get("methods") is not None:

@@ -12,6 +12,14 @@ import torch
 KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def kv_cache_dtype_named(name: str) -> torch.dtype | None:
+    """--kv-cache-dtype's value as a model's `kv_cache_dtype` (None: "auto", the model's dtype), or a ConfigError."""
+    from specdec.config import ConfigError
+    if name not in KV_CACHE_DTYPES:
+        raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+    return KV_CACHE_DTYPES[name]
+
+
 def kv_dtype(model) -> torch.dtype:
     """The dtype a model's caches store keys and values in: its `kv_cache_dtype` (LLM(kv_cache_dtype=...)),
     else its own dtype. A bfloat16 cache of an fp32-activation model rounds each key and value once, when

@@ -50,7 +50,8 @@ def run(args) -> int:
     log = (lambda *a: print(*a, file=sys.stderr, flush=True))
     adv = advise(args.model, prompts, args.dtype, args.threads, args.batch_size, args.max_tokens, args.k_max,
                  methods, _method_configs(args.method_config), args.draft_model, not args.no_verify, log, args.temperature,
-                 args.repetition_penalty, bool(args.amx))  # --amx (add_model_args): measure on AMX tiles
+                 args.repetition_penalty, bool(args.amx),  # --amx (add_model_args): measure on AMX tiles
+                 args.kv_cache_dtype)
     if args.json:
         print(json.dumps(adv.to_dict(), default=str))
         return 0

@@ -41,6 +41,8 @@ def register(sub) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--amx", action="store_true",
                    help="bf16 on an Intel CPU with AMX: every system of ours on AMX tiles (plain included)")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="what every system of ours keeps its keys/values in (auto: the model's dtype)")
     p.add_argument("--methods", default=None, help="comma list of speculative methods (default: every registered one)")
     p.add_argument("--method-config", action="append", default=[], metavar="METHOD=JSON",
                    help="extra speculative_config keys for one method, e.g. ngram='{\"prompt_lookup_max\": 3}'")
@@ -113,7 +115,7 @@ def config_from_args(args):
                        draft_layers=args.draft_layers, sweep_ks=sweep,
                        sweep_methods=_csv(args.sweep_methods) if args.sweep_methods else None,
                        sweep_categories=_csv(args.sweep_categories), temperature=args.temperature,
-                       repetition_penalty=args.repetition_penalty, amx=args.amx)
+                       repetition_penalty=args.repetition_penalty, amx=args.amx, kv_cache_dtype=args.kv_cache_dtype)
 
 
 def print_summary(summaries: dict, file=sys.stderr) -> None:

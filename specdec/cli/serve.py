@@ -60,7 +60,8 @@ def build_server(args, engine_on_caller: bool = False):
     llm = LLM(args.model, speculative_config=spec_config_from_args(args), dtype=args.dtype,
               max_model_len=args.max_model_len, num_threads=args.threads, enforce_eager=True,  # the engine's passes
               enable_prefix_caching=False,  # (the engine has its own: --no-prefix-caching turns that off)
-              amx=args.amx is not False)  # batches of rows: the tiles pay here (quant/bf16.py use_amx_tiles)
+              amx=args.amx is not False,  # batches of rows: the tiles pay here (quant/bf16.py use_amx_tiles)
+              kv_cache_dtype=args.kv_cache_dtype)
     engine = Engine(llm, EngineConfig(args.max_num_seqs, args.max_num_batched_tokens, args.block_size,
                                       args.num_kv_blocks, args.kv_cache_memory_gb, not args.no_prefix_caching))
     name = args.served_model_name or args.model
