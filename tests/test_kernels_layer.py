@@ -44,14 +44,17 @@ def _count_fused_layers(monkeypatch, mode: str) -> list[bool]:
     return calls
 
 
-def _run(model, ids, monkeypatch, mode: str):
-    """Prefill P = MAX_ROWS + 4 tokens (the per-op path), 3 single-token steps, a causal block of 4 and
-    a tree of 7: all logits and the cache."""
+def _run(model, ids, monkeypatch, mode: str, wide_prompt: bool = False):
+    """Prefill P = MAX_ROWS + 4 tokens (the per-op path; with wide_prompt, linears on AMX tiles, layer.c),
+    3 single-token steps, a causal block of 4 and a tree of 7: all logits and the cache."""
     calls = _count_fused_layers(monkeypatch, mode)
     P = MAX_ROWS + 4
     cache = model.new_cache(P + 20)
     outs = [model(ids[:, :P], torch.arange(P)[None], cache).logits]
-    assert not any(calls)  # the prefill (P > MAX_ROWS rows): per-op, layer.c declines it (attention in C, in parts)
+    if wide_prompt and mode != "per-op":  # P > MAX_ROWS rows: layer.c takes them where every linear is on tiles
+        assert calls and all(calls)
+    else:  # else it declines them: the per-op path (attention in C, in parts)
+        assert not any(calls)
     calls.clear()
     for i in range(P, P + 3):
         outs.append(model(ids[:, i:i + 1], torch.tensor([[i]]), cache).logits)
@@ -89,7 +92,7 @@ def test_fused_layer_is_bitwise_the_per_op_path(tiny_dir, monkeypatch, arch, sch
     model = _quantized(load_model(tiny_dir(arch), torch.float32), scheme)
     ids = torch.randint(0, 1000, (1, MAX_ROWS + 18), generator=torch.Generator().manual_seed(0))
     want, want_cache, _ = _run(model, ids, monkeypatch, "per-op")
-    got, got_cache, calls = _run(model, ids, monkeypatch, mode)
+    got, got_cache, calls = _run(model, ids, monkeypatch, mode, wide_prompt=scheme == BF16_AMX)
     n_layers = len(model.layers)
     assert len(calls) == 5 * n_layers and all(calls)  # the 5 passes after the prefill, every layer fused
     for a, b in zip(got, want):

@@ -140,6 +140,47 @@ def test_bf16_prompt_pass_on_amx_tiles_is_the_same_in_any_pieces_and_as_decoded(
     assert model.prefill_matmul_dtype is torch.bfloat16  # off the tiles: oneDNN again
 
 
+@pytest.mark.skipif(not cpu_has_amx(), reason="needs a CPU with AMX")
+@pytest.mark.parametrize("paged", [False, True], ids=["static", "paged"])
+def test_wide_prompt_pass_on_tiles_runs_in_layer_c_as_the_per_op_path(tiny_dir, monkeypatch, paged):
+    """A prompt's pass of up to TILE_CALL_ROWS (256) rows whose linears are all on AMX tiles goes through
+    layer.c in one call (the per-op path cost 1.2-1.4x its time) and gives the per-op path's logits, keys and
+    values bit for bit; a wider one stays on the per-op path."""
+    from specdec.cache.paged_cache import BatchKV, PagedKVPool
+    from specdec.kernels import layer
+    from specdec.quant.bf16 import use_amx_tiles
+    model = load_model(tiny_dir("llama"), torch.bfloat16)
+    assert use_amx_tiles(model, True) > 0
+    ran = []
+    real_run = layer._run
+    monkeypatch.setattr(layer, "_run", lambda *a, **kw: ran.append(real_run(*a, **kw)) or ran[-1])
+
+    def prompt_pass(n: int):
+        ids = torch.randint(0, 1000, (1, n), generator=torch.Generator().manual_seed(n))
+        if paged:
+            pool = PagedKVPool.for_model(model.config, 40, 8, model.dtype)
+            cache, kv = BatchKV(pool, [list(range(39, -1, -1))], [0], [n]), pool
+        else:
+            cache = kv = model.new_cache(320)
+        logits = model(ids, torch.arange(n)[None], cache, prefill=True).logits
+        return logits, kv.k.clone(), kv.v.clone()
+
+    for n in (MAX_ROWS + 1, 150, 256):
+        ran.clear()
+        wide = prompt_pass(n)
+        assert ran and ran[-1] is not None, n  # layer.c ran the whole stack
+        monkeypatch.setattr(layer, "_rows_fit", lambda x, fused, descs, packed: packed or x.shape[0] * x.shape[1] <= MAX_ROWS)
+        ran.clear()
+        per_op = prompt_pass(n)
+        assert ran and ran[-1] is None  # the per-op path
+        assert all(torch.equal(a, b) for a, b in zip(wide, per_op)), n
+        monkeypatch.undo()
+        monkeypatch.setattr(layer, "_run", lambda *a, **kw: ran.append(real_run(*a, **kw)) or ran[-1])
+    ran.clear()
+    prompt_pass(300)  # past TILE_CALL_ROWS
+    assert ran[-1] is None
+
+
 @pytest.mark.parametrize("invariant", [False, True])
 def test_engine_keeps_prompt_passes_row_invariant(tiny_dir, monkeypatch, invariant):
     """The serving engine cuts prompts anywhere (chunked prefill, its prefix cache): where oneDNN's bf16 GEMM
@@ -191,3 +232,31 @@ def test_real_model_bf16_engine_chunks_equal_offline(smollm_dir, monkeypatch):
         monkeypatch.setattr(bf16, "onednn_prompt_rows_invariant", lambda: True)  # the engine then keeps oneDNN
         want, got = offline_and_served()
         assert got != want
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prompt_pass_in_passes_gives_the_one_pass_rows(tiny_dir, dtype):
+    """model.llama.prompt_pass (the offline decoder's prompt): passes of rows_per_pass tokens, put back
+    together, give one pass's last logits, hidden states, kept layers and cache, bit for bit. A model on AMX
+    tiles asks for TILE_CALL_ROWS a pass (layer.c then takes each whole), another for one pass."""
+    from specdec.kernels import TILE_CALL_ROWS
+    from specdec.model.llama import prompt_pass
+    from specdec.quant.bf16 import use_amx_tiles
+    model = load_model(tiny_dir("llama"), dtype)
+    tiles = dtype is torch.bfloat16 and use_amx_tiles(model, True) > 0
+    assert model.prompt_rows_per_pass() == (TILE_CALL_ROWS if tiles else None)
+    ids = torch.randint(0, 1000, (1, 300), generator=torch.Generator().manual_seed(3))
+    start = 20  # a kept prefix of 20 tokens before these
+    runs = []
+    for rows in (None, 128, 100):
+        cache = model.new_cache(400)
+        model(ids[:, :start], torch.arange(start)[None], cache, prefill=True)
+        out = prompt_pass(model, ids[:, start:], start, cache, output_layers=(0, 1), rows_per_pass=rows)
+        runs.append((out, cache))
+    (one, c1), *others = runs
+    assert one.logits.shape[1] == 1 and one.hidden.shape[1] == 280
+    for out, cache in others:
+        assert torch.equal(out.logits, one.logits) and torch.equal(out.hidden, one.hidden)
+        assert out.layer_hidden.keys() == one.layer_hidden.keys()
+        assert all(torch.equal(out.layer_hidden[k], one.layer_hidden[k]) for k in one.layer_hidden)
+        assert cache.length == c1.length == 300 and torch.equal(cache.k[..., :300, :], c1.k[..., :300, :])

@@ -17,6 +17,7 @@ import torch
 
 from specdec.cache.kept_prefix import KeptPrefix
 from specdec.model.cuda_graph import synchronize
+from specdec.model.llama import prompt_pass
 from specdec.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from specdec.penalties import apply_penalties, check_bias
 from specdec.sampler import argmax, logprobs_of, make_generator, prompt_logprobs_of, sample, warp
@@ -222,8 +223,9 @@ class SpeculativeDecoder:
         dev = self.target.device
         # the prompt after its cached prefix: rows cached..n-1 (the proposers read features of these rows
         # alone, as behind the serving engine's prefix cache)
-        res = self.target(torch.tensor([prompt_ids[cached:]], device=dev), torch.arange(cached, n, device=dev)[None],
-                          cache, num_logits=1, output_layers=self._feature_layers(), prefill=True)
+        rows_per_pass = getattr(self.target, "prompt_rows_per_pass", None)
+        res = prompt_pass(self.target, torch.tensor([prompt_ids[cached:]], device=dev), cached, cache,
+                          self._feature_layers(), rows_per_pass() if rows_per_pass else None)
         logits = res.logits[0]  # [1, V]
         out.emit(state, [self._pick(logits[-1], state)], logits)
         prompt_lps = None
