@@ -97,12 +97,16 @@ def test_every_command_passes_its_kv_cache_dtype_on(tiny_dir, capsys):
     (advise: tests/test_bench.py); a name outside the choices is refused before anything loads."""
     from specdec.bench.harness import BenchConfig, _cached_loader
     from specdec.cli import main
+    from specdec.cli.serve import kv_cache_summary
     from tests.server_util import ThreadServer
 
     srv = ThreadServer(str(tiny_dir("llama")), "--dtype", "float32", "--threads", "1", "--max-model-len", "128",
                        "--kv-cache-dtype", "bfloat16")
     try:
         assert srv.engine.pool.k.dtype is torch.bfloat16
+        line = kv_cache_summary(srv.engine)  # what serve prints at start
+        blocks = srv.engine.blocks
+        assert line.startswith(f"KV cache: {blocks.num_blocks} blocks of {blocks.block_size} tokens") and "bfloat16" in line
     finally:
         srv.stop()
     assert main(["info", str(tiny_dir("llama")), "--dtype", "float32", "--kv-cache-dtype", "bfloat16"]) == 0

@@ -93,11 +93,21 @@ def freeze_heap() -> int:
     return gc.get_freeze_count()
 
 
+def kv_cache_summary(engine) -> str:
+    """One line on the engine's KV cache: blocks, tokens, dtype and memory (vLLM prints its block count)."""
+    pool = engine.pool
+    tokens = engine.blocks.num_blocks * engine.blocks.block_size
+    mib = (pool.k.numel() * pool.k.element_size() + pool.v.numel() * pool.v.element_size()) / 2**20
+    return (f"KV cache: {engine.blocks.num_blocks} blocks of {engine.blocks.block_size} tokens ({tokens} tokens, "
+            f"{str(pool.k.dtype).replace('torch.', '')}, {mib:.0f} MiB)")
+
+
 def run(args) -> int:
     server, state = build_server(args, engine_on_caller=True)
     freeze_heap()
     logging.basicConfig(level=args.log_level.upper())
     print(f"specdec: serving {args.served_model_name or args.model} on http://{args.host}:{args.port}", flush=True)
+    print(f"specdec: {kv_cache_summary(state.engine.engine)}", flush=True)
     # uvicorn serves from a second thread, so the signals reach this one: hand them to it (graceful
     # shutdown: new requests get 503, running ones finish, then the app's shutdown stops the engine)
     for sig in (signal.SIGTERM, signal.SIGINT):
