@@ -7,6 +7,7 @@ near ties, which the tiny models' tests had not shown (docs/benchmarks/methods.m
     python scripts/sweep_exactness.py --model gemma3-270m --configs '[{"method": "ngram"}]'
     python scripts/sweep_exactness.py --amx      # bf16 decode and verify passes on AMX tiles
     python scripts/sweep_exactness.py --amx --engine 4   # through the serving engine, 4 rows at a time
+    python scripts/sweep_exactness.py --amx --kv-cache-dtype bfloat16   # over bf16 KV caches
 
 --engine N runs every configuration (and plain decoding) through the serving engine instead: N
 sequences at a time, a small token budget so that long prompts are prefilled in chunks beside decode
@@ -76,10 +77,13 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--configs", default=None, help="JSON list of speculative_config dicts (default: CONFIGS)")
     ap.add_argument("--amx", action="store_true", help="bf16 on AMX tiles (a CPU with AMX; LLM(amx=True))")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                    help="the caches' dtype (LLM(kv_cache_dtype=...)), for plain decoding and every configuration")
     ap.add_argument("--engine", type=int, default=0, metavar="N",
                     help="through the serving engine, N sequences at a time (default: the offline decoder)")
     args = ap.parse_args()
-    llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, progress=False, amx=args.amx)
+    llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, progress=False, amx=args.amx,
+              kv_cache_dtype=args.kv_cache_dtype)
     if args.amx and not llm.amx:
         print("--amx: this CPU has no AMX tiles (or the dtype is not bfloat16)", file=sys.stderr)
         return 1
