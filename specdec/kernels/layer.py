@@ -251,7 +251,7 @@ def _rows_fit(x: torch.Tensor, fused, descs: list, packed: bool) -> bool:
     prefill chunk) up to TILE_CALL_ROWS where every linear is on AMX tiles, which take that many rows in
     one call with every row's sums unchanged (the per-op path's call size for them, so the result is still
     the per-op path's bit for bit), and the attention's partials fit in one kernel call. 100-256-token
-    prompt passes of SmolLM2 in bf16 on tiles: 0.70-0.85x the per-op path's time (session 41)."""
+    prompt passes of SmolLM2 in bf16 on tiles: 0.71-0.81x the per-op path's time (session 41)."""
     rows = x.shape[1] if type(fused) is FusedAttention else x.shape[0] * x.shape[1]
     if packed or rows <= MAX_ROWS:
         return True

@@ -22,6 +22,7 @@ from specdec.kernels.attention import FusedAttention, fused_attention
 from specdec.kernels.layer import decoder_layer, decoder_layers, packs, unpack
 from specdec.model.layers import RMSNorm, Rotary, apply_rotary, grouped_sdpa, rounded_linear, sdpa
 from specdec.model.row_attention import RowAttention
+from specdec.quant.bf16 import on_tiles
 
 
 @dataclass
@@ -158,7 +159,6 @@ class LlamaModel(torch.nn.Module):
     def prompt_rows_per_pass(self) -> int | None:
         """How many of a prompt's tokens a pass should take (prompt_pass): TILE_CALL_ROWS where the matmuls
         are on AMX tiles (layer.c then runs each pass whole), else None (the whole prompt in one)."""
-        from specdec.quant.bf16 import on_tiles
         return TILE_CALL_ROWS if on_tiles(self) and not self.config.qk_norm else None
 
     @torch.inference_mode()
