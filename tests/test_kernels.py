@@ -231,13 +231,15 @@ def test_fused_attention_rounds_a_bf16_caches_values_as_torch():
 HEAD_LAYOUTS = [(9, 3, 64), (4, 4, 32), (14, 2, 64), (8, 1, 128), (4, 2, 40), (4, 2, 20)]
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("past", [45, 300])
 @pytest.mark.parametrize("dims", HEAD_LAYOUTS)
 @pytest.mark.parametrize("T", [1, 6])
-def test_fused_attention_matches_torch_for_head_layouts(dims, T, past):
+def test_fused_attention_matches_torch_for_head_layouts(dims, T, past, kv_dtype):
+    """(D 40 and D 20 read a bf16 cache through the 8-lane and the scalar loads.)"""
     from specdec.kernels.attention import FusedAttention
     positions = torch.arange(past, past + T)[None]
-    rotary, cache, qkv, dims = _layer_and_inputs(T, past, dims=dims, max_len=512)
+    rotary, cache, qkv, dims = _layer_and_inputs(T, past, dims=dims, max_len=512, kv_dtype=kv_dtype)
     got = FusedAttention.build(rotary, positions, None, cache, qkv)(qkv, 1, *dims)
     want = _torch_attention(rotary, cache, qkv, dims, positions, None)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
