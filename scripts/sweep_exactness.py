@@ -24,7 +24,7 @@ import sys
 import time
 
 from specdec.bench.prompts import CATEGORIES, build_prompts
-from specdec.config import ConfigError, SpeculativeConfig
+from specdec.config import KV_CACHE_DTYPES, ConfigError, SpeculativeConfig
 from specdec.llm import LLM
 from specdec.quant.bf16 import exact_prompt_passes
 from specdec.sampling_params import SamplingParams
@@ -77,7 +77,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--configs", default=None, help="JSON list of speculative_config dicts (default: CONFIGS)")
     ap.add_argument("--amx", action="store_true", help="bf16 on AMX tiles (a CPU with AMX; LLM(amx=True))")
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                     help="the caches' dtype (LLM(kv_cache_dtype=...)), for plain decoding and every configuration")
     ap.add_argument("--engine", type=int, default=0, metavar="N",
                     help="through the serving engine, N sequences at a time (default: the offline decoder)")

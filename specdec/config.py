@@ -182,6 +182,11 @@ def check_method_name(name: str) -> None:
                           f"as in qdraft+ngram")
 
 
+# --kv-cache-dtype's choices (LLM(kv_cache_dtype=...)): "auto" is the model's own dtype; specdec.cache.kv_cache
+# turns a name into the caches' torch dtype
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+
+
 # The EAGLE-3 draft shape where the target's passes run on AMX tiles and a config names no shape (nor a
 # fixed k): an EAGLE-2 tree, the 3 best nodes of a depth expanded, 3 deep, 9 tokens verified. On the tiles a
 # 10-row verify costs ~1.1 single-token passes. Same process, 32 bench prompts, bf16, session 40: eagle3 1.39x

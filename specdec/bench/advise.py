@@ -236,7 +236,8 @@ def advise(model: str, prompts: list[list[int]], dtype: str = "auto", threads: i
     plain.generate(prompts[0][:32], 4)
     c1 = curve.seconds[0]
     draft_dir = resolve_model(draft_model, progress=False).directory if draft_model else None
-    probes, skipped = our_systems(cfg, target, tokenizer, source.directory, draft_dir, _cached_loader(dt, max_len, amx, kv_cache_dtype),
+    load_aux = _cached_loader(dt, max_len, amx, kv_cache_dtype)  # the probes' drafters, reused by the check
+    probes, skipped = our_systems(cfg, target, tokenizer, source.directory, draft_dir, load_aux,
                                   k=k_max)
     skipped = [{"method": n.split(":", 1)[1], "reason": r} for n, r in skipped]
     candidates: list[MethodEstimate] = []
@@ -276,7 +277,7 @@ def advise(model: str, prompts: list[list[int]], dtype: str = "auto", threads: i
         if verify:
             rec.update(_verify(plain, best, spec, batch_size, prompts, max_tokens, log,
                                lambda config: SpecdecSystem(target, tokenizer, source.directory, best.method, config,
-                                                            _cached_loader(dt, max_len, amx, kv_cache_dtype), **cfg.decoding)))
+                                                            load_aux, **cfg.decoding)))
     reason = _reason(regime, ratio, batch_size, k_max, best, rec, len(prompts))
     return Advice(model, str(dt).replace("torch.", ""), n_threads, batch_size, len(prompts), regime, round(ratio, 3),
                   rec, reason, candidates, skipped, curve.to_dict(), cfg.decoding)

@@ -36,7 +36,7 @@ from itertools import islice
 from pathlib import Path
 
 from specdec.cli._common import at_least, json_object
-from specdec.config import ConfigError, check_method_name, split_method
+from specdec.config import KV_CACHE_DTYPES, ConfigError, check_method_name, split_method
 from specdec.jsonstream import iter_json_array
 
 PCTS = (50, 90, 99)
@@ -49,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="server CPU threads (default: all cores)")
     p.add_argument("--amx", action=argparse.BooleanOptionalAction, default=True,
                    help="bf16 on an AMX CPU: the servers' passes on AMX tiles (serve's default; --no-amx: vdpbf16ps)")
-    p.add_argument("--kv-cache-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="both servers' KV cache dtype (serve --kv-cache-dtype)")
     p.add_argument("--speculative-method", default="ngram",
                    help="the 'on' setting's method; METHOD+LOOKUP pairs a model drafter with a lookup (qdraft+ngram)")

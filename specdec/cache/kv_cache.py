@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import torch
 
-KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
+from specdec.config import KV_CACHE_DTYPES, ConfigError
 
 
 def kv_cache_dtype_named(name: str) -> torch.dtype | None:
     """--kv-cache-dtype's value as a model's `kv_cache_dtype` (None: "auto", the model's dtype), or a ConfigError."""
-    from specdec.config import ConfigError
     if name not in KV_CACHE_DTYPES:
         raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
-    return KV_CACHE_DTYPES[name]
+    return None if name == "auto" else getattr(torch, name)
 
 
 def kv_dtype(model) -> torch.dtype:

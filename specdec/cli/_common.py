@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from specdec.config import SPEC_METHODS, ConfigError
+from specdec.config import KV_CACHE_DTYPES, SPEC_METHODS, ConfigError
 
 
 def at_least(least: int):
@@ -35,7 +35,7 @@ def add_model_args(p: argparse.ArgumentParser, positional: bool = True) -> None:
                    help="bf16 on an Intel CPU with AMX: prompt, decode and verify passes on AMX tiles (cheap "
                         "multi-token passes, a single token 5-10%% slower; default: on for serve, off elsewhere; "
                         "serve without them runs prompts on vdpbf16ps, slower, since oneDNN's are not row-invariant there)")
-    p.add_argument("--kv-cache-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="what the KV cache stores (auto: the model's dtype; a CPU bf16 model computes in fp32). "
                         "bfloat16 halves the cache's memory and what a pass reads from it, and rounds each key and "
                         "value once: a precision choice like --dtype (plain and speculative decoding stay equal)")

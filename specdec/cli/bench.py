@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from specdec.cli._common import json_object
-from specdec.config import ConfigError
+from specdec.config import KV_CACHE_DTYPES, ConfigError
 
 
 def _csv(value: str) -> tuple[str, ...]:
@@ -41,7 +41,7 @@ def register(sub) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--amx", action="store_true",
                    help="bf16 on an Intel CPU with AMX: every system of ours on AMX tiles (plain included)")
-    p.add_argument("--kv-cache-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="what every system of ours keeps its keys/values in (auto: the model's dtype)")
     p.add_argument("--methods", default=None, help="comma list of speculative methods (default: every registered one)")
     p.add_argument("--method-config", action="append", default=[], metavar="METHOD=JSON",

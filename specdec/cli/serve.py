@@ -95,11 +95,10 @@ def freeze_heap() -> int:
 
 def kv_cache_summary(engine) -> str:
     """One line on the engine's KV cache: blocks, tokens, dtype and memory (vLLM prints its block count)."""
-    pool = engine.pool
-    tokens = engine.blocks.num_blocks * engine.blocks.block_size
-    mib = (pool.k.numel() * pool.k.element_size() + pool.v.numel() * pool.v.element_size()) / 2**20
-    return (f"KV cache: {engine.blocks.num_blocks} blocks of {engine.blocks.block_size} tokens ({tokens} tokens, "
-            f"{str(pool.k.dtype).replace('torch.', '')}, {mib:.0f} MiB)")
+    pool, blocks = engine.pool, engine.blocks
+    return (f"KV cache: {blocks.num_blocks} blocks of {blocks.block_size} tokens "
+            f"({blocks.num_blocks * blocks.block_size} tokens, {str(pool.k.dtype).replace('torch.', '')}, "
+            f"{(pool.k.nbytes + pool.v.nbytes) / 2**20:.0f} MiB)")
 
 
 def run(args) -> int:
