@@ -10,7 +10,7 @@ import torch
 from specdec.proposers import eagle_tree
 from specdec.proposers.eagle_tree import rerank
 from specdec.sampling_params import SamplingParams
-from tests.test_eagle import random_head
+from tests.heads import random_head
 
 TREE = {"eagle_topk": 3, "num_steps": 4, "num_draft_tokens": 10, "num_speculative_tokens": 9}  # k fixed: every step drafts
 

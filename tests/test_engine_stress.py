@@ -13,7 +13,7 @@ from specdec.engine.engine import Engine, EngineConfig, EngineRequest
 from specdec.engine.speculation import Speculation
 from specdec.llm import LLM
 from specdec.sampling_params import SamplingParams
-from tests.test_eagle import random_head
+from tests.heads import random_head
 from tests.test_engine_batching import memory_bound, reference
 
 

@@ -8,7 +8,7 @@ import pytest
 from specdec.engine.engine import Engine, EngineConfig, EngineRequest
 from specdec.sampling_params import SamplingParams
 from specdec.spec.proposer import Proposal
-from tests.test_eagle import random_head
+from tests.heads import random_head
 from tests.test_engine_batching import PROMPTS, memory_bound, run
 
 TREE = {"eagle_topk": 3, "num_steps": 3, "num_draft_tokens": 9}

@@ -12,7 +12,7 @@ from specdec.config import ConfigError
 from specdec.model.loader import read_config
 from specdec.train.export import export_head, import_head
 
-from test_eagle import random_head
+from tests.heads import random_head
 
 EAGLE3_KEYS = {"fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
                "midlayer.post_attention_layernorm.weight", "midlayer.self_attn.q_proj.weight",
