@@ -84,3 +84,60 @@ def test_greedy_verification():
     assert verify_greedy([5, 6, 7], [5, 6, 9, 1]) == Verdict(2, [5, 6, 9])
     assert verify_greedy([5, 6], [5, 6, 3]) == Verdict(2, [5, 6, 3])  # bonus token
     assert verify_greedy([4], [5, 0]) == Verdict(0, [5])
+
+
+class ForbidGrammar:
+    """A grammar that forbids a fixed set of tokens everywhere (cut: how many drafts it allows)."""
+
+    def __init__(self, forbidden: set[int]):
+        self.forbidden = forbidden
+
+    def cut(self, tokens: list[int]) -> int:
+        return next((i for i, t in enumerate(tokens) if t in self.forbidden), len(tokens))
+
+
+def run_grammar_cut(fit, p, q, forbidden, seed=0, n=N // 4):
+    """Draft 2 tokens from q, fit them to a grammar as the serving engine does, verify against p (whose
+    forbidden tokens have probability 0, as the engine's grammar mask makes them): the emitted tokens."""
+    from types import SimpleNamespace
+
+    from specdec.engine.speculation import verify_rows
+    from specdec.sampling_params import SamplingParams
+    from specdec.spec.proposer import Proposal
+
+    seq = SimpleNamespace(grammar=ForbidGrammar(forbidden), params=SamplingParams(temperature=1.0), draft_yield=0.0)
+    logits = p.log()  # [3, V], -inf where p is 0
+    gen = torch.Generator().manual_seed(seed)
+    first, second = torch.zeros(V), torch.zeros(V)
+    for _ in range(n):
+        fitted = fit(seq, Proposal([sample(q[0], gen), sample(q[1], gen)], q), 2)
+        v = verify_rows(fitted, logits[:len(fitted) + 1], seq.params, gen)
+        first[v.tokens[0]] += 1
+        if len(v.tokens) > 1:
+            second[v.tokens[1]] += 1
+    return first, second
+
+
+def test_a_grammar_cut_draws_the_residual():
+    """A drafted token the grammar forbids is cut from the chain for its value: the token in its place
+    must be the one its certain rejection would draw (Proposal.cut_probs), not a fresh draw from p.
+    Negative control: the cut as it was (the chain shortened, q of the cut token dropped) is rejected."""
+    from dataclasses import replace
+
+    from specdec.engine.speculation import Speculation
+
+    p, q = toy(3)
+    forbidden = {int(t) for t in q[0].topk(3).indices}  # the drafter likes what the grammar forbids
+    p = p.clone()
+    p[:, sorted(forbidden)] = 0.0
+    p /= p.sum(-1, keepdim=True)
+    first, second = run_grammar_cut(Speculation._fit, p, q, forbidden)
+    n = int(first.sum())
+    assert tv(first, p[0]) < tv_bound(p[0], n)
+    assert tv(second, p[1]) < tv_bound(p[1], int(second.sum()))
+
+    def cut_as_it_was(seq, proposal, k):
+        return replace(Speculation._fit(seq, proposal, k), cut_probs=None)
+
+    first, _ = run_grammar_cut(cut_as_it_was, p, q, forbidden)
+    assert tv(first, p[0]) > tv_bound(p[0], n)

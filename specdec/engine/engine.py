@@ -275,7 +275,7 @@ class Engine:
             self.pool.keep(seq.block_table, [start + r for r in rows], start)
         elif fast:
             verdict = verify_greedy(proposal.tokens, best[-(k + 1):])
-        elif k:
+        elif k or proposal.cut_probs is not None:
             verdict = verify_rows(proposal, logits, seq.params, seq.state.generator)
         else:
             verdict = Verdict(0, [self._pick(logits[-1], seq)])

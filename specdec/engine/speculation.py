@@ -40,6 +40,7 @@ TPOT on/off 0.95x with probes every 32-64 batches).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 import threading
 import time
 
@@ -167,7 +168,7 @@ def verify_rows(proposal: Proposal, logits: torch.Tensor, params, generator) -> 
     """logits [k+1, V] of a pass over [last, x_1..x_k]: the accepted drafts plus one token."""
     if params.greedy:
         return verify_greedy(proposal.tokens, argmax(logits).tolist())
-    return verify_sampling(proposal.tokens, warp(logits, params), proposal.probs, generator)
+    return verify_sampling(proposal.tokens, warp(logits, params), proposal.probs, generator, proposal.cut_probs)
 
 
 class Speculation:
@@ -311,7 +312,9 @@ class Speculation:
         if proposal.is_tree and (not trees or seq.grammar is not None):
             proposal = first_path(proposal)
         tokens = proposal.tokens[:k]
-        if seq.grammar is not None:
-            tokens = tokens[:seq.grammar.cut(tokens)]
-        seq.draft_yield = (1 - EMA) * seq.draft_yield + EMA * bool(tokens)
-        return proposal.first(len(tokens)) if tokens else EMPTY
+        allowed = seq.grammar.cut(tokens) if seq.grammar is not None else len(tokens)
+        seq.draft_yield = (1 - EMA) * seq.draft_yield + EMA * bool(allowed)
+        if allowed < len(tokens) and proposal.probs is not None and not seq.params.greedy:
+            # a drafted token cut for its value: the next token comes from the residual its rejection gives
+            return replace(proposal.first(allowed), cut_probs=proposal.probs[allowed])
+        return proposal.first(allowed) if allowed else EMPTY

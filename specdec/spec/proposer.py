@@ -55,6 +55,11 @@ class Proposal:
     # > 0: drafted by a free context lookup (n-gram, suffix) after a match of this many tokens; adaptive
     # k keeps such chains' acceptance apart from a model drafter's, by match length
     match_len: int = 0
+    # [V] the draft distribution of the token drafted after the chain and then cut from it because the
+    # target cannot accept it (a grammar forbids it): the token after the chain is drawn as rejecting it
+    # would draw it, from norm(max(0, p - cut_probs)). Cutting a drafted token for its value and drawing
+    # from p instead would skew the output (None: nothing was cut, or q is one-hot)
+    cut_probs: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -6,7 +6,9 @@ Vocabulary (as vLLM's RejectionSampler, arXiv 2211.17192 / 2302.01318):
   target probs    p_1..p_{k+1} from ONE target pass over [last token, x_1..x_k];
   accepted        x_i kept while u_i < min(1, p_i(x_i) / q_i(x_i))  (greedy: x_i == argmax p_i);
   recovered       on the first rejection, a token drawn from norm(max(0, p_i - q_i));
-  bonus           when all k are accepted, a token drawn from p_{k+1}.
+  bonus           when all k are accepted, a token drawn from p_{k+1} (or, where a drafted x_{k+1} was cut
+                  because p_{k+1}(x_{k+1}) = 0, from norm(max(0, p_{k+1} - q_{k+1})): the recovered token
+                  of its certain rejection).
 Every emitted token is distributed exactly as the target alone would produce it.
 """
 from __future__ import annotations
@@ -33,8 +35,10 @@ def verify_greedy(draft: list[int], target_argmax: list[int]) -> Verdict:
 
 
 def verify_sampling(draft: list[int], p: torch.Tensor, q: torch.Tensor | None,
-                    generator: torch.Generator | None) -> Verdict:
-    """p: [k+1, V] warped target probs; q: [k, V] warped draft probs or None (one-hot drafts)."""
+                    generator: torch.Generator | None, cut_q: torch.Tensor | None = None) -> Verdict:
+    """p: [k+1, V] warped target probs; q: [k, V] warped draft probs or None (one-hot drafts); cut_q: [V]
+    the draft distribution of a token drafted after x_k and cut for having no target probability
+    (Proposal.cut_probs), or None."""
     for i, x in enumerate(draft):
         q_x = float(q[i, x]) if q is not None else 1.0
         p_x = float(p[i, x])
@@ -50,4 +54,8 @@ def verify_sampling(draft: list[int], p: torch.Tensor, q: torch.Tensor | None,
         if float(residual.sum()) <= 0.0:  # p == q up to rounding: rejection had probability ~0
             residual = p[i]
         return Verdict(i, list(draft[:i]) + [sample(residual / residual.sum(), generator)])
-    return Verdict(len(draft), list(draft) + [sample(p[len(draft)], generator)])
+    last = p[len(draft)]
+    if cut_q is not None:
+        residual = (last - cut_q).clamp_min(0.0)
+        last = residual if float(residual.sum()) > 0.0 else last
+    return Verdict(len(draft), list(draft) + [sample(last, generator)])
