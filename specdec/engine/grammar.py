@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.config import ConfigError
-from specdec.engine.regex_size import regex_size
+from specdec.engine.regex_size import regex_size, uses_verbose_flag
 
 try:
     import outlines_core
@@ -29,6 +29,13 @@ MASK_CACHE = 4096  # allowed-token masks kept per grammar (states are revisited 
 # the most states a response_format's regex may have by regex_size's bound (~5 s of compiling at most
 # here; a counted repetition like c{1000000} ran for minutes and took gigabytes)
 MAX_REGEX_STATES = 10_000
+# compiles one at a time, and at most this many requests waiting for their turn (the server answers the
+# next ones 429): each waiting request holds a worker thread of the event loop's executor
+MAX_WAITING_COMPILES = 4
+
+
+class CompilerBusy(Exception):
+    """Too many response formats are waiting to be compiled; retry later."""
 
 
 def available() -> bool:
@@ -155,6 +162,7 @@ class GrammarCompiler:
         self._cache: OrderedDict[str, Grammar] = OrderedDict()
         self._lock = threading.Lock()
         self._compiling = threading.Lock()  # one compile at a time: a burst of them does not starve the engine
+        self._waiting = 0  # requests in compile() that found no cached grammar (guarded by _lock)
         eos = tokenizer.eos_token
         eos_id = tokenizer._tok.token_to_id(eos) if eos else None
         self.eos_id = eos_id if eos_id is not None else min(tokenizer.eos_token_ids or {0})
@@ -197,13 +205,24 @@ class GrammarCompiler:
         g = self._cached(regex)
         if g is not None:
             return g
+        if uses_verbose_flag(regex):
+            raise ConfigError("response_format: a regex may not use the verbose flag (?x); write it without "
+                              "the whitespace and comments that flag ignores")
         states = regex_size(regex)
         if states > MAX_REGEX_STATES:
             raise ConfigError(f"response_format is too large to compile: its regex may need {states} states "
                               f"(at most {MAX_REGEX_STATES}; counted repetitions such as {{n}} multiply them)")
-        with self._compiling:
-            g = self._cached(regex)  # (compiled meanwhile by the request this one waited for)
-            return g if g is not None else self._build(regex)
+        with self._lock:
+            if self._waiting >= MAX_WAITING_COMPILES:
+                raise CompilerBusy(f"{self._waiting} response formats are waiting to be compiled; retry later")
+            self._waiting += 1
+        try:
+            with self._compiling:
+                g = self._cached(regex)  # (compiled meanwhile by the request this one waited for)
+                return g if g is not None else self._build(regex)
+        finally:
+            with self._lock:
+                self._waiting -= 1
 
     def _build(self, regex: str) -> Grammar:
         """Compile a regex (its size checked) and keep it in the cache."""
