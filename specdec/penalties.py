@@ -122,10 +122,18 @@ def _min_tokens_stops(params: SamplingParams, num_output: int, prefixes: list[li
     return (ids, short) if short and ids else None
 
 
-def check_bias(params: SamplingParams, vocab_size: int) -> None:
-    """A ValueError naming the first biased or allowed token id outside the model's vocabulary."""
+def check_token_ids(params: SamplingParams, vocab_size: int, eos_ids=()) -> None:
+    """A ValueError naming the first biased, allowed or stop token id outside the model's vocabulary, or
+    allowed_token_ids that min_tokens would leave empty (each of them ends the output: nothing could be
+    sampled before min_tokens). eos_ids: the tokenizer's."""
     for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
-                      ("allowed_token_ids", params.allowed_token_ids or ())):
+                      ("allowed_token_ids", params.allowed_token_ids or ()),
+                      ("stop_token_ids", params.stop_token_ids)):
         bad = [t for t in ids if t >= vocab_size]
         if bad:
             raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    if params.min_tokens and params.allowed_token_ids is not None:
+        ending = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
+        if ending.issuperset(params.allowed_token_ids):
+            raise ValueError("allowed_token_ids: each of them ends the output (a stop token or EOS), so no token "
+                             f"could be sampled before min_tokens ({params.min_tokens})")

@@ -7,13 +7,19 @@ from dataclasses import dataclass, field, fields
 from specdec.config import check_type
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024  # a stop string's length (streaming holds back that many characters less one)
+MAX_STOP_TOKEN_IDS = 1024
+MIN_REPETITION_PENALTY = 0.01  # below it, a logit divided by the penalty could overflow fp32
+# a temperature below this samples greedily (vLLM's _SAMPLING_EPS): logits divided by 1e-40 overflow
+GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024  # tokens a request may bias
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 is greedy. top_k <= 0 and top_p = 1 and min_p = 0 disable those filters."""
+    """temperature 0 (below GREEDY_TEMPERATURE) is greedy. top_k <= 0 and top_p = 1 and min_p = 0 disable
+    those filters."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -61,8 +67,12 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
-        if len(self.stop) > MAX_STOP_STRINGS or any(not s for s in self.stop):
-            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} non-empty strings")
+        if len(self.stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_CHARS} "
+                             "characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(
+                isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} non-negative token ids")
         if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}]")
         if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= MAX_LOGPROBS):
@@ -71,8 +81,9 @@ class SamplingParams:
             v = getattr(self, name)
             if not (math.isfinite(v) and -2.0 <= v <= 2.0):
                 raise ValueError(f"{name} must be in [-2, 2], got {v}")
-        if not (math.isfinite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0):
-            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if not (math.isfinite(self.repetition_penalty) and MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2.0):
+            raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, 2], "
+                             f"got {self.repetition_penalty}")
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         if self.allowed_token_ids is not None:
             allowed = tuple(sorted(set(self.allowed_token_ids)))
@@ -89,7 +100,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:

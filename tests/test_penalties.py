@@ -328,3 +328,19 @@ def test_random_combinations_equal_plain(tiny_dir):
         want = plain.generate_one(ids, params)
         got = spec[rng.choice(sorted(spec))].generate_one(ids, params)
         assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason), (case, params)
+
+
+def test_allowed_tokens_that_all_end_the_output_are_refused_under_min_tokens():
+    """allowed_token_ids all stop tokens (or EOS) with min_tokens > 0: min_tokens masks every allowed
+    token, so nothing could be sampled (it raised mid-decoding, failing the server's whole batch)."""
+    from specdec.penalties import check_token_ids
+
+    for params in (SamplingParams(allowed_token_ids=[5], stop_token_ids=[5], min_tokens=1),
+                   SamplingParams(allowed_token_ids=[2, 5], stop_token_ids=[5], min_tokens=1)):
+        with pytest.raises(ValueError, match="allowed_token_ids"):
+            check_token_ids(params, 100, eos_ids={2})
+    check_token_ids(SamplingParams(allowed_token_ids=[2, 5], stop_token_ids=[5], min_tokens=1, ignore_eos=True),
+                    100, {2})  # EOS is not masked under ignore_eos
+    check_token_ids(SamplingParams(allowed_token_ids=[5], stop_token_ids=[5]), 100, {2})  # no min_tokens: fine
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        check_token_ids(SamplingParams(stop_token_ids=[100]), 100)

@@ -90,3 +90,19 @@ def test_sampling_params_take_their_usual_forms():
     p = SamplingParams(temperature=0, stop="x", stop_token_ids=None, seed=None, logit_bias={5: 1}, allowed_token_ids=[2, 1])
     assert p.greedy and p.stop == ("x",) and p.stop_token_ids == () and p.logit_bias == ((5, 1.0),)
     assert p.allowed_token_ids == (1, 2) and SamplingParams(logit_bias=[(5, 1.0)]).logit_bias == ((5, 1.0),)
+
+
+def test_sampling_params_bound_what_would_overflow_or_hold_text_back():
+    """A temperature below 1e-5 is greedy (logits / 1e-40 overflowed to NaN, and sampling raised); a
+    repetition penalty below 0.01 could overflow a logit it divides; stop token ids are non-negative
+    (-1 masked the vocabulary's last token under min_tokens) and stop strings bounded (streaming holds
+    back one character less than the longest)."""
+    assert SamplingParams(temperature=1e-40).greedy and SamplingParams(temperature=1e-5).greedy is False
+    logits = torch.tensor([[3.0, 1.0, 2.0]])
+    assert warp(logits, SamplingParams(temperature=1e-40)).tolist() == [[1.0, 0.0, 0.0]]
+    for kwargs, field in (({"repetition_penalty": 1e-38}, "repetition_penalty"),
+                          ({"stop_token_ids": [-1]}, "stop_token_ids"),
+                          ({"stop_token_ids": list(range(2000))}, "stop_token_ids"), ({"stop": ["x" * 1025]}, "stop")):
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**kwargs)
+    assert SamplingParams(repetition_penalty=0.01, stop=["x" * 1024]).stop == ("x" * 1024,)

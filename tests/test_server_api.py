@@ -95,6 +95,16 @@ BAD = [
      "response_format"),
     ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "string", "maxLength": 1000000}}}}, "response_format"),
+    # under the verbose flag the compiler skips whitespace: a{1 0 0 0 0 0 0} repeats a million times
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "regex", "regex": "(?x)a{1 0 0 0 0 0 0}"}},
+     "response_format"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["x" * 2000]}, "stop"),  # streaming would hold all text back
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [-1], "min_tokens": 2}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [10**8]}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 1e-38}, "repetition_penalty"),  # logits / 1e-38: inf
+    ("/v1/completions", {"prompt": "hi", "allowed_token_ids": [5], "stop_token_ids": [5], "min_tokens": 1},
+     "allowed_token_ids"),  # nothing could be sampled before min_tokens
+    ("/v1/completions", {"prompt": ["a"] * 5, "n": 16}, "n"),  # 80 sequences > the queue's 64: never, not 429
     ("/v1/completions", {"max_tokens": 3}, "prompt"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
@@ -213,6 +223,46 @@ def test_lone_surrogates_and_internal_errors_get_the_error_shape(server, monkeyp
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error", r.text
     monkeypatch.undo()
     assert httpx.get(server.url + "/health").status_code == 200
+    assert server.engine.blocks.num_used == 0
+
+
+def test_starlettes_own_errors_get_the_error_shape(server):
+    """An unknown route, a wrong method and a body the JSON parser gives up on (nesting deeper than its
+    recursion) are starlette's HTTPExceptions: answered in the OpenAI shape, not {"detail": ...}."""
+    for r, status in ((httpx.get(server.url + "/v1/nothing", headers=headers()), 404),
+                      (httpx.get(server.url + "/v1/completions", headers=headers()), 405),
+                      (httpx.post(server.url + "/v1/completions", content=b"[" * 200_000,
+                                  headers={**headers(), "Content-Type": "application/json"}), 400)):
+        assert r.status_code == status, r.text
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_a_request_that_cannot_go_on_fails_alone(server, plain):
+    """A grammar whose match is complete leaves only EOS, which min_tokens masks: nothing can be sampled.
+    That request gets a 400 in the OpenAI shape; a stream decoding beside it in the same batches is
+    untouched (it was aborted with the whole batch before), and no block is left. A temperature below
+    1e-5 decodes greedily (dividing logits by 1e-40 overflowed to NaN, which failed the batch too)."""
+    prompt = "moon tree moon tree moon tree"
+    want = plain.generate(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0].outputs[0].text
+
+    async def main():
+        c = client(server)
+        stream = await c.completions.create(model="tiny", prompt=prompt, max_tokens=40, temperature=1e-40,
+                                            stream=True, extra_body={"ignore_eos": True})
+        first = await stream.__anext__()
+        async with httpx.AsyncClient(timeout=60) as h:
+            bad = await h.post(server.url + "/v1/completions", headers=headers(), json={
+                "prompt": "my number is", "max_tokens": 8, "min_tokens": 8, "temperature": 0,
+                "response_format": {"type": "regex", "regex": "[0-9]{1,2}"}})
+        text = first.choices[0].text + "".join([ch.choices[0].text async for ch in stream if ch.choices])
+        return bad, text
+
+    bad, text = asyncio.run(main())
+    assert bad.status_code == 400, bad.text
+    assert "no token can be sampled" in bad.json()["error"]["message"]
+    assert text == want
+    server.wait_idle()
     assert server.engine.blocks.num_used == 0
 
 

@@ -8,8 +8,9 @@
 Requests and aborts go in through one queue.SimpleQueue; the thread steps the engine while it has
 work and hands a step's SeqOutputs to their requests' asyncio.Queues, one loop.call_soon_threadsafe per
 step (_deliver_all). Nothing
-crosses a process boundary, so nothing is serialised. If a step raises, every request in flight
-ends with that error and the engine is emptied (blocks freed), then goes on serving.
+crosses a process boundary, so nothing is serialised. A request whose row fails in a step ends with that
+error alone (Engine.step); if the step itself raises, every request in flight ends with that error and the
+engine is emptied (blocks freed), then goes on serving.
 
 `specdec serve` runs the engine on the main thread and uvicorn on another (run_here): libgomp, which
 runs the C kernels' parallel regions, throttles its workers' spin-wait when a thread other than the
@@ -35,6 +36,15 @@ log = logging.getLogger("specdec.engine")
 @dataclass
 class EngineFailure:
     message: str
+    status: int = 500  # 400: the request's own parameters made it fail
+
+
+class RequestFailed(RuntimeError):
+    """What generate() raises for a request the engine ended with an error (status: as EngineFailure's)."""
+
+    def __init__(self, message: str, status: int = 500):
+        super().__init__(message)
+        self.status = status
 
 
 def _put_all(puts: list[tuple[asyncio.Queue, object]]) -> None:
@@ -92,7 +102,7 @@ class AsyncEngine:
             while done < n:
                 item = await q.get()
                 if isinstance(item, EngineFailure):
-                    raise RuntimeError(item.message)
+                    raise RequestFailed(item.message, item.status)
                 done += item.finished
                 yield item
         finally:
@@ -131,7 +141,7 @@ class AsyncEngine:
             try:
                 self.engine.add_request(payload)
             except ValueError as e:
-                self._deliver(payload.request_id, EngineFailure(str(e)))
+                self._deliver(payload.request_id, EngineFailure(str(e), 400))
         elif kind == "abort":
             self.engine.abort(payload)
             if self.on_stats is not None:
@@ -157,7 +167,8 @@ class AsyncEngine:
                 log.exception("engine step failed; aborting the requests in flight")
                 self._fail_all(f"engine error: {type(e).__name__}: {e}")
                 continue
-            self._deliver_all([(out.request_id, out) for out in outs])
+            self._deliver_all([(out.request_id, EngineFailure(out.error, out.error_status) if out.error else out)
+                               for out in outs])
             if self.on_stats is not None:
                 self.on_stats(eng.stats())
         self._fail_all("the server is shutting down")

@@ -7,11 +7,14 @@
         for out in engine.step(): print(out.text, end="")
 
 Greedy outputs equal single-request plain decoding (`LLM.generate`) token for token; sampled outputs
-follow the target's distribution (the verification is specdec.spec.rejection's, per row).
+follow the target's distribution (the verification is specdec.spec.rejection's, per row). A row whose
+verification raises (a request whose masks leave no token to sample) ends its request alone: one output
+with `error` set, its blocks freed; the other rows of the step go on.
 """
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field, replace
 
@@ -28,7 +31,7 @@ from specdec.engine.sequence import Sequence, SpecChoice
 from specdec.engine.speculation import Speculation, profile_sizes, verify_rows
 from specdec.model.cuda_graph import GraphedModel
 from specdec.model.llama import ForwardOutput
-from specdec.penalties import apply_penalties, check_bias
+from specdec.penalties import apply_penalties, check_token_ids
 from specdec.quant.bf16 import exact_prompt_passes
 from specdec.sampler import argmax, make_generator, prompt_logprobs_of, sample, warp
 from specdec.sampling_params import SamplingParams
@@ -37,6 +40,8 @@ from specdec.spec.metrics import SpecMetrics
 from specdec.spec.proposer import TargetOutput
 from specdec.spec.rejection import Verdict, verify_greedy
 from specdec.spec.tree import verify_tree
+
+log = logging.getLogger("specdec.engine")
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,8 @@ class SeqOutput:
     method: str | None = None
     ttft: float | None = None
     e2e: float | None = None
+    error: str | None = None  # the request failed in this step (what its row raised); it is aborted
+    error_status: int = 500  # 400 where its own parameters made it fail (a ValueError: nothing to sample)
 
 
 @dataclass
@@ -169,7 +176,7 @@ class Engine:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         if not req.prompt_ids or len(req.prompt_ids) >= self.max_model_len:
             raise ValueError(f"the prompt must have 1 to {self.max_model_len - 1} tokens")
-        check_bias(p, self.model.config.vocab_size)
+        check_token_ids(p, self.model.config.vocab_size, self.tokenizer.eos_token_ids)
         spec = self.resolve_spec(req.speculative)
         seqs = []
         for i in range(p.n):
@@ -194,6 +201,12 @@ class Engine:
                 outs.append(self._collect(seq))
         return outs
 
+    def _fail(self, request_id: str, status: int, message: str) -> SeqOutput:
+        """Abort a request whose row raised: one finished output carrying the error."""
+        self.abort(request_id)
+        return SeqOutput(request_id, 0, "", [], None, [], finished=True, finish_reason="error", error=message,
+                         error_status=status)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -210,6 +223,7 @@ class Engine:
         if batch.decode:
             forwards.append((batch.decode, True))
         decode_forward = 0.0
+        failed: dict[str, tuple[int, str]] = {}  # request id -> (status, what one of its rows raised): it alone ends
         for rows, decode in forwards:
             t0 = time.perf_counter()
             fwd = self.runner.run(rows, all_logits=decode, output_layers=self._feature_layers(rows, decode))
@@ -221,9 +235,19 @@ class Engine:
             # every greedy row's argmax in one call (per row it was ~0.1 ms each, 1.7 ms of a 16-row step)
             best = argmax(fwd.logits).tolist() if any(r.seq.params.greedy for r in rows) else None  # [B, T']
             for b, r in enumerate(rows):
-                if self._process(r, self.runner.row_output(fwd, b, len(r)), None if best is None else best[b]):
+                if r.seq.request_id in failed:
+                    continue
+                try:
+                    row_best = None if best is None else best[b]
+                    emitted = self._process(r, self.runner.row_output(fwd, b, len(r)), row_best)
+                except Exception as e:  # noqa: BLE001 - one request's failure must not end the batch's others
+                    log.exception("request %s failed; aborting it", r.seq.request_id)
+                    failed[r.seq.request_id] = (400 if isinstance(e, ValueError) else 500, f"{type(e).__name__}: {e}")
+                    continue
+                if emitted:
                     touched.append(r.seq)
-        outs = [self._collect(s) for s in touched]
+        outs = [self._collect(s) for s in touched if s.request_id not in failed]
+        outs += [self._fail(request_id, *failure) for request_id, failure in failed.items()]
         if batch.decode and not batch.prefill:  # a pure decode step: what drafting costs besides the pass
             self.spec.observe_overhead(len(batch.decode), self.last_k > 0,
                                        time.perf_counter() - t_step - decode_forward - self.spec.propose_seconds)
@@ -280,6 +304,9 @@ class Engine:
         else:
             verdict = Verdict(0, [self._pick(logits[-1], seq)])
         rows = rows or list(range(1 + verdict.num_accepted))
+        masked = seq.grammar is not None or seq.params.adjusts_logits
+        if masked and logits[rows[-1], verdict.tokens[-1]] == float("-inf"):  # greedy: argmax of all -inf
+            raise ValueError("no token can be sampled: the grammar, allowed_token_ids and min_tokens leave none")
         first = not seq.output_ids
         seq.num_computed += n + verdict.num_accepted
         seq.token_from_draft.extend(j < verdict.num_accepted for j in range(len(verdict.tokens)))

@@ -23,11 +23,12 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from specdec.config import ConfigError
 from specdec.engine.async_engine import AsyncEngine
 from specdec.engine.engine import EngineRequest
-from specdec.engine.grammar import GrammarCompiler
+from specdec.engine.grammar import CompilerBusy, GrammarCompiler
 from specdec.serve.metrics import ServerMetrics
 from specdec.serve.protocol import APIError, ChatRequest, CompletionRequest, pydantic_error
 from specdec.serve.responses import ResponseBuilder
@@ -155,6 +156,11 @@ def build_app(st: ServerState) -> FastAPI:
         err = pydantic_error(exc)
         return JSONResponse(err.body(), status_code=err.status)
 
+    @app.exception_handler(HTTPException)
+    async def _http_error(request, exc: HTTPException):  # starlette's own: unknown route, method, unreadable body
+        err = APIError(exc.status_code, str(exc.detail))
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
+
     @app.exception_handler(Exception)
     async def _internal_error(request, exc):  # a bug: the client gets the error shape, the log the traceback
         err = APIError(500, "internal server error")
@@ -194,6 +200,9 @@ def build_app(st: ServerState) -> FastAPI:
         body.check_unsupported()
         reqs = await _engine_requests(body, prompts, chat)
         queued, new = st.queued(), sum(r.params.n for r in reqs)
+        if new > st.max_queued_requests:  # would never fit: a 429 would have the client retry forever
+            raise APIError(400, f"the request asks for {new} sequences (prompts x n); this server queues at most "
+                           f"{st.max_queued_requests}", "n")
         if queued + new > st.max_queued_requests:
             st.metrics.rejected.labels(model_name=st.model_name, reason="queue_full").inc()
             raise APIError(429, f"the server is busy ({queued} sequences queued); retry later",
@@ -232,6 +241,8 @@ def build_app(st: ServerState) -> FastAPI:
                     None, st.grammars.compile, body.response_format)
             except ConfigError as e:
                 raise APIError(400, str(e), "response_format") from None
+            except CompilerBusy as e:
+                raise APIError(429, str(e), headers={"Retry-After": "1"}) from None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         reqs = []
         for i, ids in enumerate(prompts):
@@ -240,7 +251,7 @@ def build_app(st: ServerState) -> FastAPI:
             if max_tokens is not None and max_tokens > room:
                 raise APIError(400, f"this model's maximum context length is {st.max_model_len} tokens; the prompt "
                                f"has {len(ids)} and max_tokens is {max_tokens} (at most {room})", "max_tokens")
-            params = body.sampling_params(max_tokens or room, logprobs, st.vocab_size)
+            params = body.sampling_params(max_tokens or room, logprobs, st.vocab_size, st.tokenizer.eos_token_ids)
             reqs.append(EngineRequest(f"{rid}-{i}", ids, params, spec, body.cache_salt, grammar))
         return reqs
 

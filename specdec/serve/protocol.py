@@ -16,8 +16,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from specdec.model.tokenizer import valid_unicode
-from specdec.penalties import check_bias
-from specdec.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
+from specdec.penalties import check_token_ids
+from specdec.sampling_params import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_STRINGS,
+                                     MIN_REPETITION_PENALTY, SamplingParams)
 
 MAX_N = 16
 MAX_ALLOWED_TOKENS = 65536
@@ -31,10 +32,11 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.headers = status, message, param, headers
         self.type = type or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                             413: "invalid_request_error", 431: "invalid_request_error", 429: "rate_limit_error",
-                             503: "service_unavailable"}.get(status, "server_error")
-        self.code = code or {400: "invalid_value", 401: "invalid_api_key", 413: "request_too_large", 431: "headers_too_large",
-                             429: "rate_limit_exceeded", 503: "unavailable"}.get(status, "internal_error")
+                             405: "invalid_request_error", 413: "invalid_request_error", 431: "invalid_request_error",
+                             429: "rate_limit_error", 503: "service_unavailable"}.get(status, "server_error")
+        self.code = code or {400: "invalid_value", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
+                             413: "request_too_large", 431: "headers_too_large", 429: "rate_limit_exceeded",
+                             503: "unavailable"}.get(status, "internal_error")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -91,7 +93,7 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, ge=MIN_REPETITION_PENALTY, le=2.0)
     min_tokens: int = Field(default=0, ge=0)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     allowed_token_ids: list[int] | None = Field(default=None, min_length=1, max_length=MAX_ALLOWED_TOKENS)
@@ -106,8 +108,9 @@ class _Common(BaseModel):
     @classmethod
     def _stop(cls, v):
         stops = [v] if isinstance(v, str) else list(v or [])
-        if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
-            raise ValueError(f"at most {MAX_STOP_STRINGS} non-empty stop strings")
+        if len(stops) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"at most {MAX_STOP_STRINGS} non-empty stop strings of at most {MAX_STOP_CHARS} "
+                             "characters")
         return stops
 
     def check_unsupported(self) -> None:
@@ -146,9 +149,9 @@ class _Common(BaseModel):
             raise APIError(400, "speculative.method must be a string", "speculative")
         return {"method": None if method in ("off", "none") else method, "num_speculative_tokens": k}
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None, vocab_size: int, eos_ids=()) -> SamplingParams:
         """The request's SamplingParams; a value out of range (SamplingParams) or a token id outside the
-        vocabulary (check_bias) is a 400 naming its field."""
+        vocabulary (check_token_ids) is a 400 naming its field."""
         try:
             params = SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                                   seed=self.seed, max_tokens=max_tokens, stop=tuple(self.stop or ()),
@@ -158,7 +161,7 @@ class _Common(BaseModel):
                                   repetition_penalty=self.repetition_penalty, logit_bias=self._logit_bias(),
                                   min_tokens=self.min_tokens, prompt_logprobs=self._prompt_logprobs(logprobs),
                                   allowed_token_ids=self.allowed_token_ids)
-            check_bias(params, vocab_size)
+            check_token_ids(params, vocab_size, eos_ids)
         except ValueError as e:  # "<field> must be ..." / "<field>: ...": name the field
             field = str(e).split(" ", 1)[0].rstrip(":")
             raise APIError(400, str(e), field if field in type(self).model_fields else None) from None
@@ -171,7 +174,8 @@ class _Common(BaseModel):
         return logprobs if getattr(self, "echo", False) and logprobs is not None else None
 
     def _logit_bias(self) -> dict[int, float]:
-        """OpenAI's {"token id": bias} with the ids parsed (decimal strings); ranges: SamplingParams, check_bias."""
+        """OpenAI's {"token id": bias} with the ids parsed (decimal strings); ranges: SamplingParams,
+        check_token_ids."""
         if any(not (key.isascii() and key.isdigit() and len(key) <= 9) for key in self.logit_bias or {}):
             raise ValueError("logit_bias: the keys must be token ids (decimal strings)")
         return {int(key): value for key, value in (self.logit_bias or {}).items()}

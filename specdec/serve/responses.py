@@ -92,7 +92,7 @@ class ResponseBuilder:
             while left:
                 i, item = await q.get()
                 if isinstance(item, Exception):
-                    raise APIError(500, str(item))
+                    raise APIError(getattr(item, "status", 500), str(item))
                 if item is None:
                     left -= 1
                     continue

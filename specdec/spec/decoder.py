@@ -19,7 +19,7 @@ from specdec.cache.kept_prefix import KeptPrefix
 from specdec.model.cuda_graph import synchronize
 from specdec.model.llama import prompt_pass
 from specdec.model.tokenizer import IncrementalDetokenizer, Tokenizer
-from specdec.penalties import apply_penalties, check_bias
+from specdec.penalties import apply_penalties, check_token_ids
 from specdec.sampler import argmax, logprobs_of, make_generator, prompt_logprobs_of, sample, warp
 from specdec.sampling_params import SamplingParams
 from specdec.spec.adaptive import AdaptiveK, CostModel
@@ -188,7 +188,7 @@ class SpeculativeDecoder:
                  on_delta: Callable[[str, list[int]], None] | None = None) -> GenerationResult:
         self._check_prompt(prompt_ids)
         try:
-            check_bias(params, self.target.config.vocab_size)
+            check_token_ids(params, self.target.config.vocab_size, self.tokenizer.eos_token_ids)
         except ValueError as e:
             raise RequestError(str(e)) from None
         gen = None if params.greedy else make_generator(params.seed)
