@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specdec.engine.engine import Engine, EngineConfig, EngineRequest
-from specdec.engine.grammar import GrammarCompiler, available
+from specdec.engine.grammar import MAX_WAITING_COMPILES, CompilerBusy, GrammarCompiler, available
 from specdec.llm import LLM
 from specdec.sampling_params import SamplingParams
 
@@ -217,6 +217,34 @@ def test_grammar_warm_up_compiles_json_object_in_the_background(plain):
     assert warmed is not None and gc.compile({"type": "json_object"}) is warmed
     with pytest.raises(ConfigError, match="too large"):
         gc.compile({"type": "regex", "regex": "(a|b)*c{20000}"})
+
+
+@pytest.mark.skipif(not available(), reason="outlines-core is not installed")
+def test_requests_waiting_to_compile_are_bounded(plain):
+    """Compiles run one at a time; while one runs, at most MAX_WAITING_COMPILES requests wait for it
+    (each holds an executor thread) and the next is told to retry (the server's 429), not queued."""
+    import threading
+    import time
+    gc = GrammarCompiler(plain.tokenizer, plain.model.config.vocab_size)
+    errors = []
+
+    def compile_one(i):
+        try:
+            gc.compile({"type": "regex", "regex": f"(yes|no){{{i + 1}}}"})
+        except CompilerBusy as e:
+            errors.append(e)
+
+    with gc._compiling:  # a compile in progress
+        waiting = [threading.Thread(target=compile_one, args=(i,)) for i in range(MAX_WAITING_COMPILES)]
+        for t in waiting:
+            t.start()
+        while gc._waiting < MAX_WAITING_COMPILES:
+            time.sleep(0.01)
+        with pytest.raises(CompilerBusy):
+            gc.compile({"type": "regex", "regex": "maybe"})
+    for t in waiting:
+        t.join(60)
+    assert not errors and gc._waiting == 0 and gc.compile({"type": "regex", "regex": "(yes|no){1}"}) is not None
 
 
 def test_too_long_prompt_is_refused(plain):
