@@ -162,6 +162,22 @@ def _gemma3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
 SPEC_METHODS = ("draft_model", "ngram", "suffix", "layerskip", "lookahead", "medusa", "eagle", "eagle3", "qdraft", "recycle")
 LEARNED_TREE_METHODS = ("medusa", "eagle", "eagle3")  # learned heads; `model` = the head dir (default: shipped)
 LOOKUP_METHODS = ("ngram", "suffix")  # free drafters a model drafter can be paired with (`lookup`)
+# speculative_config keys that only some methods read (a predicate on the config): given to another
+# method, such a key is an error, as an unknown one is, since it would change nothing
+_METHOD_KEYS = {
+    "skip_layers": lambda c: c.method == "layerskip",
+    "lookahead_window": lambda c: c.method == "lookahead",
+    "lookahead_ngram": lambda c: c.method == "lookahead",
+    "lookahead_guess_set": lambda c: c.method == "lookahead",
+    "suffix_decoding_max_tree_depth": lambda c: "suffix" in (c.method, c.lookup),
+    "suffix_decoding_max_cached_requests": lambda c: "suffix" in (c.method, c.lookup),
+    "suffix_decoding_max_spec_factor": lambda c: "suffix" in (c.method, c.lookup),
+    "suffix_decoding_min_token_prob": lambda c: "suffix" in (c.method, c.lookup),
+    "num_steps": lambda c: c.method in LEARNED_TREE_METHODS,
+    "eagle_topk": lambda c: c.method in LEARNED_TREE_METHODS,
+    "num_draft_tokens": lambda c: c.method in LEARNED_TREE_METHODS,
+    "extra": lambda c: c.method in ("draft_model", "qdraft"),
+}
 
 
 def split_method(name: str) -> tuple[str, str | None]:
@@ -255,6 +271,10 @@ class SpeculativeConfig:
             raise ConfigError("method 'draft_model' needs 'model' (the draft model's path or alias)")
         if not (0.0 <= self.draft_confidence_threshold < 1.0):
             raise ConfigError("draft_confidence_threshold must be in [0, 1)")
+        if not (1 <= self.max_speculative_tokens <= 64):
+            raise ConfigError(f"max_speculative_tokens must be in [1, 64], got {self.max_speculative_tokens}")
+        self._check_method_keys()
+        self._check_suffix()
         if self.method in LEARNED_TREE_METHODS:
             self._check_tree()
         if self.lookup is not None and self.lookup not in LOOKUP_METHODS:
@@ -263,6 +283,24 @@ class SpeculativeConfig:
             raise ConfigError(f"'lookup' pairs a lookup with a model drafter; method {self.method!r} is a lookup itself")
         if not (1 <= self.lookup_min_match <= 64):
             raise ConfigError(f"lookup_min_match must be in [1, 64], got {self.lookup_min_match}")
+
+    def _check_method_keys(self) -> None:
+        defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                    for f in dataclasses.fields(self) if f.name in _METHOD_KEYS}
+        ignored = [name for name, reads in _METHOD_KEYS.items()
+                   if getattr(self, name) != defaults[name] and not reads(self)]
+        if ignored:
+            raise ConfigError(f"method {self.method!r}{f' with lookup {self.lookup!r}' if self.lookup else ''} does "
+                              f"not read {', '.join(ignored)}")
+
+    def _check_suffix(self) -> None:
+        if not (1 <= self.suffix_decoding_max_tree_depth <= 1024 and self.suffix_decoding_max_cached_requests >= 0):
+            raise ConfigError("need 1 <= suffix_decoding_max_tree_depth <= 1024 and "
+                              "suffix_decoding_max_cached_requests >= 0")
+        factor, min_prob = self.suffix_decoding_max_spec_factor, self.suffix_decoding_min_token_prob
+        if not (0.0 < factor <= 64.0 and 0.0 <= min_prob <= 1.0):
+            raise ConfigError("need 0 < suffix_decoding_max_spec_factor <= 64 and "
+                              "0 <= suffix_decoding_min_token_prob <= 1")
 
     def _check_tree(self) -> None:
         if not (1 <= self.num_steps <= 16 and 1 <= self.eagle_topk <= 16):
