@@ -344,3 +344,26 @@ def test_allowed_tokens_that_all_end_the_output_are_refused_under_min_tokens():
     check_token_ids(SamplingParams(allowed_token_ids=[5], stop_token_ids=[5]), 100, {2})  # no min_tokens: fine
     with pytest.raises(ValueError, match="stop_token_ids"):
         check_token_ids(SamplingParams(stop_token_ids=[100]), 100)
+
+
+def test_a_stop_string_from_before_min_tokens_does_not_stop_later():
+    """A stop string produced while min_tokens held the checks off does not match on a later token: that
+    stopped the request and cut back text it had already streamed (as vLLM, a match must end in the new
+    text). Control: the same string produced after min_tokens stops it."""
+    from specdec.spec.decoder import _Output
+    from specdec.spec.proposer import RequestState
+
+    class Chars:  # one character a token
+        def add(self, toks):
+            return "".join(chr(t) for t in toks)
+
+    def run(min_tokens, text):
+        streamed = []
+        out = _Output(SamplingParams(temperature=0, stop=("ab",), min_tokens=min_tokens, max_tokens=9), frozenset(),
+                      Chars(), lambda delta, toks: streamed.append(delta), 100)
+        out.emit(RequestState([1], out.params, None), [ord(c) for c in text], None)
+        return out.text, "".join(streamed), out.finish_reason
+
+    assert run(3, "xabcd") == ("xabcd", "xabcd", None)
+    assert run(0, "xabcd")[::2] == ("x", "stop")
+    assert run(3, "xabcab") == ("xabc", "xabca", "stop")  # (offline streams are not held back: "a" went out)

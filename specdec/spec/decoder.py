@@ -101,11 +101,11 @@ class _Output:
                 return
 
     def _check_stop_strings(self, delta: str, toks: list[int]) -> bool:
+        """Whether a stop string ends inside delta (one wholly in the text before was there while min_tokens
+        held the checks off: it does not count, nor cut text already streamed)."""
         text = self.text + delta
-        window = max(len(s) for s in self.params.stop) + len(delta)
-        start = max(0, len(self.text) - window)
         for s in self.params.stop:
-            idx = text.find(s, start)
+            idx = text.find(s, max(0, len(self.text) - len(s) + 1))
             if idx != -1:
                 cut = text[:idx]
                 if self.on_delta and len(cut) > len(self.text):
