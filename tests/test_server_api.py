@@ -158,6 +158,24 @@ def test_penalties_and_bias_with_speculation_equal_plain(server, plain):
     assert server.engine.blocks.num_used == 0
 
 
+def test_streamed_text_offsets_equal_the_whole_responses(server):
+    """A stop string makes the stream hold back text (it could be the string's start); text_offset still
+    counts every token's text, as the whole response does (it counted the text sent, which fell behind)."""
+    body = {"prompt": "moon sky moon sky moon", "max_tokens": 12, "temperature": 0, "logprobs": 1,
+            "ignore_eos": True, "stop": ["never appears here"]}
+    whole = httpx.post(server.url + "/v1/completions", json=body, headers=headers(), timeout=30).json()
+    offsets, text = [], ""
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, headers=headers(),
+                      timeout=30) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                text += choice["text"]
+                offsets += (choice["logprobs"] or {}).get("text_offset", [])
+    assert text == whole["choices"][0]["text"]
+    assert offsets == whole["choices"][0]["logprobs"]["text_offset"] and len(offsets) == 12
+
+
 def test_echo_with_logprobs_and_prompt_logprobs(server, plain):
     """The completions API's echo (as lm-evaluation-harness scores with: echo, logprobs, max_tokens 1)
     and vLLM's prompt_logprobs: the prompt's tokens' logprobs equal the offline decoder's, streamed or not."""

@@ -202,11 +202,14 @@ class ResponseBuilder:
                echo: tuple[list[int], list | None] | None = None) -> dict:
         """echo: (prompt ids, prompt logprobs) to put before this first chunk of a choice."""
         lp, text = self._logprobs(out.logprobs, chat, offsets.get(idx, 0)), out.text
+        # a completion's text_offset counts its tokens' texts, as the whole response's does: not the text
+        # sent so far, which leaves out what a possible stop string holds back
+        advance = 0 if chat or lp is None else sum(map(len, lp["tokens"]))
         if echo is not None:
             prompt_text, lp = self._echoed(*echo, lp)
-            text = prompt_text + text
+            text, advance = prompt_text + text, advance + len(prompt_text)
         choice = {"index": idx, "logprobs": lp, "finish_reason": out.finish_reason if out.finished else None}
-        offsets[idx] = offsets.get(idx, 0) + len(text)
+        offsets[idx] = offsets.get(idx, 0) + advance
         choice.update({"delta": {"content": text} if text else {}} if chat else {"text": text})
         if body.prompt_logprobs is not None and out.prompt_logprobs is not None:
             choice["prompt_logprobs"] = self._vllm_prompt_logprobs(out.prompt_logprobs)
