@@ -141,3 +141,26 @@ def test_serve_freezes_the_start_up_heap():
     finally:
         gc.unfreeze()
     assert id(held[0]) in {id(o) for o in gc.get_objects()}
+
+
+def test_the_cli_stream_holds_back_what_a_stop_string_could_begin(capsys):
+    """generate and chat print the decoder's deltas as they come, but not the tail a stop string could
+    still begin: the final text is cut where a stop string starts, and what was printed stays its prefix."""
+    from specdec.cli._common import StreamPrinter
+
+    stream = StreamPrinter(("END", "x"))
+    for piece in ("hello ", "E", "N"):
+        stream(piece, [0])
+    assert capsys.readouterr().out == "hello "  # "EN" held back: "END" could follow
+    stream.finish("hello ")  # "D" came: the decoder cut the text before "END" (passing no delta), nothing more
+    assert capsys.readouterr().out == ""
+    stream = StreamPrinter(("END",))
+    for piece in ("so E", "NOUGH"):
+        stream(piece, [0])
+    stream.finish("so ENOUGH")
+    assert capsys.readouterr().out == "so ENOUGH"
+    plain = StreamPrinter(())
+    for piece in ("a", "bc"):
+        plain(piece, [0])
+    plain.finish("abc")
+    assert capsys.readouterr().out == "abc"

@@ -7,6 +7,25 @@ import json
 from specdec.config import KV_CACHE_DTYPES, SPEC_METHODS, ConfigError
 
 
+class StreamPrinter:
+    """Prints a request's text as the decoder streams it, holding back the tail that a stop string could
+    still begin: the decoder's deltas are not held back, and its final text is cut where a stop string
+    starts. Call as on_delta, then finish(final text)."""
+
+    def __init__(self, stop: tuple[str, ...]):
+        self.hold = max(map(len, stop), default=1) - 1
+        self.text, self.printed = "", 0
+
+    def __call__(self, delta: str, toks) -> None:
+        self.text += delta
+        if len(self.text) - self.hold > self.printed:
+            print(self.text[self.printed:len(self.text) - self.hold], end="", flush=True)
+            self.printed = len(self.text) - self.hold
+
+    def finish(self, text: str) -> None:
+        print(text[self.printed:], end="", flush=True)
+
+
 def at_least(least: int):
     """An argparse type: an integer >= least (a size, a count), else argparse's one-line usage error."""
     def parse(text: str) -> int:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from specdec.cli._common import add_model_args, add_spec_args, make_llm
+from specdec.cli._common import StreamPrinter, add_model_args, add_spec_args, make_llm
 from specdec.cli.generate import add_sampling_args, sampling_from_args
 
 
@@ -32,7 +32,9 @@ def run(args) -> int:
         if len(ids) >= llm.model.max_len:
             print("specdec: the conversation no longer fits the context; start a new one", file=sys.stderr)
             break
-        r = llm.generate_one(ids, params, on_delta=lambda d, t: print(d, end="", flush=True))
+        stream = StreamPrinter(params.stop)
+        r = llm.generate_one(ids, params, on_delta=stream)
+        stream.finish(r.text)
         cached = f", {r.num_cached_tokens} cached" if r.num_cached_tokens else ""
         print(f"\n[{r.decode_tokens_per_s:.1f} tok/s; prompt {len(ids)} tokens{cached}, {r.prefill_time:.2f} s]",
               file=sys.stderr)

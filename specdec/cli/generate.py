@@ -5,7 +5,7 @@ import json
 import sys
 from pathlib import Path
 
-from specdec.cli._common import add_model_args, add_spec_args, make_llm
+from specdec.cli._common import StreamPrinter, add_model_args, add_spec_args, make_llm
 from specdec.config import ConfigError
 from specdec.sampling_params import SamplingParams
 
@@ -68,8 +68,10 @@ def run(args) -> int:
         if args.chat:
             prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
         ids = llm.tokenizer.encode(prompt)
-        stream = None if args.json else (lambda delta, toks: print(delta, end="", flush=True))
+        stream = None if args.json else StreamPrinter(params.stop)
         r = llm.generate_one(ids, params, on_delta=stream)
+        if stream is not None:
+            stream.finish(r.text)
         if args.json:
             print(json.dumps({"prompt": prompt, "text": r.text, "token_ids": r.token_ids,
                               "finish_reason": r.finish_reason, "metrics": r.metrics_dict()}))
