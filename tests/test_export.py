@@ -39,29 +39,37 @@ def target(tiny_dir):
 @pytest.mark.parametrize("fmt", ["vllm", "sglang"])
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 def test_eagle_layouts_round_trip(target, tmp_path, fmt, kind):
+    from specdec.proposers.head_io import load_head
     d, model = target
     head_dir = random_head(model, kind, tmp_path / "head", draft_vocab=300 if kind == "eagle3" else 0)
     cmd = export_head(head_dir, fmt, tmp_path / "out", d)
     out = tmp_path / "out"
-    assert _keys(out) == (EAGLE3_KEYS if kind == "eagle3" else EAGLE_KEYS)
+    sglang_bias = {"fc.bias"} if (kind, fmt) == ("eagle", "sglang") else set()
+    assert _keys(out) == (EAGLE3_KEYS if kind == "eagle3" else EAGLE_KEYS) | sglang_bias
     cfg = json.loads((out / "config.json").read_text())
     if kind == "eagle3":
         assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 300
-        L = model.config.num_hidden_layers
-        assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, L // 2 + 1, L]  # inputs of layers
+        # the layers whose outputs the head reads, as each engine counts them: vLLM reads layer inputs
+        # (output + 1) at the top level, SGLang layer outputs under eagle_config (it adds the 1 itself)
+        aux = list(load_head(head_dir).cfg.aux_layers)
+        if fmt == "vllm":
+            assert cfg["eagle_aux_hidden_state_layer_ids"] == [l + 1 for l in aux] and "eagle_config" not in cfg
+        else:
+            assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == aux
+            assert "eagle_aux_hidden_state_layer_ids" not in cfg
         with safe_open(str(out / "model.safetensors"), "pt") as f:
             d2t, t2d = f.get_tensor("d2t"), f.get_tensor("t2d")
         assert d2t.dtype == torch.int64 and t2d.dtype == torch.bool and int(t2d.sum()) == 300
         assert torch.equal(torch.nonzero(t2d)[:, 0], torch.arange(300) + d2t)  # target id = i + d2t[i]
-    else:
-        assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["num_hidden_layers"] == 1
+    else:  # vLLM prefixes "Eagle" to the architecture itself; SGLang maps nothing, and its fc has a bias
+        assert cfg["architectures"] == ["LlamaForCausalLM" if fmt == "vllm" else "LlamaForCausalLMEagle"]
+        assert cfg["num_hidden_layers"] == 1
     assert ("vllm serve" in cmd) == (fmt == "vllm")
     assert ("--speculative-algorithm " + ("EAGLE3" if kind == "eagle3" else "EAGLE") in cmd) == (fmt == "sglang")
     # an upstream loader (no specdec section) gets the same head back
     cfg.pop("specdec")
     (out / "config.json").write_text(json.dumps(cfg))
     back = import_head(out, model.config)
-    from specdec.proposers.head_io import load_head
     orig = load_head(head_dir)
     for k, v in orig.state_dict().items():
         assert torch.equal(v, back.state_dict()[k]), k
@@ -108,3 +116,22 @@ def test_a_head_config_round_trips_and_refuses_unknown_keys(target, tmp_path):
     (head_dir / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ConfigError, match="unknown head config keys: tree_width"):
         load_head(head_dir)
+
+
+def test_export_writes_a_new_directory_and_never_over_a_head(target, tmp_path):
+    """export --out the head's own directory (or any non-empty one) is refused: it overwrote the head with
+    the upstream layout, which specdec then could not load; a failing export leaves nothing behind."""
+    d, model = target
+    head_dir = random_head(model, "eagle", tmp_path / "head")
+    before = {p.name: p.read_bytes() for p in head_dir.iterdir()}
+    for out in (head_dir, tmp_path):
+        with pytest.raises(ConfigError, match="not an empty directory"):
+            export_head(head_dir, "vllm", out, d)
+    assert {p.name: p.read_bytes() for p in head_dir.iterdir()} == before
+    (tmp_path / "empty").mkdir()
+    export_head(head_dir, "sglang", tmp_path / "empty", d)
+    assert (tmp_path / "empty" / "model.safetensors").exists() and not (tmp_path / "empty.partial").exists()
+    with pytest.raises(ConfigError):  # no target to read the Medusa LM head from: nothing is left
+        src = random_head(model, "medusa", tmp_path / "medusa")
+        export_head(src, "vllm", tmp_path / "m-out", tmp_path / "no-such-target")
+    assert not (tmp_path / "m-out").exists() and not (tmp_path / "m-out.partial").exists()

@@ -3,13 +3,17 @@
     specdec export specdec/assets/smollm2-135m-eagle3 --format sglang --out /tmp/sg-head
 
 Layouts (key names as the upstream loaders read them: vLLM llama_eagle.py / llama_eagle3.py / medusa.py,
-SGLang llama_eagle.py / llama_eagle3.py):
-  EAGLE-1  config.json architectures ["LlamaForCausalLM"], num_hidden_layers 1 (both engines turn it into
-           their EAGLE draft class); fc.weight [H, 2H] over [embed; hidden]; layers.0.self_attn.{q,k,v,o}_proj,
+SGLang llama_eagle.py / llama_eagle3.py); the two engines differ in places, so the config is per format:
+  EAGLE-1  config.json num_hidden_layers 1, architectures ["LlamaForCausalLM"] for vLLM (its EAGLE config
+           prefixes "Eagle"), ["LlamaForCausalLMEagle"] for SGLang (which maps nothing); fc.weight [H, 2H]
+           over [embed; hidden] (SGLang's fc has a bias: a zero fc.bias is written for it, else its loader
+           leaves the bias at its random init); layers.0.self_attn.{q,k,v,o}_proj,
            layers.0.mlp.{gate,up,down}_proj, layers.0.post_attention_layernorm (no input norm).
-  EAGLE-3  architectures ["LlamaForCausalLMEagle3"], draft_vocab_size, eagle_config.
-           eagle_aux_hidden_state_layer_ids (vLLM's convention: the INPUT of those target layers, i.e.
-           our output layer + 1); fc.weight [H, 3H]; midlayer.{input_layernorm, hidden_norm,
+  EAGLE-3  architectures ["LlamaForCausalLMEagle3"], draft_vocab_size, and the target layers whose outputs
+           the head reads, in each engine's own key and convention: vLLM reads the top-level
+           eagle_aux_hidden_state_layer_ids as the INPUTS of those layers (our output layer + 1); SGLang
+           reads eagle_config.eagle_aux_hidden_state_layer_ids as the OUTPUTS of those layers (SpecForge's
+           convention; it adds the 1 itself). fc.weight [H, 3H]; midlayer.{input_layernorm, hidden_norm,
            post_attention_layernorm}, midlayer.self_attn.* (q/k/v [., 2H]), midlayer.mlp.*, norm.weight,
            lm_head.weight [Vd, H], d2t [Vd] (target id = i + d2t[i]), t2d [V] bool.
   Medusa   architectures ["MedusaModel"], model_type "medusa", num_heads, num_hidden_layers,
@@ -21,6 +25,7 @@ The embedding (and EAGLE-1's LM head) are left out: both engines share the targe
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import shutil
 from pathlib import Path
@@ -34,15 +39,17 @@ FORMATS = ("vllm", "sglang")
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def hf_config(cfg, dtype: torch.dtype = torch.float32) -> dict:
-    """config.json of a head: the HF fields the engines read plus our own section."""
+def hf_config(cfg, dtype: torch.dtype = torch.float32, fmt: str = "vllm") -> dict:
+    """config.json of a head for `fmt` (a head directory of ours: vLLM's): the HF fields the engine reads
+    plus our own section."""
     common = {"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size, "torch_dtype": _DTYPE_NAMES[dtype]}
     if cfg.kind == "medusa":
         hf = {"architectures": ["MedusaModel"], "model_type": "medusa", "num_heads": cfg.medusa_num_heads,
               "num_hidden_layers": 1, "truncated_vocab_size": cfg.draft_vocab_size or cfg.vocab_size,
               "medusa_fc_bias": True, "original_lm_head": True, **common}
     else:
-        hf = {"architectures": ["LlamaForCausalLMEagle3" if cfg.kind == "eagle3" else "LlamaForCausalLM"],
+        eagle1 = "LlamaForCausalLMEagle" if fmt == "sglang" else "LlamaForCausalLM"
+        hf = {"architectures": ["LlamaForCausalLMEagle3" if cfg.kind == "eagle3" else eagle1],
               "model_type": "llama", "num_hidden_layers": 1, "intermediate_size": cfg.intermediate_size,
               "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
               "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.rms_norm_eps,
@@ -52,8 +59,11 @@ def hf_config(cfg, dtype: torch.dtype = torch.float32) -> dict:
         if cfg.kind == "eagle3":
             hf["draft_vocab_size"] = cfg.draft_vocab_size or cfg.vocab_size
             hf["target_hidden_size"] = cfg.hidden_size
-            hf["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [l + 1 for l in cfg.aux_layers],
-                                  "use_aux_hidden_state": True}
+            if fmt == "sglang":
+                hf["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(cfg.aux_layers),
+                                      "use_aux_hidden_state": True}
+            else:
+                hf["eagle_aux_hidden_state_layer_ids"] = [l + 1 for l in cfg.aux_layers]
     hf["specdec"] = cfg.to_dict()
     return hf
 
@@ -72,7 +82,7 @@ def import_head(path: Path, target_config) -> "torch.nn.Module":
         kind = "eagle3"
     else:
         kind = "eagle"
-    aux = tuple(l - 1 for l in (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids", ()))
+    aux = _aux_layers(raw)
     if kind == "eagle3" and not aux:
         L = target_config.num_hidden_layers
         aux = (1, L // 2 - 1, L - 4)  # vLLM's default (2, L//2, L-3), as outputs of the layer before
@@ -87,6 +97,9 @@ def import_head(path: Path, target_config) -> "torch.nn.Module":
         if "token_map" not in sd:
             sd["token_map"] = head.token_map
     else:
+        bias = sd.pop("fc.bias", None)
+        if bias is not None and bool(bias.any()):
+            raise ConfigError(f"{path}: its fc has a nonzero bias, which specdec's EAGLE heads do not have")
         sd = {k: v for k, v in sd.items() if not k.startswith(("embed_tokens.", "layers.0.input_layernorm"))
               and not (kind == "eagle" and k.startswith("lm_head"))}
         if "d2t" not in sd:
@@ -96,36 +109,71 @@ def import_head(path: Path, target_config) -> "torch.nn.Module":
     return head.eval()
 
 
+def _aux_layers(raw: dict) -> tuple[int, ...]:
+    """The target layers (outputs, 0-based) an upstream EAGLE-3 config names: vLLM's top-level key counts
+    layer inputs, SGLang's / SpecForge's eagle_config key layer outputs; () where neither is given."""
+    if raw.get("eagle_aux_hidden_state_layer_ids"):
+        return tuple(l - 1 for l in raw["eagle_aux_hidden_state_layer_ids"])
+    return tuple((raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids", ()))
+
+
 def export_head(head_dir: Path, fmt: str, out: Path, target_dir: Path, num_speculative_tokens: int = 5,
                 num_steps: int = 5, eagle_topk: int = 4, num_draft_tokens: int = 8) -> str:
-    """Write the head in `fmt`'s layout under `out`; returns the serve command line."""
+    """Write the head in `fmt`'s layout as a new directory `out` (written beside it, then renamed into place,
+    so a failed export leaves nothing that loads); returns the serve command line."""
     from specdec.proposers.head_io import load_head
 
     if fmt not in FORMATS:
         raise ConfigError(f"unknown export format {fmt!r}; one of {', '.join(FORMATS)}")
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"{out} exists and is not an empty directory; export writes a new one")
     head = load_head(head_dir)
     cfg = head.cfg
     if cfg.kind == "medusa" and fmt == "sglang":
         raise ConfigError("SGLang serves no Medusa heads; export Medusa with --format vllm")
-    out.mkdir(parents=True, exist_ok=True)
     sd = load_file(str(head_dir / "model.safetensors"))
-    raw = json.loads((head_dir / "config.json").read_text())
-    dtype = {v: k for k, v in _DTYPE_NAMES.items()}[raw.get("torch_dtype", "float32")]
+    name = json.loads((head_dir / "config.json").read_text()).get("torch_dtype", "float32")
+    dtype = {v: k for k, v in _DTYPE_NAMES.items()}.get(name)
+    if dtype is None:
+        raise ConfigError(f"{head_dir}/config.json: torch_dtype {name!r} is not one of "
+                          f"{', '.join(_DTYPE_NAMES.values())}")
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    try:
+        extra_args = _write_export(head, sd, dtype, fmt, head_dir, partial, out, target_dir)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    if out.exists():
+        out.rmdir()  # (empty: checked above)
+    os.replace(partial, out)
+    return serve_command(fmt, cfg.kind, str(target_dir), str(out), num_speculative_tokens, num_steps, eagle_topk,
+                         num_draft_tokens, extra_args)
+
+
+def _write_export(head, sd: dict, dtype: torch.dtype, fmt: str, head_dir: Path, into: Path, out: Path,
+                  target_dir: Path) -> list[str]:
+    """The export's files, written into `into` (to be renamed to `out`); returns the serve command's extra
+    arguments."""
+    cfg = head.cfg
     extra_args: list[str] = []
     if cfg.kind == "eagle":  # upstream EAGLE-1 checkpoints have no vocabulary maps
         sd = {k: v for k, v in sd.items() if k not in ("d2t", "t2d")}
     if cfg.kind == "medusa":  # vLLM slices the shared LM head down to token_map itself
         sd["lm_heads.0.weight"] = _target_lm_head(target_dir).to(dtype)
+    if cfg.kind == "eagle" and fmt == "sglang":  # SGLang's fc has a bias, loaded where given
+        sd["fc.bias"] = torch.zeros(cfg.hidden_size, dtype=dtype)
     if cfg.kind == "eagle" and cfg.draft_vocab_size and fmt == "sglang":
-        torch.save(head.draft_ids.clone(), out / "hot_token_ids.pt")  # FR-Spec style token map
+        torch.save(head.draft_ids.clone(), into / "hot_token_ids.pt")  # FR-Spec style token map (SGLang reads .pt)
         extra_args = ["--speculative-token-map", str(out / "hot_token_ids.pt")]
-    save_file({k: v.contiguous() for k, v in sd.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(raw, indent=2))
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(into / "model.safetensors"), metadata={"format": "pt"})
+    (into / "config.json").write_text(json.dumps(hf_config(cfg, dtype, fmt), indent=2))
     for name in ("README.md",):
         if (head_dir / name).exists():
-            shutil.copy(head_dir / name, out / name)
-    return serve_command(fmt, cfg.kind, str(target_dir), str(out), num_speculative_tokens, num_steps, eagle_topk,
-                         num_draft_tokens, extra_args)
+            shutil.copy(head_dir / name, into / name)
+    return extra_args
 
 
 def serve_command(fmt: str, kind: str, target: str, head: str, k: int, num_steps: int, topk: int,
