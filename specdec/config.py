@@ -58,6 +58,17 @@ class ModelConfig:
     rope_local_theta: float | None = None  # RoPE base of the sliding layers (no scaling there)
     final_logit_softcapping: float | None = None
 
+    def __post_init__(self):
+        sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "max_position_embeddings")
+        bad = [f"{n}={getattr(self, n)!r}" for n in sizes
+               if isinstance(getattr(self, n), bool) or not isinstance(getattr(self, n), int) or getattr(self, n) < 1]
+        if bad:
+            raise ConfigError(f"model sizes must be positive integers: {', '.join(bad)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                              f"num_key_value_heads ({self.num_key_value_heads})")
+
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
         archs = cfg.get("architectures") or []

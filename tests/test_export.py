@@ -135,3 +135,31 @@ def test_export_writes_a_new_directory_and_never_over_a_head(target, tmp_path):
         src = random_head(model, "medusa", tmp_path / "medusa")
         export_head(src, "vllm", tmp_path / "m-out", tmp_path / "no-such-target")
     assert not (tmp_path / "m-out").exists() and not (tmp_path / "m-out.partial").exists()
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "sglang"])
+def test_an_upstream_layout_head_serves_as_the_speculative_model(target, tmp_path, fmt):
+    """A head in vLLM's or SGLang's layout (no specdec section, as upstream tools write them) loads as
+    the eagle3 proposer's model, with the same weights and aux layers; greedy output equals plain."""
+    from specdec.llm import LLM
+    from specdec.proposers.head_io import load_head
+    from specdec.sampling_params import SamplingParams
+
+    d, model = target
+    head_dir = random_head(model, "eagle3", tmp_path / "head", draft_vocab=300)
+    export_head(head_dir, fmt, tmp_path / "out", d)
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    cfg.pop("specdec")
+    (tmp_path / "out" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="not a specdec head"):
+        load_head(tmp_path / "out")
+    orig, back = load_head(head_dir), load_head(tmp_path / "out", target_config=model.config)
+    assert back.cfg.aux_layers == orig.cfg.aux_layers
+    assert all(torch.equal(v, back.state_dict()[k]) for k, v in orig.state_dict().items())
+    kw = dict(dtype="float32", max_model_len=256, progress=False, num_threads=1)
+    spec = LLM(str(d), speculative_config={"method": "eagle3", "model": str(tmp_path / "out"),
+                                           "num_speculative_tokens": 3}, **kw)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompt = "the cat sat on the mat the cat sat"
+    want = LLM(str(d), **kw).generate(prompt, params)[0].outputs[0].token_ids
+    assert spec.generate(prompt, params)[0].outputs[0].token_ids == want

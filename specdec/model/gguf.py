@@ -183,9 +183,14 @@ def convert_gguf(path: Path, out_dir: Path, progress: bool = True) -> Path:
     if arch not in _ARCHS:
         raise ConfigError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCHS)}")
     names = {t.name for t in reader.tensors}
-    cfg = _hf_config(reader, arch, names)
-    tok_json, tok_cfg = tokenizer_files(lambda key, default=None: _field(reader, key, default), arch)
-    tensors = _tensors(reader, cfg, arch, progress)
+    try:  # metadata or tensors missing or of the wrong kind: one line naming the file
+        cfg = _hf_config(reader, arch, names)
+        tok_json, tok_cfg = tokenizer_files(lambda key, default=None: _field(reader, key, default), arch)
+        tensors = _tensors(reader, cfg, arch, progress)
+    except ConfigError:
+        raise
+    except (KeyError, TypeError, ValueError, ZeroDivisionError, NotImplementedError) as e:
+        raise ConfigError(f"{path}: incomplete or invalid GGUF metadata or tensors ({type(e).__name__}: {e})") from None
     if cfg["tie_word_embeddings"]:
         tensors.pop("lm_head.weight", None)
     out_dir.parent.mkdir(parents=True, exist_ok=True)

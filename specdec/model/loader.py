@@ -88,7 +88,16 @@ def read_config(directory: Path) -> ModelConfig:
         raw = json.loads((directory / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ConfigError(f"cannot read {directory / 'config.json'}: {e}") from None
-    return ModelConfig.from_hf(raw)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{directory / 'config.json'}: not a JSON object")
+    try:
+        return ModelConfig.from_hf(raw)
+    except ConfigError as e:
+        raise ConfigError(f"{directory / 'config.json'}: {e}") from None
+    except KeyError as e:
+        raise ConfigError(f"{directory / 'config.json'}: missing key {e}") from None
+    except (TypeError, ValueError, ZeroDivisionError, AttributeError) as e:
+        raise ConfigError(f"{directory / 'config.json'}: invalid value ({type(e).__name__}: {e})") from None
 
 
 def _cpuinfo() -> str:

@@ -60,7 +60,7 @@ class _EagleBase(Proposer):
         cfg = ctx.config
         path = Path(cfg.model) if cfg.model else default_head(self.kind, ctx.target.config)
         self.device = ctx.target.device  # the head, its cache and every index live with the target
-        self.head = load_head(path, ctx.dtype).to(self.device)
+        self.head = load_head(path, ctx.dtype, ctx.target.config).to(self.device)  # upstream layouts too
         if self.head.cfg.kind != self.kind:
             raise ConfigError(f"{path} is a {self.head.cfg.kind} head, not {self.kind}")
         tc = ctx.target.config

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from specdec.config import ConfigError
@@ -33,17 +34,28 @@ def save_head(head: torch.nn.Module, out: Path, dtype: torch.dtype = torch.float
     return out
 
 
-def load_head(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def load_head(path: Path, dtype: torch.dtype = torch.float32, target_config=None) -> torch.nn.Module:
+    """A head directory of ours; with `target_config`, an upstream EAGLE / EAGLE-3 checkpoint too (vLLM's
+    or SGLang's layout, no 'specdec' section: train/export.py's import_head)."""
     path = Path(path)
     try:
         raw = json.loads((path / "config.json").read_text())
         sd = load_file(str(path / "model.safetensors"))
     except (OSError, json.JSONDecodeError) as e:
         raise ConfigError(f"cannot read draft head {path}: {e}") from None
+    except SafetensorError as e:
+        raise ConfigError(f"cannot read draft head {path}/model.safetensors: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}/config.json: not a JSON object")
     if "specdec" not in raw:
-        raise ConfigError(f"{path}: not a specdec head (config.json has no 'specdec' section); "
-                          "heads from other tools: `specdec export --import`")
-    cfg = HeadConfig.from_dict(raw["specdec"])
+        if target_config is not None:
+            from specdec.train.export import import_head
+            return import_head(path, target_config).to(dtype).requires_grad_(False)
+        raise ConfigError(f"{path}: not a specdec head (config.json has no 'specdec' section)")
+    try:
+        cfg = HeadConfig.from_dict(raw["specdec"])
+    except (TypeError, AttributeError) as e:
+        raise ConfigError(f"{path}/config.json: invalid 'specdec' section ({e})") from None
     head = make_head(cfg)
     missing, unexpected = head.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()},
                                                strict=False)

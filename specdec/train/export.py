@@ -74,7 +74,7 @@ def import_head(path: Path, target_config) -> "torch.nn.Module":
     from specdec.proposers.heads import HeadConfig
 
     raw = json.loads((path / "config.json").read_text())
-    sd = {k: v for k, v in load_file(str(path / "model.safetensors")).items()}
+    sd = load_file(str(path / "model.safetensors"))
     arch = (raw.get("architectures") or [""])[0]
     if raw.get("model_type") == "medusa" or arch.startswith("Medusa"):
         kind = "medusa"
@@ -105,7 +105,11 @@ def import_head(path: Path, target_config) -> "torch.nn.Module":
         if "d2t" not in sd:
             sd["d2t"], sd["t2d"] = head.d2t, head.t2d
         sd["t2d"] = sd["t2d"].bool()
-    head.load_state_dict(sd, strict=False)
+    missing, unexpected = head.load_state_dict(sd, strict=False)
+    missing = [m for m in missing if not m.startswith("rotary.")]
+    if missing or unexpected:
+        raise ConfigError(f"{path}: the checkpoint does not match a {kind} head for this target (missing "
+                          f"{missing[:3]}, unexpected {unexpected[:3]})")
     return head.eval()
 
 
