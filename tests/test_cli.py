@@ -56,7 +56,11 @@ def test_bad_paths_and_files_are_one_line(tmp_path):
     for args, needle in [
         (["bench", "--methods", "ngram", "--peers", "none", "--out", str(a_file / "report")], "Not a directory"),
         (["bench", "--from-json", str(a_file), "--out", str(tmp_path / "r")], "not a bench report"),
-        (["make-draft", "--layers", "2", "--out", str(a_file)], "Not a directory"),
+        (["make-draft", "--layers", "2", "--out", str(a_file)], "not an empty directory"),
+        # before the model's load and the AWQ search (it wrote into, and over, another model's files)
+        (["quantize", "smollm2-135m", "--method", "awq", "--out", str(tmp_path)], "not an empty directory"),
+        (["quantize", "smollm2-135m", "--method", "awq", "--out", str(tmp_path / "q"),
+          "--calib-file", str(tmp_path / "none")], "--calib-file"),
         (["train", "data", "--out", str(tmp_path / "d"), "--num-prompts", "-1"], "num_prompts must be >= 1"),
         (["train", "draft-model", "--data", str(tmp_path), "--out", str(tmp_path / "dm")], "no training sequences"),
     ]:

@@ -45,6 +45,7 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from specdec.model.loader import load_model, read_config, resolve_model
+    from specdec.model.output_dir import check_new_dir
     from specdec.model.tokenizer import Tokenizer
     from specdec.quant.io import is_quantized, require_llama_layout, save_quantized
     from specdec.quant.qmodel import quantize_model, scheme_named, weight_bytes
@@ -65,6 +66,12 @@ def run(args) -> int:
     out = Path(args.out)
     if out.resolve() == Path(source.directory).resolve():
         raise ConfigError("--out must differ from the model's own directory")
+    check_new_dir(out)  # before the load and the AWQ search, not after
+    if args.calib_file:
+        try:
+            Path(args.calib_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"--calib-file {args.calib_file}: {e}") from None
     t0 = time.perf_counter()
     model = load_model(source.directory, torch.float32)
     before = weight_bytes(model)

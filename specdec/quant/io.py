@@ -28,6 +28,7 @@ from specdec.config import ConfigError
 from specdec.model.layers import Rotary
 from specdec.model.llama import LlamaModel
 from specdec.model.loader import read_safetensors_dir
+from specdec.model.output_dir import new_dir
 from specdec.quant.fp8 import FP8, Fp8Scheme, Fp8Weight
 from specdec.quant.qlinear import QEmbedding, QLinear, QuantizedWeight
 from specdec.quant.qmodel import stored_as
@@ -123,19 +124,18 @@ def save_quantized(model: LlamaModel, src: Path, out: Path, scheme: QuantScheme 
         stored = stored_as(module.weight)
         if stored != _scheme_as(sch):
             raise ValueError(f"save_quantized: the model's {what} are {stored or 'not quantized'}, not {sch}")
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     raw = _raw_config(src)
     raw["quantization_config"] = {"quant_method": QUANT_METHOD, "format_version": FORMAT_VERSION,
                                   **scheme.to_dict(), "method": method,
                                   "lm_head": None if head is None else head.to_dict(), **(extra or {})}
     tensors = {k: v.detach().clone() for k, v in quantized_state_dict(model).items()}  # arena views: copy
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(raw, indent=2))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        if (Path(src) / name).exists():
-            (out / name).write_text((Path(src) / name).read_text())
-    return out
+    with new_dir(out) as partial:  # a new directory, renamed into place when whole
+        save_file(tensors, str(partial / "model.safetensors"), metadata={"format": "pt"})
+        (partial / "config.json").write_text(json.dumps(raw, indent=2))
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            if (Path(src) / name).exists():
+                (partial / name).write_text((Path(src) / name).read_text())
+    return Path(out)
 
 
 def _scheme(d: dict | None, what: str) -> QuantScheme | Fp8Scheme | None:

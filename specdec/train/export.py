@@ -25,7 +25,6 @@ The embedding (and EAGLE-1's LM head) are left out: both engines share the targe
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import shutil
 from pathlib import Path
@@ -34,6 +33,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specdec.config import ConfigError
+from specdec.model.output_dir import check_new_dir, new_dir
 
 FORMATS = ("vllm", "sglang")
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -130,8 +130,7 @@ def export_head(head_dir: Path, fmt: str, out: Path, target_dir: Path, num_specu
     if fmt not in FORMATS:
         raise ConfigError(f"unknown export format {fmt!r}; one of {', '.join(FORMATS)}")
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"{out} exists and is not an empty directory; export writes a new one")
+    check_new_dir(out)
     head = load_head(head_dir)
     cfg = head.cfg
     if cfg.kind == "medusa" and fmt == "sglang":
@@ -142,17 +141,8 @@ def export_head(head_dir: Path, fmt: str, out: Path, target_dir: Path, num_specu
     if dtype is None:
         raise ConfigError(f"{head_dir}/config.json: torch_dtype {name!r} is not one of "
                           f"{', '.join(_DTYPE_NAMES.values())}")
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    try:
+    with new_dir(out) as partial:
         extra_args = _write_export(head, sd, dtype, fmt, head_dir, partial, out, target_dir)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    if out.exists():
-        out.rmdir()  # (empty: checked above)
-    os.replace(partial, out)
     return serve_command(fmt, cfg.kind, str(target_dir), str(out), num_speculative_tokens, num_steps, eagle_topk,
                          num_draft_tokens, extra_args)
 

@@ -43,14 +43,15 @@ def make_draft(target: str, num_layers: int, out: Path, strategy: str = "first-l
                progress: bool = True) -> tuple[Path, list[int]]:
     """Save a layer-truncated copy of `target` (alias, directory or GGUF) to `out`; weights in float32."""
     from specdec.model.loader import load_model, resolve_model, save_model_dir
+    from specdec.model.output_dir import check_new_dir, new_dir
 
     source = resolve_model(target, progress=progress)
     out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise ConfigError(f"{out}: exists and is not empty")
+    check_new_dir(out)
     model = load_model(source.directory, torch.float32)
     layers = draft_layers(model.config.num_hidden_layers, num_layers, strategy)
-    save_model_dir(model, source.directory, out, layers=layers)
-    (out / "specdec_draft.json").write_text(json.dumps(
-        {"target": source.origin, "layers": layers, "strategy": strategy}, indent=2))
+    with new_dir(out) as partial:
+        save_model_dir(model, source.directory, partial, layers=layers)
+        (partial / "specdec_draft.json").write_text(json.dumps(
+            {"target": source.origin, "layers": layers, "strategy": strategy}, indent=2))
     return out, layers
