@@ -110,17 +110,20 @@ class LLM:
     def generate_one(self, prompt_ids: list[int], params: SamplingParams, on_delta=None) -> GenerationResult:
         return self.decoder.generate(prompt_ids, params, on_delta)
 
-    def generate(self, prompts, sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+    def generate(self, prompts, sampling_params=None) -> list[RequestOutput]:
         """prompts: a prompt or a list of them; a prompt is a string, a list of token ids, {"prompt": str} or
-        {"prompt_token_ids": [...]} (as vLLM's)."""
+        {"prompt_token_ids": [...]} (as vLLM's). sampling_params: one SamplingParams for all, or a list of
+        them, one a prompt (as vLLM's); None: the defaults."""
         if not isinstance(prompts, (str, dict, list, tuple)):
             raise ValueError(f"prompts: a prompt or a list of prompts, got {repr(prompts)[:80]}")
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = sampling_params or SamplingParams()
-        encoded = [self._encode(prompt) for prompt in prompts]  # every prompt checked before any work
+        per_prompt = _per_prompt_params(sampling_params, len(prompts))
+        encoded = [self._encode(prompt) for prompt in prompts]
+        for (_, ids), params in zip(encoded, per_prompt):  # every request checked before any work
+            self.decoder.check_request(ids, params)
         results = []
-        for text, ids in encoded:
+        for (text, ids), params in zip(encoded, per_prompt):
             outs, runs = [], []
             for i in range(params.n):
                 p = params if params.n == 1 or params.seed is None else _with_seed(params, params.seed + i)
@@ -133,9 +136,18 @@ class LLM:
                                          runs[0].num_cached_tokens, runs[0].prompt_logprobs))
         return results
 
-    def chat(self, messages, sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+    def chat(self, messages, sampling_params=None) -> list[RequestOutput]:
         """messages: one conversation (list of {"role", "content"}) or a list of conversations."""
-        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        def conversation(c) -> bool:
+            return isinstance(c, (list, tuple)) and bool(c) and all(isinstance(m, dict) for m in c)
+
+        if conversation(messages):
+            convs = [messages]
+        elif isinstance(messages, (list, tuple)) and messages and all(map(conversation, messages)):
+            convs = messages
+        else:
+            raise ValueError("messages: a conversation (a list of {'role': ..., 'content': ...} dicts) or a list "
+                             f"of conversations; got {repr(messages)[:80]}")
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in convs]
         return self.generate(prompts, sampling_params)
 
@@ -159,6 +171,17 @@ class LLM:
                 "speculative_config": None if self.speculative_config is None else self.speculative_config.method,
                 # which kept rows a next request may reuse: "all", "prompt" (prompt-pass rows) or None (never)
                 "prefix_caching": None if self.decoder.prefix is None else self.decoder.prefix.level}
+
+
+def _per_prompt_params(sampling_params, num_prompts: int) -> list[SamplingParams]:
+    """generate()'s sampling_params as one SamplingParams a prompt."""
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        return [sampling_params or SamplingParams()] * num_prompts
+    if (isinstance(sampling_params, (list, tuple)) and len(sampling_params) == num_prompts
+            and all(isinstance(p, SamplingParams) for p in sampling_params)):
+        return list(sampling_params)
+    raise ValueError(f"sampling_params: a SamplingParams or a list of {num_prompts} (one a prompt); "
+                     f"got {repr(sampling_params)[:80]}")
 
 
 def _rounds_inputs(model) -> bool:

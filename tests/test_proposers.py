@@ -425,3 +425,24 @@ def test_generate_takes_vllm_prompt_forms_and_refuses_others(tiny_dir):
         with pytest.raises(ValueError, match="a prompt"):
             model.generate(bad, p)
     assert calls == []
+
+
+def test_generate_takes_params_per_prompt_and_checks_every_request_first(tiny_dir):
+    """sampling_params may be a list, one a prompt (as vLLM's); a wrong count or type is a ValueError, and
+    a bad prompt anywhere in the list (empty, too long) is refused before the first is decoded. chat takes
+    one conversation or a list of them, and says so for anything else (a bare message was a KeyError)."""
+    model = llm(tiny_dir("llama"))
+    outs = model.generate(["hello there", "one two"], [greedy(3), greedy(5)])
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 5]
+    calls = []
+    model.decoder.generate = lambda *a, **k: calls.append(a)
+    for prompts, params, match in ((["a", "b"], [greedy(3)], "sampling_params"),
+                                   (["a"], [{"max_tokens": 3}], "sampling_params"),
+                                   (["fine", []], greedy(3), "a prompt|empty"),
+                                   (["fine", [5] * 10_000], greedy(3), "context")):
+        with pytest.raises(ValueError, match=match):
+            model.generate(prompts, params)
+    for bad in ({"role": "user", "content": "hi"}, [], "hi", [[{"role": "user", "content": "hi"}], "x"]):
+        with pytest.raises(ValueError, match="messages"):
+            model.chat(bad, greedy(3))
+    assert calls == []

@@ -131,6 +131,14 @@ class SpeculativeDecoder:
         # off by default here (the bench times cold prompts), on in LLM
         self.prefix = KeptPrefix(target) if prefix_caching else None
 
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """A RequestError for a prompt or token ids this decoder cannot take, before any work."""
+        self._check_prompt(prompt_ids)
+        try:
+            check_token_ids(params, self.target.config.vocab_size, self.tokenizer.eos_token_ids)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+
     def _check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
             raise RequestError("the prompt is empty")
@@ -186,11 +194,7 @@ class SpeculativeDecoder:
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], params: SamplingParams,
                  on_delta: Callable[[str, list[int]], None] | None = None) -> GenerationResult:
-        self._check_prompt(prompt_ids)
-        try:
-            check_token_ids(params, self.target.config.vocab_size, self.tokenizer.eos_token_ids)
-        except ValueError as e:
-            raise RequestError(str(e)) from None
+        self.check_request(prompt_ids, params)
         gen = None if params.greedy else make_generator(params.seed)
         state = RequestState(list(prompt_ids), params, gen)
         out = _Output(params, self.tokenizer.eos_token_ids, IncrementalDetokenizer(
