@@ -83,6 +83,37 @@ def test_unsupported_architecture(tmp_path):
         ModelConfig.from_hf({"architectures": ["GPT2LMHeadModel"]})
 
 
+def test_a_config_with_missing_or_odd_values_is_one_clear_error(tmp_path, tiny_dir):
+    """config.json keys missing, of the wrong type or out of range: a ConfigError naming the file (they were
+    KeyError, TypeError, ZeroDivisionError tracebacks); a GGUF without its metadata likewise."""
+    import gguf
+
+    from specdec.model.loader import read_config
+
+    d = tmp_path / "m"
+    shutil.copytree(tiny_dir("llama"), d)
+    good = json.loads((d / "config.json").read_text())
+    odd = "invalid value|positive integers"
+    for change, match in (({"num_attention_heads": None}, "missing key"), ({"num_attention_heads": "8"}, odd),
+                          ({"num_attention_heads": 0}, odd), ({"num_hidden_layers": -1}, "positive integers"),
+                          ({"num_key_value_heads": 3}, "multiple of")):
+        cfg = {k: v for k, v in {**good, **change}.items() if v is not None}
+        (d / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(ConfigError, match=match) as e:
+            read_config(d)
+        assert "config.json" in str(e.value)
+    (d / "config.json").write_text("[]")
+    with pytest.raises(ConfigError, match="not a JSON object"):
+        read_config(d)
+    w = gguf.GGUFWriter(str(tmp_path / "bare.gguf"), "llama")  # an architecture, no sizes, no tokens
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ConfigError, match="bare.gguf"):
+        resolve_model(str(tmp_path / "bare.gguf"), progress=False)
+
+
 def test_pickle_weights_are_refused(tmp_path, tiny_dir):
     d = tmp_path / "m"
     shutil.copytree(tiny_dir("llama"), d)

@@ -15,8 +15,8 @@ import warnings
 
 from specdec.config import ConfigError
 
-USER_ERRORS = (ConfigError, ValueError, FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError,
-               NotADirectoryError)
+# what a user can fix: one line, exit 2 (OSError: a missing, unwritable or full path, a name too long)
+USER_ERRORS = (ConfigError, ValueError, OSError)
 
 
 def build_parser() -> argparse.ArgumentParser:

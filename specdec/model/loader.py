@@ -65,8 +65,12 @@ def resolve_model(model: str, progress: bool = True) -> ModelSource:
         raise ConfigError("no model given")
     if model in ALIASES:
         return ModelSource(_from_gguf(alias_file(model), progress), model, "alias")
-    path = Path(model).expanduser()
-    if path.is_file():
+    try:
+        path = Path(model).expanduser()
+        is_file = path.is_file()
+    except (RuntimeError, OSError) as e:  # ~nosuchuser/..., a name past the file system's length
+        raise ConfigError(f"{model[:80]!r}: not a usable model path ({e})") from None
+    if is_file:
         if path.suffix.lower() != ".gguf":
             raise ConfigError(f"{model}: not a GGUF file or a model directory")
         return ModelSource(_from_gguf(path, progress), model, "gguf")

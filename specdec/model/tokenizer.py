@@ -20,6 +20,17 @@ def valid_unicode(text: str) -> bool:
     return True
 
 
+
+def _json_object(path: Path) -> dict:
+    """A JSON file that must hold an object, or a ConfigError naming it."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read {path}: {e}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: not a JSON object")
+    return value
+
 class Tokenizer:
     def __init__(self, directory: Path):
         path = directory / "tokenizer.json"
@@ -30,8 +41,8 @@ class Tokenizer:
         except Exception as e:  # tokenizers raises its own Exception type on bad files
             raise ConfigError(f"cannot read {path}: {e}") from None
         cfg_path = directory / "tokenizer_config.json"
-        self.config = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
-        model_cfg = json.loads((directory / "config.json").read_text())
+        self.config = _json_object(cfg_path) if cfg_path.exists() else {}
+        model_cfg = _json_object(directory / "config.json")
         self.chat_template: str | None = self.config.get("chat_template")
         self.bos_token = _token_str(self.config.get("bos_token"))
         self.eos_token = _token_str(self.config.get("eos_token"))

@@ -181,6 +181,8 @@ def load_quantized(directory: Path, dtype: torch.dtype = torch.float32, max_len:
     raw, cfg = _raw_config(directory), read_config(directory)
     require_llama_layout(cfg)
     qc = raw["quantization_config"]
+    if not isinstance(qc, dict):
+        raise ConfigError(f"{directory}/config.json: quantization_config is not an object")
     if qc.get("quant_method") != QUANT_METHOD or int(qc.get("format_version", 0)) > FORMAT_VERSION:
         raise ConfigError(f"{directory}: quantization {qc.get('quant_method')!r} (version "
                           f"{qc.get('format_version')}) is not one specdec reads; make it with `specdec quantize`")
