@@ -150,7 +150,10 @@ class ResponseBuilder:
     def _usage(finals: list[SeqOutput], prompt_lens: dict[int, int]) -> dict:
         prompt = sum(prompt_lens.values())
         completion = sum(o.num_output_tokens for o in finals)
-        cached = sum({o.request_id: o.num_cached_tokens for o in finals}.values())
+        per_prompt: dict[str, int] = {}  # a prompt counts once: its cached tokens are those all its n choices found
+        for o in finals:
+            per_prompt[o.request_id] = min(per_prompt.get(o.request_id, o.num_cached_tokens), o.num_cached_tokens)
+        cached = sum(per_prompt.values())
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
