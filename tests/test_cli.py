@@ -168,3 +168,14 @@ def test_the_cli_stream_holds_back_what_a_stop_string_could_begin(capsys):
         plain(piece, [0])
     plain.finish("abc")
     assert capsys.readouterr().out == "abc"
+
+
+def test_parsing_the_command_line_does_not_import_torch():
+    """Every subcommand's module is imported to build the parser; none may import torch at the top, or a
+    usage error (or --help) waits ~2-3 s for it (it did: quantize, train, eval-draft, make-draft)."""
+    import subprocess
+    import sys
+
+    code = "import sys; from specdec.cli import build_parser; build_parser(); print('torch' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr

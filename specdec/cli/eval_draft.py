@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
 from specdec.cli._common import at_least
 from specdec.config import ConfigError, check_method_name
 
@@ -65,6 +63,8 @@ def mtbench_prompts(n: int) -> list[str]:
 
 
 def run(args) -> int:
+    import torch
+
     if args.threads:
         torch.set_num_threads(args.threads)
     from specdec.llm import load_target

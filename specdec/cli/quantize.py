@@ -14,8 +14,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from specdec.cli._common import at_least
 from specdec.config import ConfigError
 
@@ -44,6 +42,8 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    import torch
+
     from specdec.model.loader import load_model, read_config, resolve_model
     from specdec.model.output_dir import check_new_dir
     from specdec.model.tokenizer import Tokenizer

@@ -15,8 +15,6 @@ import platform
 import time
 from pathlib import Path
 
-import torch
-
 from specdec.cli._common import at_least
 
 KINDS = ("medusa", "eagle", "eagle3")
@@ -102,13 +100,17 @@ def _train_args(p) -> None:
                         "an EAGLE-3 head with fewer draft tokens than --draft-vocab-size grows its vocabulary")
 
 
-def _hardware(device: torch.device) -> dict:
+def _hardware(device) -> dict:
+    import torch
+
     gpu = {"gpu": torch.cuda.get_device_name(device)} if device.type == "cuda" else {}
     return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
             "threads": torch.get_num_threads(), "torch": torch.__version__, **gpu}
 
 
 def run_data(args) -> int:
+    import torch
+
     torch.set_num_threads(args.threads)
     from specdec.model.loader import resolve_device
     from specdec.train.data import DataSpec, build_dataset, build_teacher_forced
@@ -137,6 +139,8 @@ def run_data(args) -> int:
 
 
 def run_head(args) -> int:
+    import torch
+
     torch.set_num_threads(args.threads)
     from specdec.llm import load_target
     from specdec.train.evaluate import chain_acceptance, medusa_rank_accuracy
@@ -175,6 +179,8 @@ def run_head(args) -> int:
 
 
 def run_distill(args) -> int:
+    import torch
+
     torch.set_num_threads(args.threads)
     from specdec.llm import load_target
     from specdec.model.loader import load_model, save_model_dir

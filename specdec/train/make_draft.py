@@ -19,8 +19,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
 from specdec.config import ConfigError
 
 STRATEGIES = ("first-last", "even")
@@ -42,6 +40,8 @@ def draft_layers(num_layers: int, n: int, strategy: str = "first-last") -> list[
 def make_draft(target: str, num_layers: int, out: Path, strategy: str = "first-last",
                progress: bool = True) -> tuple[Path, list[int]]:
     """Save a layer-truncated copy of `target` (alias, directory or GGUF) to `out`; weights in float32."""
+    import torch  # (here: the CLI imports this module for STRATEGIES, and must not pay for torch then)
+
     from specdec.model.loader import load_model, resolve_model, save_model_dir
     from specdec.model.output_dir import check_new_dir, new_dir
 
