@@ -295,8 +295,17 @@ def test_later_turns_add_train_prompts_and_keep_the_heldout(tiny_dir, tmp_path):
     assert held == held0 and train[:20] == train0 and len(train) > 30
     later = [p for p in candidate_prompts(tok, spec) if not isinstance(p, str)]
     assert later and all(len(p) >= 3 and p[-1]["role"] == "user" and p[1]["role"] == "assistant" for p in later)
-    formatted = {tuple(tok.encode(tok.apply_chat_template(p, add_generation_prompt=True))) for p in later}
-    assert {tuple(ids) for ids in train[20:]} == formatted and max(map(len, formatted)) <= 256
+
+    def ids(p):
+        return tuple(tok.encode(tok.apply_chat_template(p, add_generation_prompt=True)))
+
+    # a held-out conversation's later turns carry its first turn: none of them is trained on
+    held_texts = {p for p in candidate_prompts(tok, firsts) if list(ids([{"role": "user", "content": p}])) in held}
+    assert len(held_texts) == 5
+    leaking = [p for p in later if p[0]["content"] in held_texts]
+    kept = {ids(p) for p in later if p[0]["content"] not in held_texts}
+    assert leaking and {tuple(t) for t in train[20:]} == kept and max(map(len, kept)) <= 256
+    assert not {ids(p) for p in leaking} & {tuple(t) for t in train}
     path = tmp_path / "prompts.json.gz"
     write_prompts(path, candidate_prompts(tok, spec))
     from_file = DataSpec(num_prompts=20, num_heldout=5, scan=300, seed=3, later_turn_tokens=256, prompts_file=str(path))
@@ -409,3 +418,39 @@ def test_build_dataset_with_our_generator_equals_transformers(dataset, tmp_path)
     assert json.loads((ours / "meta.json").read_text())["spec"]["generator"] == "specdec"
     with pytest.raises(ConfigError, match="generator"):
         DataSpec(generator="vllm")
+
+
+def test_teacher_forced_data_keeps_its_last_shard_and_ends_turns_as_the_template(tiny_dir, tmp_path):
+    """5 sequences in shards of 4: the fifth, in a last partial shard, is written (it was computed, counted
+    and dropped); each answer ends with the chat template's end of turn, not a hard-coded ChatML one."""
+    from specdec.model.tokenizer import Tokenizer
+    from specdec.train.teacher_forced import build_teacher_forced, end_of_turn_ids
+
+    d = tiny_dir("llama")
+    build_teacher_forced(str(d), tmp_path, 5, max_tokens=512, skip=0, shard_size=4, progress=False, online=True)
+    assert [len(read_split(tmp_path / "train", None)), len(list((tmp_path / "train").glob("shard-*")))] == [5, 2]
+    eot = end_of_turn_ids(Tokenizer(d))
+    assert eot and all(s.tokens[-len(eot):] == eot for s in read_split(tmp_path / "train") if len(s.tokens) < 512)
+
+
+def test_training_without_train_sequences_and_a_rerun_with_other_settings_are_refused(dataset, tmp_path):
+    """No train shards: a ConfigError (the batches cycled over empty epochs forever). A data rerun into the
+    same directory with another seed or split: refused before any work, since resuming would keep the old
+    shards and mix two selections; how far it goes (max_batches, max_seconds) may change."""
+    from specdec.config import ConfigError
+    from specdec.model.loader import load_model
+    from specdec.train.data import check_resumable
+    from specdec.train.trainer import TrainSpec, Trainer
+
+    d, data = dataset
+    (tmp_path / "empty" / "train").mkdir(parents=True)
+    (tmp_path / "empty" / "heldout").mkdir()
+    (tmp_path / "empty" / "meta.json").write_text((data / "meta.json").read_text())
+    with pytest.raises(ConfigError, match="no training sequences"):
+        Trainer(TrainSpec(kind="eagle3", data=(str(tmp_path / "empty"),), out=str(tmp_path / "e3")),
+                load_model(d, torch.float32, 512), progress=False)
+    spec = DataSpec(num_prompts=6, num_heldout=3, max_new_tokens=10, batch_size=3, scan=300)
+    check_resumable(data, DataSpec(**{**spec.__dict__, "max_batches": 1, "max_seconds": 5.0}))
+    for change in ({"seed": 1}, {"num_heldout": 2}):
+        with pytest.raises(ConfigError, match=next(iter(change))):
+            check_resumable(data, DataSpec(**{**spec.__dict__, **change}))

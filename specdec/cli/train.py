@@ -113,7 +113,8 @@ def run_data(args) -> int:
 
     torch.set_num_threads(args.threads)
     from specdec.model.loader import resolve_device
-    from specdec.train.data import DataSpec, build_dataset, build_teacher_forced
+    from specdec.train.data import DataSpec, build_dataset
+    from specdec.train.teacher_forced import build_teacher_forced
 
     spec = DataSpec(args.num_prompts, args.num_heldout, args.max_prompt_tokens, args.max_new_tokens,
                     args.batch_size, args.seed, scan=args.scan, max_batches=args.max_batches, online=args.online,

@@ -162,17 +162,21 @@ def _is_conversation(prompt) -> bool:
 def select_prompts(tokenizer, spec: DataSpec) -> tuple[list[list[int]], list[list[int]]]:
     """Chat-formatted prompt ids (train, held-out): short enough, deduplicated, shuffled by seed. The
     held-out split and the first-turn train prompts are drawn from first turns alone; every later turn
-    that fits (spec.later_turn_tokens) is a train prompt too, after them."""
+    that fits (spec.later_turn_tokens) is a train prompt too, after them, but for the later turns of a
+    held-out conversation (they carry its first turn: before session 43 they put held-out prompts into
+    the training input)."""
     candidates = _candidates(tokenizer, spec)
-    picked = [ids for prompt, ids in candidates if isinstance(prompt, str)]
-    later = [ids for prompt, ids in candidates if not isinstance(prompt, str)]
+    picked = [(prompt, ids) for prompt, ids in candidates if isinstance(prompt, str)]
+    later = [(prompt, ids) for prompt, ids in candidates if not isinstance(prompt, str)]
     random.Random(spec.seed).shuffle(picked)
     random.Random(spec.seed).shuffle(later)
     need = spec.num_prompts + spec.num_heldout
     if len(picked) < need:
         where = spec.prompts_file or f"the first {spec.scan} conversations"
         raise ValueError(f"only {len(picked)} usable prompts in {where}; need {need}")
-    return picked[spec.num_heldout:need] + later, picked[:spec.num_heldout]
+    held = {prompt for prompt, _ in picked[:spec.num_heldout]}
+    later = [ids for conversation, ids in later if conversation[0]["content"] not in held]
+    return [ids for _, ids in picked[spec.num_heldout:need]] + later, [ids for _, ids in picked[:spec.num_heldout]]
 
 
 def hf_layer_index(our_layer: int) -> int:
@@ -252,6 +256,24 @@ def default_aux_layers(num_layers: int) -> tuple[int, ...]:
     return (1, num_layers // 2 - 1, num_layers - 4)
 
 
+# what a rerun into the same directory may change: how far it goes, not which prompts go where
+RESUMABLE_SPEC_KEYS = ("max_batches", "max_seconds")
+
+
+def check_resumable(out: Path, spec: DataSpec) -> None:
+    """A ConfigError when `out` holds data made with other selection settings: resuming skips the shards
+    that exist, so a new seed or split would mix two selections (the old held-out prompts could land in
+    the new train shards)."""
+    try:
+        before = json.loads((out / "meta.json").read_text()).get("spec", {})
+    except (OSError, ValueError):
+        return
+    changed = [k for k, v in spec.__dict__.items() if k not in RESUMABLE_SPEC_KEYS and k in before and before[k] != v]
+    if changed:
+        raise ConfigError(f"{out} holds data made with other settings ({', '.join(changed)}); rerun with the same "
+                          "ones to resume, or give a new --out")
+
+
 def build_dataset(model: str, out: Path, spec: DataSpec, progress: bool = True, device: str = "cpu") -> dict:
     """Regenerate responses and write shards under out/train and out/heldout; returns the meta."""
     try:
@@ -264,6 +286,7 @@ def build_dataset(model: str, out: Path, spec: DataSpec, progress: bool = True, 
     from specdec.model.loader import read_config, resolve_model
     from specdec.model.tokenizer import Tokenizer
 
+    check_resumable(out, spec)
     src = resolve_model(model).directory
     cfg = read_config(src)
     tok = Tokenizer(src)
@@ -343,45 +366,3 @@ class ShardWriter:
             self._wait()
         finally:
             self.pool.shutdown()
-
-
-def build_teacher_forced(model: str, out: Path, num: int, max_tokens: int = 384, skip: int = 10000,
-                         shard_size: int = 32, progress: bool = True, online: bool = False) -> dict:
-    """Cheaper data when generation is too slow for the budget: ShareGPT's own first answers (from
-    conversation `skip` on, disjoint from the regenerated prompts), chat template applied, one target
-    pass each (our engine) for the features, or none when `online` (the trainer runs it); the loss
-    still follows the target's distributions."""
-    from tqdm import tqdm
-
-    from specdec.model.loader import load_model, read_config, resolve_model
-    from specdec.model.tokenizer import Tokenizer
-    from specdec.train.features import compute_features
-
-    src = resolve_model(model).directory
-    cfg, tok = read_config(src), Tokenizer(src)
-    aux = default_aux_layers(cfg.num_hidden_layers)
-    target = load_model(src, torch.float32, max_tokens + 1)
-    pairs = [(h, a) for h, a in load_sharegpt_pairs(skip + 4 * num)[skip:] if a]
-    (out / "train").mkdir(parents=True, exist_ok=True)
-    t0, n_tok, seqs, shard = time.perf_counter(), 0, [], 0
-    for h, a in tqdm(pairs, desc="teacher-forced features", disable=not progress):
-        if shard * shard_size + len(seqs) >= num:
-            break
-        prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": h}], add_generation_prompt=True))
-        ids = prompt + tok.encode(a + "<|im_end|>", add_special_tokens=False)
-        if len(prompt) > max_tokens // 2:
-            continue
-        path = out / "train" / f"shard-{shard:05d}.safetensors"
-        if not path.exists():
-            seqs.append(Shard.Sequence(ids[:max_tokens], len(prompt), None) if online
-                        else compute_features(target, ids[:max_tokens], len(prompt), aux))
-            n_tok += min(len(ids), max_tokens)
-        else:
-            seqs.append(None)
-        if len(seqs) == shard_size:
-            if not path.exists():
-                write_shard(path, seqs)
-            seqs, shard = [], shard + 1
-    stats = {"teacher_forced_tokens_this_run": n_tok, "seconds_this_run": round(time.perf_counter() - t0, 1)}
-    (out / f"teacher-forced-{int(time.time())}.json").write_text(json.dumps(stats, indent=2))
-    return stats

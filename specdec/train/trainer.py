@@ -102,6 +102,8 @@ class Trainer:
         meta = json.loads((Path(spec.data[0]) / "meta.json").read_text())
         self.aux_layers = tuple(meta["aux_layers"]) if spec.kind == "eagle3" else ()
         self.train = [s for d in spec.data for s in read_split(Path(d) / "train")][:spec.max_train_seqs]
+        if not self.train:  # (the batches would cycle over empty epochs forever)
+            raise ConfigError(f"no training sequences in {', '.join(map(str, spec.data))} (train/ shards)")
         held = [s for d in spec.data for s in read_split(Path(d) / "heldout")]
         self.heldout = with_features(target, held, self.aux_layers)  # online shards: computed once here
         tc = target.config
