@@ -247,6 +247,23 @@ def test_requests_waiting_to_compile_are_bounded(plain):
     assert not errors and gc._waiting == 0 and gc.compile({"type": "regex", "regex": "(yes|no){1}"}) is not None
 
 
+def test_building_a_proposer_waits_for_the_step_in_progress(plain):
+    """The server builds a request's proposer on an executor thread, and building one may run the target
+    (layerskip's layer search): it waits while a step runs the target (Engine.passes), since two passes at
+    once shared the kernels' layer descriptions and could write into each other's caches."""
+    import threading
+    import time
+    eng = Engine(plain, EngineConfig())
+    built = threading.Event()
+    with eng.passes:  # a step in progress on this thread
+        t = threading.Thread(target=lambda: (eng.resolve_spec({"method": "ngram"}), built.set()))
+        t.start()
+        time.sleep(0.3)
+        assert not built.is_set()
+    t.join(30)
+    assert built.is_set()
+
+
 def test_too_long_prompt_is_refused(plain):
     eng = Engine(plain, EngineConfig())
     with pytest.raises(ValueError):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from dataclasses import dataclass, field, replace
 
@@ -132,6 +133,11 @@ class Engine:
         # (on an AMX CPU without the tiles, oneDNN's bf16 GEMM would make them; exact beats fast)
         exact_prompt_passes(self.model)
         self.max_model_len = self.model.max_len
+        # held while the target runs: a step, or building a proposer that runs it (layerskip's layer search,
+        # a drafter's timing) from the server's executor thread. Two passes at once shared the kernels'
+        # per-layer descriptions (their cache pointers) and thread pool: one could write into the other's
+        # cache. Reentrant: the engine thread builds proposers as it adds requests
+        self.passes = threading.RLock()
         self.spec = Speculation(llm, llm.speculative_config)
         self.default_spec = _choice(llm.proposer) if llm.proposer is not None else SpecChoice()
         num_blocks = self._num_blocks(config)
@@ -168,7 +174,8 @@ class Engine:
             return self.default_spec
         if speculative.get("method") is None:
             return SpecChoice()
-        return _choice(self.spec.proposer(speculative["method"]), speculative.get("num_speculative_tokens"))
+        with self.passes:
+            return _choice(self.spec.proposer(speculative["method"]), speculative.get("num_speculative_tokens"))
 
     def add_request(self, req: EngineRequest) -> None:
         p = req.params
@@ -212,6 +219,10 @@ class Engine:
 
     # --- the step -------------------------------------------------------------------------------
     def step(self) -> list[SeqOutput]:
+        with self.passes:
+            return self._step()
+
+    def _step(self) -> list[SeqOutput]:
         t_step = time.perf_counter()
         self.spec.propose_seconds = 0.0
         batch = self.scheduler.schedule()

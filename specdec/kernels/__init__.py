@@ -155,7 +155,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if not isinstance(weight, torch.Tensor):  # a packed weight (specdec.quant: QuantizedWeight, Fp8Weight) runs itself
         return weight.linear(x, bias)
     rows = x.numel() // x.shape[-1]
+    # what the kernel reads as given (a contiguous [N, K] fp32 CPU matrix, a length-N fp32 bias); anything
+    # else is torch's, which raises where the shapes do not fit instead of reading past them
     if (x.dtype is not torch.float32 or weight.dtype is not torch.float32 or x.device.type != "cpu"
+            or weight.device.type != "cpu" or weight.dim() != 2 or not weight.is_contiguous()
+            or x.shape[-1] != weight.shape[1]
+            or (bias is not None and (bias.dtype is not torch.float32 or bias.device.type != "cpu"
+                                      or not bias.is_contiguous() or bias.shape != weight.shape[:1]))
             or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return F.linear(x, weight, bias)
     lib = _load()
@@ -266,7 +272,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[..., 2I] (gate then up) -> silu(gate) * up, [..., I]."""
-    if not _row_local_f32(gate_up):
+    if not _row_local_f32(gate_up) or gate_up.shape[-1] % 2:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
     gate_up = gate_up.contiguous()

@@ -66,6 +66,8 @@ def head_layer(desc: _LayerWeights, x: torch.Tensor, attn_in: torch.Tensor, cach
             or not (_cpu_f32(cos) and _cpu_f32(sin)) or int(positions.max()) >= cos.shape[0]
             or (tree is not None and len(caches) != 1)):
         return None
+    if len(sizes) != len(caches) or sum(sizes) != N:
+        raise ValueError(f"head_layer: {len(caches)} caches and sizes {list(sizes)} for {N} rows")
     seqs = _seq_caches(caches, sizes)
     if seqs is None:
         return None
