@@ -40,9 +40,9 @@ TPOT on/off 0.95x with probes every 32-64 batches).
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 import threading
 import time
+from dataclasses import replace
 
 import torch
 

@@ -198,11 +198,11 @@ def build_app(st: ServerState) -> FastAPI:
             raise APIError(400, f"the model {body.model!r} does not exist; this server serves {st.model_name!r}",
                            "model", "model_not_found")
         body.check_unsupported()
+        if len(prompts) * body.n > st.max_queued_requests:  # would never fit: a 429 would have it retry forever
+            raise APIError(400, f"the request asks for {len(prompts) * body.n} sequences (prompts x n); this server "
+                           f"queues at most {st.max_queued_requests}", "n")
         reqs = await _engine_requests(body, prompts, chat)
         queued, new = st.queued(), sum(r.params.n for r in reqs)
-        if new > st.max_queued_requests:  # would never fit: a 429 would have the client retry forever
-            raise APIError(400, f"the request asks for {new} sequences (prompts x n); this server queues at most "
-                           f"{st.max_queued_requests}", "n")
         if queued + new > st.max_queued_requests:
             st.metrics.rejected.labels(model_name=st.model_name, reason="queue_full").inc()
             raise APIError(429, f"the server is busy ({queued} sequences queued); retry later",
