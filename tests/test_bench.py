@@ -292,9 +292,10 @@ def test_serve_bench_reports_the_tpot_ratio_of_each_repeat():
         return {"setting": setting, "concurrency": c, "rate": "inf", "repeat": repeat, "tpot_ms": {"p50": tpot}}
     rows = [row("off", 16, 0, 30.0), row("on", 16, 0, 32.0), row("off", 16, 1, 33.0), row("on", 16, 1, 30.0),
             row("off", 16, 2, 31.0), row("on", 16, 2, 31.0), row("off", 1, 0, 12.0), row("on", 1, 0, 8.0),
-            row("off", 4, 0, 10.0)]  # c = 4 has no 'on' run: no ratio
+            row("off", 4, 0, 10.0),  # c = 4 has no 'on' run: no ratio
+            {**row("off", 8, 0, 20.0), "failed": 0}, {**row("on", 8, 0, 10.0), "failed": 2}]  # c = 8: failures
     got = {r["concurrency"]: r for r in tpot_ratios(rows)}
-    assert set(got) == {1, 16} and got[1]["ratios"] == [1.5]
+    assert set(got) == {1, 16} and got[1]["ratios"] == [1.5]  # (a side's failed requests: no ratio)
     assert got[16]["ratios"] == [0.938, 1.1, 1.0] and got[16]["median"] == 1.0
     assert (got[16]["min"], got[16]["max"]) == (0.938, 1.1)
 

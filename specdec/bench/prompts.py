@@ -65,6 +65,12 @@ def _stable_hash(s: str) -> int:
     return int.from_bytes(hashlib.sha1(s.encode()).digest()[:8], "big")
 
 
+def reserved_for_serving(conversation_id: str) -> bool:
+    """The 1/16 of ShareGPT conversations (by a hash of the id) that `specdec bench serve` draws its
+    workload from and training leaves out (specdec/train/data.py), with the bench's pools below."""
+    return _stable_hash(f"serve:{conversation_id}") % 16 == 0
+
+
 def _is_english_prose(text: str, min_words: int, max_words: int) -> bool:
     if "```" in text or "|" in text or not text.isascii():
         return False

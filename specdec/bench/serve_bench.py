@@ -64,6 +64,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=at_least(1), default=1,
                    help="runs of each concurrency, each on prompts of its own (a repeat on the same prompts would "
                         "find them in the prefix cache); the on/off TPOT ratio is reported per run, median and range")
+    p.add_argument("--workload", choices=("sharegpt", "mtbench"), default="sharegpt",
+                   help="sharegpt: ShareGPT first turns with their answers' lengths; mtbench: MT-bench first turns "
+                        "(in no training set: the shipped EAGLE-3 head was trained on ShareGPT's), --max-output-tokens "
+                        "each, in a seeded order, reused from the start once the 80 run out")
     p.add_argument("--max-prompt-tokens", type=at_least(1), default=256)
     p.add_argument("--max-output-tokens", type=at_least(1), default=64)
     p.add_argument("--max-num-seqs", type=at_least(1), default=16)
@@ -82,9 +86,23 @@ def sharegpt_head(limit: int = 4000) -> list[dict]:
         return list(islice(iter_json_array(path), limit))
 
 
+def mtbench_workload(n: int, max_output: int, seed: int) -> list[tuple[str, int]]:
+    """(prompt, output tokens): MT-bench first turns in a seeded order, cycled to n (each its own run's
+    until the 80 run out)."""
+    from specdec.bench.prompts import mtbench_questions
+
+    prompts = [q["turns"][0] for q in mtbench_questions()]
+    random.Random(seed).shuffle(prompts)
+    return [(prompts[i % len(prompts)], max_output) for i in range(n)]
+
+
 def sharegpt_workload(tokenizer, n: int, max_prompt: int, max_output: int, seed: int) -> list[tuple[str, int]]:
-    """(prompt, output tokens) from ShareGPT, deterministic for a seed."""
-    data = sharegpt_head()
+    """(prompt, output tokens) from the ShareGPT conversations reserved for serving (no training run sees
+    them; until session 43 the workload was the file's first conversations, on which the shipped EAGLE-3
+    head was trained), deterministic for a seed."""
+    from specdec.bench.prompts import reserved_for_serving
+
+    data = [c for c in sharegpt_head(16000) if reserved_for_serving(str(c.get("id", "")))]
     random.Random(seed).shuffle(data)
     out = []
     for conv in data:
@@ -256,20 +274,22 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def _table(rows: list[dict]) -> str:
-    head = ("| setting | conc. | rate | req | out tok/s | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms | "
-            "ITL p50/p90/p99 ms | e2e p50/p90/p99 ms | accept |\n|" + "---|" * 10)
+    head = ("| setting | conc. | rate | req | failed | out tok/s | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms | "
+            "ITL p50/p90/p99 ms | e2e p50/p90/p99 ms | accept |\n|" + "---|" * 11)
     fmt = lambda d: "/".join("-" if d[f"p{p}"] is None else f"{d[f'p{p}']:.0f}" for p in PCTS)  # noqa: E731
-    lines = [f"| {r['setting']} | {r['concurrency']} | {r['rate']} | {r['requests']} | {r['output_tok_s']:.1f} | "
+    lines = [f"| {r['setting']} | {r['concurrency']} | {r['rate']} | {r['requests']} | {r['failed']} | "
+             f"{r['output_tok_s']:.1f} | "
              f"{fmt(r['ttft_ms'])} | {fmt(r['tpot_ms'])} | {fmt(r['itl_ms'])} | {fmt(r['e2e_ms'])} | "
              f"{'-' if r['acceptance_rate'] is None else r['acceptance_rate']} |" for r in rows]
     return "\n".join([head, *lines])
 
 
 def tpot_ratios(rows: list[dict]) -> list[dict]:
-    """Per concurrency and rate: off / on TPOT p50 of each repeat (both settings ran it), their median and range."""
+    """Per concurrency and rate: off / on TPOT p50 of each repeat that both settings ran with no request failed
+    (percentiles over the survivors of one side only would compare other requests), their median and range."""
     by_run: dict[tuple, dict[str, float]] = {}
     for r in rows:
-        if r["tpot_ms"]["p50"] is not None:
+        if r["tpot_ms"]["p50"] is not None and not r.get("failed"):
             by_run.setdefault((r["concurrency"], r["rate"], r.get("repeat", 0)), {})[r["setting"]] = r["tpot_ms"]["p50"]
     out: dict[tuple, list[float]] = {}
     for (c, rate, _), tpot in by_run.items():  # in the order the runs ran
@@ -322,19 +342,22 @@ def run_serve_bench(args) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below: stop the servers
     tok = Tokenizer(resolve_model(args.model, progress=False).directory)
     repeats = args.repeats
-    n_max = (args.num_prompts or max(8, 2 * max(concs))) * repeats
-    work_all = sharegpt_workload(tok, n_max, args.max_prompt_tokens, args.max_output_tokens, args.seed)
+    n_max = sum(args.num_prompts or max(8, 2 * c) for c in concs) * len(rates) * repeats + 1  # + the warm-up's
+    work_all = (mtbench_workload(n_max, args.max_output_tokens, args.seed) if args.workload == "mtbench"
+                else sharegpt_workload(tok, n_max, args.max_prompt_tokens, args.max_output_tokens, args.seed))
     settings = ["server"] if args.url else [s for s in args.settings.split(",") if s]
     servers: dict[str, tuple] = {}
     rows = []
     try:
         for setting in settings:
             servers[setting] = (None, args.url) if args.url else start_server(args, speculative=setting == "on")
-            asyncio.run(drive(servers[setting][1], work_all[:1], 1, float("inf"), args.seed))  # warm-up
+            # warm-up, on a prompt no run sends
+            asyncio.run(drive(servers[setting][1], work_all[-1:], 1, float("inf"), args.seed))
         urls = {name: url for name, (_, url) in servers.items()}
-        for c, rate, repeat in itertools.product(concs, rates, range(repeats)):
+        offset = 0  # each run its own prompts: a replay would find them in both servers' prefix caches (and
+        for c, rate, repeat in itertools.product(concs, rates, range(repeats)):  # suffix's trie): not cold
             size = args.num_prompts or max(8, 2 * c)
-            work = work_all[repeat * size:(repeat + 1) * size]
+            work, offset = work_all[offset:offset + size], offset + size
             for setting, res in paired_runs(urls, work, c, rate, args.seed).items():
                 row = {"setting": setting, "concurrency": c, "rate": "inf" if rate == float("inf") else rate,
                        "repeat": repeat, **res}
