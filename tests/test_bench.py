@@ -353,8 +353,27 @@ def test_penalized_bench_applies_the_penalty_and_says_so(tiny_dir, tmp_path):
     assert penalized.generate(ids, 16, greedy=True).token_ids == plain  # a prompt's own turn: no penalty
     assert penalized.generate(ids, 16).token_ids == llm.generate_one(
         ids, SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.8)).token_ids != plain
-    _, md = _tiny_bench_refusing_peers(tiny_dir, tmp_path, ("code",), repetition_penalty=1.1)
+    result, md = _tiny_bench_refusing_peers(tiny_dir, tmp_path, ("code",), repetition_penalty=1.1)
     assert "repetition penalty 1.1" in md and "--repetition-penalty 1.1" in md
+    # greedy (penalized) runs: each speculative run's output is checked against plain decoding's
+    assert "greedy output equals plain decoding's (1 runs compared)" in md
+
+
+def test_the_bench_reports_a_speculative_output_that_differs_from_plain():
+    """The report's exactness line: a speculative run whose tokens differ from plain decoding's on the
+    same prompt and repeat is named (a speedup must not be bought with other output); peers are not
+    compared, and sampled runs are not compared token for token."""
+    from specdec.bench.outputs import greedy_mismatches, outputs_line
+
+    def rec(system, prompt, digest, repeat=0):
+        return {"system": system, "prompt": prompt, "repeat": repeat, "category": "chat", "output_digest": digest}
+
+    records = [rec(BASELINE, 0, "a"), rec("specdec:ngram", 0, "a"), rec("specdec:eagle3", 0, "a"),
+               rec(BASELINE, 1, "b"), rec("specdec:ngram", 1, "b"), rec("specdec:eagle3", 1, "x"),
+               rec("llama.cpp", 1, "y")]
+    assert greedy_mismatches(records) == (4, ["specdec:eagle3 on prompt 1 (chat), repeat 0"])
+    assert "1 of 4 runs differ" in outputs_line(records, 0.0) and "not compared" in outputs_line(records, 0.7)
+    assert "equals" in outputs_line(records[:3], 0.0)
 
 
 def test_auto_draft_from_a_bf16_target(tiny_dir, tmp_path, monkeypatch):

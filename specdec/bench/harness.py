@@ -51,6 +51,7 @@ class RunRecord:
     phase: str = "main"  # "main" | "sweep"
     first_tokens: int = 1  # tokens emitted by the time prefill_seconds was taken
     by_match_length: dict = field(default_factory=dict)  # lookup steps: "n" -> [drafts, drafted, accepted]
+    output_digest: str = ""  # of the new token ids: greedy systems must match plain decoding's (bench/outputs.py)
 
 
 # ---------------------------------------------------------------- the run loop
@@ -105,7 +106,11 @@ def _record(g: Generated, repeat: int, prompt, idx: int, system: System, mem: Pe
                      spec.get("num_drafts", 0), spec.get("num_draft_tokens", 0), spec.get("num_accepted_tokens", 0),
                      spec.get("drafted_per_pos", []), spec.get("accepted_per_pos", []),
                      spec.get("draft_seconds", 0.0), mem.peak_mb, mem.extra_mb, phase, g.first_tokens,
-                     spec.get("by_match_length", {}))
+                     spec.get("by_match_length", {}), _digest(g.token_ids))
+
+
+def _digest(token_ids) -> str:
+    return hashlib.sha1(json.dumps([int(t) for t in token_ids]).encode()).hexdigest()[:16]
 
 
 def run_interleaved(systems: list[System], prompts: list, max_tokens: int, repeats: int, phase: str = "main",

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from specdec.bench.outputs import outputs_line
 from specdec.bench.systems import BASELINE
 from specdec.spec.adaptive import MAX_MATCH_KEY
 from specdec.spec.metrics import match_length_table
@@ -200,7 +201,8 @@ def markdown(result: dict, summaries: dict, plots: dict) -> str:
     for dt, run in result["runs"].items():
         s = summaries[dt]
         fd = s["foundation"]
-        L += [f"## {dt}", "", "### Foundation", "",
+        L += [f"## {dt}", "", outputs_line(run["records"], cfg.get("temperature") or 0.0), "",
+              "### Foundation", "",
               "| figure | value |", "|---|---|",
               f"| plain decode, specdec (tokens/s, decode only) | {_f(fd['plain_decode_tokens_per_s'], 1)} |",
               f"| plain decode, transformers generate (same prompts) | {_f(fd['transformers_decode_tokens_per_s'], 1)} |",

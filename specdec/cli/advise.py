@@ -60,7 +60,8 @@ def run(args) -> int:
         print("Recommendation: plain decoding (speculation off).")
     else:
         tree = f", tree size {rec['tree_size']:.0f}" if rec["tree_size"] else ""
-        meas = f", measured {rec['measured_speedup']:.2f}x" if rec["measured_speedup"] else ""
+        one = " one request at a time" if args.batch_size > 1 else ""  # (the measurement runs batch 1)
+        meas = f", measured {rec['measured_speedup']:.2f}x{one}" if rec["measured_speedup"] else ""
         k = f" --num-speculative-tokens {rec['k']}" if rec["k"] else " (adaptive k)"
         method, lookup = split_method(rec["method"])  # "eagle3+ngram": the CLI's method and lookup flags
         flags = f"--speculative-method {method}" + (f" --speculative-lookup {lookup}" if lookup else "")
