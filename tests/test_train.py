@@ -299,13 +299,21 @@ def test_later_turns_add_train_prompts_and_keep_the_heldout(tiny_dir, tmp_path):
     def ids(p):
         return tuple(tok.encode(tok.apply_chat_template(p, add_generation_prompt=True)))
 
-    # a held-out conversation's later turns carry its first turn: none of them is trained on
     held_texts = {p for p in candidate_prompts(tok, firsts) if list(ids([{"role": "user", "content": p}])) in held}
-    assert len(held_texts) == 5
-    leaking = [p for p in later if p[0]["content"] in held_texts]
     kept = {ids(p) for p in later if p[0]["content"] not in held_texts}
-    assert leaking and {tuple(t) for t in train[20:]} == kept and max(map(len, kept)) <= 256
-    assert not {ids(p) for p in leaking} & {tuple(t) for t in train}
+    assert len(held_texts) == 5 and {tuple(t) for t in train[20:]} == kept and max(map(len, kept)) <= 256
+    # a held-out conversation's later turns carry its first turn: none of them is trained on (a prompts
+    # file where every first turn has a later one, so that some are the held-out ones')
+    synthetic = [f"question number {i}" for i in range(30)]
+    synthetic += [[{"role": "user", "content": q}, {"role": "assistant", "content": "an answer"},
+                   {"role": "user", "content": "and then?"}] for q in synthetic]
+    path = tmp_path / "synthetic.json"
+    write_prompts(path, synthetic)
+    spec2 = DataSpec(num_prompts=20, num_heldout=5, seed=3, later_turn_tokens=256, prompts_file=str(path))
+    train2, held2 = select_prompts(tok, spec2)
+    held_firsts = {q for q in synthetic[:30] if list(ids([{"role": "user", "content": q}])) in held2}
+    assert len(held_firsts) == 5 and len(train2) == 20 + 25
+    assert not {ids(c) for c in synthetic[30:] if c[0]["content"] in held_firsts} & {tuple(t) for t in train2}
     path = tmp_path / "prompts.json.gz"
     write_prompts(path, candidate_prompts(tok, spec))
     from_file = DataSpec(num_prompts=20, num_heldout=5, scan=300, seed=3, later_turn_tokens=256, prompts_file=str(path))
