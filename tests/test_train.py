@@ -457,6 +457,17 @@ def test_training_without_train_sequences_and_a_rerun_with_other_settings_are_re
     with pytest.raises(ConfigError, match="no training sequences"):
         Trainer(TrainSpec(kind="eagle3", data=(str(tmp_path / "empty"),), out=str(tmp_path / "e3")),
                 load_model(d, torch.float32, 512), progress=False)
+    # a second directory whose train split holds the first one's held-out sequences (teacher-forced data
+    # draws on the same first turns): they are dropped, the rest kept
+    import shutil
+    other = tmp_path / "other"
+    shutil.copytree(data / "heldout", other / "train")
+    (other / "heldout").mkdir()
+    (other / "meta.json").write_text((data / "meta.json").read_text())
+    target = load_model(d, torch.float32, 512)
+    both = Trainer(TrainSpec(kind="eagle3", data=(str(data), str(other)), out=str(tmp_path / "b")), target,
+                   progress=False)
+    assert len(read_split(other / "train")) > 0 and len(both.train) == len(read_split(data / "train"))
     spec = DataSpec(num_prompts=6, num_heldout=3, max_new_tokens=10, batch_size=3, scan=300)
     check_resumable(data, DataSpec(**{**spec.__dict__, "max_batches": 1, "max_seconds": 5.0}))
     for change in ({"seed": 1}, {"num_heldout": 2}):

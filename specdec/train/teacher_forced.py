@@ -13,17 +13,18 @@ from pathlib import Path
 
 import torch
 
-from specdec.train.data import DataSpec, default_aux_layers, load_sharegpt_pairs
+from specdec.train.data import default_aux_layers, load_sharegpt_pairs
 from specdec.train.features import Shard, write_shard
 
 
-def build_teacher_forced(model: str, out: Path, num: int, max_tokens: int = 384, skip: int = DataSpec.scan,
+def build_teacher_forced(model: str, out: Path, num: int, max_tokens: int = 384, skip: int = 10000,
                          shard_size: int = 32, progress: bool = True, online: bool = False) -> dict:
     """Cheaper data when generation is too slow for the budget: ShareGPT's own first answers (from
-    conversation `skip` on: past the conversations `train data` picks its prompts from, DataSpec.scan, so
-    none of its held-out prompts is trained on; the default was 10000, inside them, before session 43),
-    chat template applied, one target pass each (our engine) for the features, or none when `online` (the
-    trainer runs it); the loss still follows the target's distributions."""
+    conversation `skip` on), chat template applied, one target pass each (our engine) for the features, or
+    none when `online` (the trainer runs it); the loss still follows the target's distributions. The
+    packaged ShareGPT holds ~17,700 conversations, all within `train data`'s default --scan, so these
+    prompts can be another data directory's held-out ones: the trainer drops train sequences whose prompt
+    is a held-out prompt of any directory it is given."""
     from tqdm import tqdm
 
     from specdec.model.loader import load_model, read_config, resolve_model

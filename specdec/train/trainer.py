@@ -101,10 +101,14 @@ class Trainer:
         torch.manual_seed(spec.seed)
         meta = json.loads((Path(spec.data[0]) / "meta.json").read_text())
         self.aux_layers = tuple(meta["aux_layers"]) if spec.kind == "eagle3" else ()
-        self.train = [s for d in spec.data for s in read_split(Path(d) / "train")][:spec.max_train_seqs]
+        held = [s for d in spec.data for s in read_split(Path(d) / "heldout")]
+        # a train sequence on a held-out prompt (another data directory's: teacher-forced data draws on the
+        # same ShareGPT first turns) would measure the head on what it was trained on
+        held_prompts = {tuple(s.tokens[:s.prompt_len]) for s in held}
+        self.train = [s for d in spec.data for s in read_split(Path(d) / "train")
+                      if tuple(s.tokens[:s.prompt_len]) not in held_prompts][:spec.max_train_seqs]
         if not self.train:  # (the batches would cycle over empty epochs forever)
             raise ConfigError(f"no training sequences in {', '.join(map(str, spec.data))} (train/ shards)")
-        held = [s for d in spec.data for s in read_split(Path(d) / "heldout")]
         self.heldout = with_features(target, held, self.aux_layers)  # online shards: computed once here
         tc = target.config
         cfg = HeadConfig.for_target(spec.kind, tc, spec.draft_vocab_size, spec.medusa_heads, self.aux_layers,
