@@ -6,7 +6,9 @@ speculative config are an error (as in vLLM), so a typo never silently turns spe
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 SUPPORTED_ARCHS = {
@@ -20,6 +22,18 @@ SUPPORTED_ARCHS = {
 
 class ConfigError(ValueError):
     """A configuration the user gave cannot be used (one clear line, no traceback in the CLI)."""
+
+
+def read_json_object(path: Path) -> dict:
+    """A JSON file that must hold an object (a config.json, a tokenizer_config.json), or a ConfigError
+    naming it."""
+    try:
+        value = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read {path}: {e}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: not a JSON object")
+    return value
 
 
 def check_minimums(config, minimums: dict[str, float]) -> None:

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from specdec.config import ConfigError, ModelConfig
+from specdec.config import ConfigError, ModelConfig, read_json_object
 from specdec.model.aliases import ALIASES, DEFAULT_MODEL, alias_file  # noqa: F401 (DEFAULT_MODEL: re-exported)
 from specdec.model.llama import LlamaModel
 from specdec.model.memory import move_to_huge_pages
@@ -88,12 +88,7 @@ def resolve_model(model: str, progress: bool = True) -> ModelSource:
 
 
 def read_config(directory: Path) -> ModelConfig:
-    try:
-        raw = json.loads((directory / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"cannot read {directory / 'config.json'}: {e}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{directory / 'config.json'}: not a JSON object")
+    raw = read_json_object(directory / "config.json")
     try:
         return ModelConfig.from_hf(raw)
     except ConfigError as e:

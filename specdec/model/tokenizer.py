@@ -2,12 +2,11 @@
 and an incremental detokenizer that streams clean text (no split UTF-8 characters)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from tokenizers import Tokenizer as FastTokenizer
 
-from specdec.config import ConfigError
+from specdec.config import ConfigError, read_json_object
 from specdec.model.chat_template import render_chat
 
 
@@ -20,17 +19,6 @@ def valid_unicode(text: str) -> bool:
     return True
 
 
-
-def _json_object(path: Path) -> dict:
-    """A JSON file that must hold an object, or a ConfigError naming it."""
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"cannot read {path}: {e}") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"{path}: not a JSON object")
-    return value
-
 class Tokenizer:
     def __init__(self, directory: Path):
         path = directory / "tokenizer.json"
@@ -41,8 +29,8 @@ class Tokenizer:
         except Exception as e:  # tokenizers raises its own Exception type on bad files
             raise ConfigError(f"cannot read {path}: {e}") from None
         cfg_path = directory / "tokenizer_config.json"
-        self.config = _json_object(cfg_path) if cfg_path.exists() else {}
-        model_cfg = _json_object(directory / "config.json")
+        self.config = read_json_object(cfg_path) if cfg_path.exists() else {}
+        model_cfg = read_json_object(directory / "config.json")
         self.chat_template: str | None = self.config.get("chat_template")
         self.bos_token = _token_str(self.config.get("bos_token"))
         self.eos_token = _token_str(self.config.get("eos_token"))

@@ -10,7 +10,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from specdec.config import ConfigError
+from specdec.config import ConfigError, read_json_object
 from specdec.proposers.heads import EagleHead, HeadConfig
 from specdec.proposers.medusa_head import MedusaHead
 
@@ -38,15 +38,11 @@ def load_head(path: Path, dtype: torch.dtype = torch.float32, target_config=None
     """A head directory of ours; with `target_config`, an upstream EAGLE / EAGLE-3 checkpoint too (vLLM's
     or SGLang's layout, no 'specdec' section: train/export.py's import_head)."""
     path = Path(path)
+    raw = read_json_object(path / "config.json")
     try:
-        raw = json.loads((path / "config.json").read_text())
         sd = load_file(str(path / "model.safetensors"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"cannot read draft head {path}: {e}") from None
-    except SafetensorError as e:
+    except (OSError, SafetensorError) as e:
         raise ConfigError(f"cannot read draft head {path}/model.safetensors: {e}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}/config.json: not a JSON object")
     if "specdec" not in raw:
         if target_config is not None:
             from specdec.train.export import import_head

