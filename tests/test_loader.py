@@ -54,6 +54,32 @@ def test_chat_template_is_sandboxed():
     assert render_chat(ok, [{"role": "user", "content": "hi"}]) == "[user]hi"
 
 
+@pytest.mark.parametrize("template, why", [
+    ("{{ messages[0].content + 1 }}", "TypeError"), ("{{ 1 / 0 }}", "ZeroDivisionError"),
+    ("{% for i in range(10**6) %}{% endfor %}", "Range too big"), ("{{ 'x' * 10**10 }}", "repetition"),
+    ("{{ [0] * 10**9 }}", "repetition"), ("{{ 2 ** 100000 }}", "exponent"),
+    ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "RecursionError"),
+    ("{% for i in range(100000) %}{{ 'x' * 100 }}{% endfor %}", "renders more than"),
+    ("{{ raise_exception('roles must alternate') }}", "roles must alternate"),
+])
+def test_a_failing_or_runaway_template_is_one_config_error(template, why):
+    """A template is a program from a model file: each way it fails or runs away is a ConfigError naming it
+    (the CLI's one line, the server's 400), not a traceback, a 500 or an exhausted memory."""
+    with pytest.raises(ConfigError, match=why):
+        render_chat(template, [{"role": "user", "content": "x"}])
+
+
+def test_chat_template_environment_is_transformers_own():
+    """Loop controls, the {% generation %} block and a tojson that keeps key order and non-ASCII text, as
+    transformers renders templates (its tojson is not Jinja's HTML-escaping, key-sorting one)."""
+    messages = [{"role": "user", "content": "h\u00e9 <b>"}, {"role": "assistant", "content": "ok"}]
+    loop = "{% for m in messages %}{{ m.role }}{% if loop.first %}{% break %}{% endif %}{% endfor %}"
+    assert render_chat(loop, messages) == "user"
+    assert render_chat("{% generation %}[{{ messages[1].content }}]{% endgeneration %}", messages) == "[ok]"
+    assert render_chat("{{ messages[0] | tojson }}", messages) == '{"role": "user", "content": "h\u00e9 <b>"}'
+    assert render_chat("{{ {'b': 1, 'a': 2} | tojson }}", messages) == '{"b": 1, "a": 2}'
+
+
 def test_unknown_model_and_hub_id_errors(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     with pytest.raises(ConfigError, match="unknown model"):

@@ -128,6 +128,10 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None,
+                              "tool_calls": [{"id": "1", "type": "function"}]}]}, "messages.1.tool_calls"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
+                              "continue_final_message": True}, "continue_final_message"),
 ]
 
 
@@ -375,6 +379,22 @@ def test_chat_stream_sources_usage_and_spec_metrics(server):
                      json={**body, "stream": False, "speculative": "off"}).json()
     assert off["choices"][0]["message"]["content"] == content
     assert off["metrics"]["speculative_decoding"] is None
+
+
+def test_chat_without_generation_prompt(server):
+    """add_generation_prompt false (vLLM's field) renders the conversation without the assistant header: the
+    prompt is shorter by exactly that header's tokens."""
+    messages = [{"role": "user", "content": "Name a color."}]
+    usage = {}
+    for flag in (True, False):
+        r = httpx.post(server.url + "/v1/chat/completions", headers=headers(), timeout=60,
+                       json={"messages": messages, "max_tokens": 2, "temperature": 0, "add_generation_prompt": flag})
+        assert r.status_code == 200, r.text
+        usage[flag] = r.json()["usage"]["prompt_tokens"]
+    tok = server.engine.tokenizer
+    header = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+    without = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=False), add_special_tokens=False)
+    assert usage[True] == len(header) and usage[False] == len(without) < len(header)
 
 
 def test_n_seed_stop_logprobs_and_exact_usage(server, plain):

@@ -186,12 +186,14 @@ def build_app(st: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        prompts = rb.completion_prompts(body)
+        # tokenizing (and rendering a chat template) a 1 MiB body takes ~1 s: off the event loop, so that
+        # streams, /health and /metrics go on meanwhile
+        prompts = await asyncio.to_thread(rb.completion_prompts, body)
         return await _serve(request, body, prompts, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
-        return await _serve(request, body, [rb.chat_prompt(body)], chat=True)
+        return await _serve(request, body, [await asyncio.to_thread(rb.chat_prompt, body)], chat=True)
 
     async def _serve(request: Request, body, prompts: list[list[int]], chat: bool):
         if body.model is not None and body.model != st.model_name:

@@ -209,6 +209,17 @@ class ChatRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    add_generation_prompt: bool = True  # vLLM's: False leaves the template's assistant header out
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if (self.model_extra or {}).get("continue_final_message"):
+            raise APIError(400, "continue_final_message is not supported", "continue_final_message",
+                           "unsupported_parameter")
+        for i, m in enumerate(self.messages):  # what the template would drop without a word
+            if (m.model_extra or {}).get("tool_calls"):
+                raise APIError(400, "tool calling is not supported", f"messages.{i}.tool_calls",
+                               "unsupported_parameter")
 
 
 def pydantic_error(exc) -> APIError:
