@@ -118,8 +118,11 @@ class LLM:
             raise ValueError(f"prompts: a prompt or a list of prompts, got {repr(prompts)[:80]}")
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        per_prompt = _per_prompt_params(sampling_params, len(prompts))
-        encoded = [self._encode(prompt) for prompt in prompts]
+        return self._generate([self._encode(prompt) for prompt in prompts], sampling_params)
+
+    def _generate(self, encoded: list[tuple[str | None, list[int]]], sampling_params) -> list[RequestOutput]:
+        """encoded: each prompt as (text or None, token ids)."""
+        per_prompt = _per_prompt_params(sampling_params, len(encoded))
         for (_, ids), params in zip(encoded, per_prompt):  # every request checked before any work
             self.decoder.check_request(ids, params)
         results = []
@@ -148,8 +151,10 @@ class LLM:
         else:
             raise ValueError("messages: a conversation (a list of {'role': ..., 'content': ...} dicts) or a list "
                              f"of conversations; got {repr(messages)[:80]}")
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in convs]
-        return self.generate(prompts, sampling_params)
+        texts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in convs]
+        # a template writes its own BOS: no special tokens added (Tokenizer.encode_chat)
+        return self._generate([(t, self.tokenizer.encode(t, add_special_tokens=False)) for t in texts],
+                              sampling_params)
 
     def info(self) -> dict:
         from specdec.kernels import kernel_status

@@ -267,9 +267,10 @@ def test_prompts_for_a_model_without_chat_template(tiny_dir):
     assert tok.chat_template  # the templated rendering first
     messages = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello"},
                 {"role": "user", "content": "Name a colour"}]
-    assert render(tok, messages) == tok.apply_chat_template(messages, add_generation_prompt=True)
+    assert render(tok, messages) == (tok.apply_chat_template(messages), tok.encode_chat(messages))
     tok.chat_template = None
-    assert render(tok, messages) == "Hi there\n\nHello\n\nName a colour\n\n"
+    text = "Hi there\n\nHello\n\nName a colour\n\n"
+    assert render(tok, messages) == (text, tok.encode(text))
     prompts = build_prompts(tok, per_category=1, categories=("qa", "math"))
     assert len(prompts) == 2 and all(p.text.endswith("\n\n") and p.token_ids for p in prompts)
     assert [p.token_ids for p in prompts] == [tok.encode(p.text) for p in prompts]

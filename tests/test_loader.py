@@ -205,3 +205,21 @@ def test_gguf_weight_types_dequantize(tmp_path, qtype):
     assert rel_rms <= GGUF_TYPES[qtype] + 1e-9, rel_rms
     if qtype != "F32":
         assert rel_rms > 0  # really quantized: the test would catch a reader that ignored the type
+
+
+def test_a_template_that_writes_bos_gets_one_bos(tiny_dir):
+    """Gemma's and Llama's templates begin with {{ bos_token }}: a chat prompt is encoded with no special
+    tokens added (as HF's apply_chat_template(tokenize=True)), so a tokenizer that adds BOS to plain text
+    does not add a second one (the CLI's chat and generate --chat, LLM.chat, the bench once did)."""
+    from specdec.llm import LLM
+    from specdec.sampling_params import SamplingParams
+
+    llm = LLM(str(tiny_dir("llama")), dtype="float32", max_model_len=128, progress=False, num_threads=1)
+    tok = llm.tokenizer
+    tok.add_bos, tok.chat_template = True, "{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    messages = [{"role": "user", "content": "Hello there"}]
+    ids = tok.encode_chat(messages)
+    assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1
+    assert tok.encode("Hello there")[0] == tok.bos_token_id  # plain text still gets its BOS
+    [out] = llm.chat(messages, SamplingParams(temperature=0, max_tokens=1))
+    assert out.prompt_token_ids == ids and out.prompt == tok.apply_chat_template(messages)

@@ -268,7 +268,7 @@ def _answer_fn(plain: SpecdecSystem, tokenizer, max_tokens: int):
     from specdec.bench.prompts import render
 
     def answer(messages: list[dict]) -> str:
-        ids = tokenizer.encode(render(tokenizer, messages))
+        _, ids = render(tokenizer, messages)
         g = plain.generate(ids, max_tokens, greedy=True)  # the prompt's own first answer: greedy at any temperature
         return tokenizer.decode(g.token_ids).strip() or "OK."
     return answer

@@ -158,12 +158,15 @@ def _user(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
 
-def render(tokenizer, messages: list[dict], chat: bool = True) -> str:
-    """A conversation as the model's prompt text: its chat template; for a base model without one (the
-    gemma3-270m GGUF), or chat=False, the turns' texts one per paragraph, open for the continuation."""
+def render(tokenizer, messages: list[dict], chat: bool = True) -> tuple[str, list[int]]:
+    """A conversation as the model's prompt (text, token ids): its chat template (which writes its own BOS:
+    no special tokens added); for a base model without one (the gemma3-270m GGUF), or chat=False, the turns'
+    texts one per paragraph, open for the continuation."""
     if chat and tokenizer.chat_template:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    return "\n\n".join(m["content"] for m in messages) + "\n\n"
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return text, tokenizer.encode(text, add_special_tokens=False)
+    text = "\n\n".join(m["content"] for m in messages) + "\n\n"
+    return text, tokenizer.encode(text)
 
 
 def _mt(questions: list[dict], category: str, n: int) -> list[tuple[str, dict]]:
@@ -240,12 +243,10 @@ def build_prompts(tokenizer, per_category: int, categories: tuple[str, ...] = CA
     out = []
     for cat in categories:
         for source, messages in category_messages(cat, per_category, questions, pools, answer_fn):
-            text = render(tokenizer, messages)
-            ids = tokenizer.encode(text)
+            text, ids = render(tokenizer, messages)
             while len(ids) > max_prompt_tokens and len(messages) > 1:  # drop the oldest exchange
                 messages = messages[2:] if len(messages) > 2 else messages[1:]
-                text = render(tokenizer, messages)
-                ids = tokenizer.encode(text)
+                text, ids = render(tokenizer, messages)
             out.append(BenchPrompt(cat, source, messages, text, ids[-max_prompt_tokens:]))
     return out
 
@@ -270,7 +271,7 @@ def load_prompt_file(path: Path, tokenizer, chat: bool = True) -> list[list[int]
             messages = obj.get("messages") or _user(str(obj.get("prompt", "")))
         else:
             messages = _user(line.replace("\\n", "\n"))
-        ids = tokenizer.encode(render(tokenizer, messages, chat))
+        _, ids = render(tokenizer, messages, chat)
         if ids:
             out.append(ids)
     return out

@@ -28,7 +28,7 @@ def run(args) -> int:
         if not user.strip():
             break
         messages.append({"role": "user", "content": user})
-        ids = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(messages))
+        ids = llm.tokenizer.encode_chat(messages)
         if len(ids) >= llm.model.max_len:
             print("specdec: the conversation no longer fits the context; start a new one", file=sys.stderr)
             break

@@ -116,7 +116,7 @@ def engine_compare(args, head) -> dict:
     totals = {m: [0, 0.0, SpecMetrics()] for m in llms}
     outputs: dict[str, list] = {m: [] for m in llms}
     for prompt in mtbench_prompts(args.prompts):
-        ids = base.tokenizer.encode(base.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]))
+        ids = base.tokenizer.encode_chat([{"role": "user", "content": prompt}])
         for m, llm in llms.items():
             r = llm.generate_one(ids, sp)
             totals[m][0] += len(r.token_ids) - 1

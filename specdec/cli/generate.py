@@ -65,9 +65,8 @@ def run(args) -> int:
     params = sampling_from_args(args)
     llm = make_llm(args)
     for prompt in prompts:
-        if args.chat:
-            prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-        ids = llm.tokenizer.encode(prompt)
+        chat = [{"role": "user", "content": prompt}]
+        ids = llm.tokenizer.encode_chat(chat) if args.chat else llm.tokenizer.encode(prompt)
         stream = None if args.json else StreamPrinter(params.stop)
         r = llm.generate_one(ids, params, on_delta=stream)
         if stream is not None:

@@ -106,9 +106,8 @@ def calibration_sequences(target, tokenizer, gen_tokens: int = 24) -> list[list[
     """Each calibration prompt followed by the target's greedy continuation."""
     seqs = []
     for text in CALIBRATION_PROMPTS:
-        if tokenizer.chat_template:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": text}])
-        ids = tokenizer.encode(text)
+        chat = [{"role": "user", "content": text}]
+        ids = tokenizer.encode_chat(chat) if tokenizer.chat_template else tokenizer.encode(text)
         cache = target.new_cache(len(ids) + gen_tokens)
         logits = target(torch.tensor([ids]), torch.arange(len(ids))[None], cache, num_logits=1).logits[0, -1]
         for _ in range(gen_tokens):

@@ -37,7 +37,7 @@ def chat_token_sequences(tokenizer, conversations: list[list[dict]], seq_len: in
     """Each conversation rendered with the chat template, tokenized, cut to seq_len tokens."""
     seqs = []
     for msgs in conversations:
-        ids = tokenizer.encode(tokenizer.apply_chat_template(msgs, add_generation_prompt=False))
+        ids = tokenizer.encode_chat(msgs, add_generation_prompt=False)
         if len(ids) >= 16:
             seqs.append(ids[:seq_len])
     return seqs

@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     evals = [] if args.speed_only else heldout_sequences(tok, args.eval_seqs, args.seq_len)
     variants = parse_variants(args.schemes)
     calib = calibration_sequences(tok, args.calib_tokens) if any(v.method == "awq" for v in variants) else None
-    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": c}])) for c in CHAT[:2]]
+    prompts = [tok.encode_chat([{"role": "user", "content": c}]) for c in CHAT[:2]]
     rows, models, ref_preds, ref_cont = [], {}, None, None
     for v in variants:
         t0 = time.perf_counter()

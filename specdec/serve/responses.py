@@ -70,7 +70,7 @@ class ResponseBuilder:
             text = self.tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
         except ConfigError as e:
             raise APIError(400, str(e), "messages") from None
-        return self._check_ids(self.tok.encode(text, add_special_tokens=False), "messages")
+        return self._check_ids(self.tok.encode(text, add_special_tokens=False), "messages")  # as encode_chat
 
     # --- running --------------------------------------------------------------------------------
     async def _outputs(self, reqs: list[EngineRequest]):

@@ -151,7 +151,7 @@ def _candidates(tokenizer, spec: DataSpec) -> list[tuple[Prompt, list[int]]]:
             continue
         seen.add(key)
         messages = [{"role": "user", "content": prompt}] if first else prompt
-        ids = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        ids = tokenizer.encode_chat(messages)
         if len(ids) <= limit:
             picked.append((prompt, ids))
     return picked

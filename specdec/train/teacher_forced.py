@@ -42,7 +42,7 @@ def build_teacher_forced(model: str, out: Path, num: int, max_tokens: int = 384,
     for h, a in tqdm(pairs, desc="teacher-forced features", disable=not progress):
         if shard * shard_size + len(seqs) >= num:
             break
-        prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": h}], add_generation_prompt=True))
+        prompt = tok.encode_chat([{"role": "user", "content": h}])
         ids = prompt + tok.encode(a, add_special_tokens=False) + end_of_turn
         if len(prompt) > max_tokens // 2:
             continue
