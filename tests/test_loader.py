@@ -223,3 +223,40 @@ def test_a_template_that_writes_bos_gets_one_bos(tiny_dir):
     assert tok.encode("Hello there")[0] == tok.bos_token_id  # plain text still gets its BOS
     [out] = llm.chat(messages, SamplingParams(temperature=0, max_tokens=1))
     assert out.prompt_token_ids == ids and out.prompt == tok.apply_chat_template(messages)
+
+
+def test_gguf_byte_level_tokenizers_other_than_smollm2s_are_refused():
+    """Qwen's and Llama 3's GGUF pre-tokenizers split text unlike SmolLM2's: refused by name, not built with
+    the wrong regex (which gave the model token ids it was never trained on)."""
+    from specdec.model.gguf_tokenizer import tokenizer_files
+
+    fields = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b", "ab", "<x>", "<u>"],
+              "tokenizer.ggml.token_type": [1, 1, 1, 3, 4], "tokenizer.ggml.merges": ["a b"]}
+    for pre in ("qwen2", "llama-bpe", None):
+        with pytest.raises(ConfigError, match="pre-tokenizer"):
+            tokenizer_files(lambda key, default=None, pre=pre: {**fields, "tokenizer.ggml.pre": pre}.get(key, default),
+                            "qwen2")
+    tok, _ = tokenizer_files(lambda key, default=None: {**fields, "tokenizer.ggml.pre": "smollm"}.get(key, default),
+                             "llama")
+    added = {t["content"]: t["special"] for t in tok["added_tokens"]}
+    assert added == {"<x>": True, "<u>": False}  # control tokens special; user-defined ones kept in text
+
+
+def test_bos_from_the_post_processor_when_the_config_does_not_say(tmp_path, smollm_dir):
+    """Llama 3's tokenizer_config.json has no add_bos_token: its tokenizer.json post-processor adds BOS."""
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        shutil.copy(smollm_dir / name, tmp_path / name)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    cfg.pop("add_bos_token", None)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert not Tokenizer(tmp_path).add_bos  # SmolLM2's post-processor adds nothing
+    tj = json.loads((tmp_path / "tokenizer.json").read_text())
+    bos = cfg["bos_token"] if isinstance(cfg["bos_token"], str) else cfg["bos_token"]["content"]
+    bos_id = Tokenizer(tmp_path).bos_token_id
+    tj["post_processor"] = {"type": "TemplateProcessing",
+                            "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+                            "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                            "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}}}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tj))
+    tok = Tokenizer(tmp_path)
+    assert tok.add_bos and tok.encode("hi")[0] == bos_id and tok.encode("hi", add_special_tokens=False)[0] != bos_id

@@ -1,8 +1,9 @@
 """A `tokenizers` tokenizer.json (and tokenizer_config.json) from a GGUF file's tokenizer.ggml.* fields.
 
 Two vocabularies:
-  gpt2   byte-level BPE with the file's merges (SmolLM2, Qwen): digits split, GPT-2 regex, as
-         SmolLM2's own tokenizer.json (llama.cpp pre-tokenizer "smollm").
+  gpt2   byte-level BPE with the file's merges: digits split, GPT-2 regex, as SmolLM2's own
+         tokenizer.json (llama.cpp pre-tokenizer "smollm", the only one accepted: Qwen's or Llama 3's
+         split text otherwise). Control tokens are special, user-defined ones plain added tokens.
   llama  a SentencePiece BPE vocabulary ("\u2581" for spaces, <0xNN> byte fallback), for gemma3 only. Built
          as transformers' GGUF loader builds Gemma's (integrations/gguf/gguf_tokenizer_mapping.py,
          gemma_tokenizer + GemmaTokenizer): spaces -> "\u2581" by a normalizer, no prefix space, BPE with
@@ -30,6 +31,10 @@ def tokenizer_files(get: Callable[..., Any], arch: str) -> tuple[dict, dict]:
     tokens = get("tokenizer.ggml.tokens")
     types = get("tokenizer.ggml.token_type") or [1] * len(tokens)
     if kind == "gpt2":
+        pre = get("tokenizer.ggml.pre")
+        if pre != "smollm":  # Qwen's, Llama 3's, GPT-2's own regexes split text differently: silently wrong ids
+            raise ConfigError(f"GGUF byte-level pre-tokenizer {pre!r} is not supported (SmolLM2's 'smollm' is); "
+                              "load the model's Hugging Face directory instead")
         tok = _byte_level(tokens, types, get("tokenizer.ggml.merges"))
     elif kind == "llama" and arch == "gemma3":
         tok = _sentencepiece_bpe(tokens, types, get("tokenizer.ggml.merges"), get("tokenizer.ggml.unknown_token_id"))
@@ -63,8 +68,10 @@ def _byte_level(tokens: list[str], types: list[int], merges: list[str] | None):
         pre_tokenizers.Digits(individual_digits=True),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
     tok.decoder = decoders.ByteLevel()
-    special = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty in (3, 4)]
-    tok.add_special_tokens(special)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, ty in zip(tokens, types) if ty == CONTROL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)  # kept in decoded text, as llama.cpp keeps them
+                    for t, ty in zip(tokens, types) if ty == USER_DEFINED])
     return tok
 
 

@@ -39,8 +39,14 @@ class Tokenizer:
         if self.eos_token is not None and self._tok.token_to_id(self.eos_token) is not None:
             eos_ids.append(self._tok.token_to_id(self.eos_token))
         self.eos_token_ids: frozenset[int] = frozenset(eos_ids)
-        self.add_bos = bool(self.config.get("add_bos_token", False))
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+        self.add_bos = bool(self.config.get("add_bos_token", self._post_processor_adds_bos()))
+
+    def _post_processor_adds_bos(self) -> bool:
+        """Whether tokenizer.json's post-processor puts BOS first (Llama 3's files say so only there)."""
+        plain = self._tok.encode("a", add_special_tokens=False).ids
+        special = self._tok.encode("a", add_special_tokens=True).ids
+        return self.bos_token_id is not None and special[:1] == [self.bos_token_id] and special[1:] == plain
 
     @property
     def vocab_size(self) -> int:
