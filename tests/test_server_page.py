@@ -69,28 +69,64 @@ def server(tiny_dir):
     srv.stop()
 
 
+def _wait(browser, session, probe: str, until, seconds: float = 90) -> dict:
+    """Evaluate `probe` (a JSON.stringify expression) until until(state) holds or time runs out."""
+    state: dict = {}
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        res = browser.call("Runtime.evaluate", session, expression=probe, returnByValue=True)
+        value = res.get("result", {}).get("value")
+        if value is not None:  # None: the page is still loading (no execution context to evaluate in yet)
+            state = json.loads(value)
+            if until(state):
+                break
+        time.sleep(0.25)
+    return state
+
+
+def _open(browser, url: str) -> str:
+    target = browser.call("Target.createTarget", url=url)["targetId"]
+    return browser.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+
+
 def test_page_streams_a_reply_and_colours_drafted_tokens(server, tmp_path):
     query = urllib.parse.urlencode({"q": "sky tree sky tree sky tree sky tree", "maxTokens": "40"})
     browser = DevTools(tmp_path)
     try:
-        target = browser.call("Target.createTarget", url=f"{server.url}/?{query}")["targetId"]
-        session = browser.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+        session = _open(browser, f"{server.url}/?{query}")
         probe = ("JSON.stringify({done: document.body.dataset.done || '', "
                  "drafted: document.querySelectorAll('.msg.assistant span.draft').length, "
                  "pieces: document.querySelectorAll('.msg.assistant > span').length, "
                  "text: (document.querySelector('.msg.assistant') || {}).textContent || ''})")
-        state: dict = {}
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            res = browser.call("Runtime.evaluate", session, expression=probe, returnByValue=True)
-            value = res.get("result", {}).get("value")
-            if value is not None:  # None: the page is still loading (no execution context to evaluate in yet)
-                state = json.loads(value)
-                if state["done"]:
-                    break
-            time.sleep(0.25)
+        state = _wait(browser, session, probe, lambda s: s["done"])
     finally:
         browser.close()
     assert state.get("done") == "1", state
     assert state["pieces"] >= 10 and "tokens in" in state["text"]
     assert state["drafted"] >= 1  # n-gram drafts of a repetitive reply were accepted and shown as such
+
+
+def test_page_sends_one_turn_at_a_time_and_clear_aborts_it(server, tmp_path):
+    """A message sent while a reply streams (Enter does not see the disabled button) waits in the box
+    instead of interleaving two turns; Clear aborts the streaming turn, and what comes after starts a clean
+    conversation (a late reply once landed first in the cleared history: a template needing alternating
+    roles then refused every turn)."""
+    browser = DevTools(tmp_path)
+    probe = ("JSON.stringify({done: document.body.dataset.done || '', history: history.map(m => m.role), "
+             "users: document.querySelectorAll('.msg.user').length, box: document.getElementById('input').value})")
+    try:
+        session = _open(browser, f"{server.url}/?maxTokens=30")
+        _wait(browser, session, "JSON.stringify(typeof send)", lambda s: s == "function")
+        browser.call("Runtime.evaluate", session, expression=(
+            "send('sky tree sky tree'); document.getElementById('input').value = 'second';"
+            "document.getElementById('form').requestSubmit()"))
+        state = _wait(browser, session, probe, lambda s: s["done"])
+        assert state["done"] == "1" and state["history"] == ["user", "assistant"] and state["users"] == 1, state
+        assert state["box"] == "second"  # kept for the user to send when the reply is done
+        browser.call("Runtime.evaluate", session, expression=(
+            "document.body.dataset.done = ''; send('cat mat cat mat'); document.getElementById('clear').click();"
+            "send('moon river')"))
+        state = _wait(browser, session, probe, lambda s: s["done"])
+        assert state["done"] == "1" and state["history"] == ["user", "assistant"] and state["users"] == 1, state
+    finally:
+        browser.close()
