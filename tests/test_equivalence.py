@@ -89,6 +89,40 @@ def test_eos_inside_accepted_block(tiny_dir):
     assert got.finish_reason == "stop" and got.metrics.num_accepted_tokens > 0
 
 
+class ContractProposer(ScriptedProposer):
+    """Records, at each on_verified, how many tokens the step added and how many it accepted."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.steps, self.before = [], 0
+
+    def propose(self, state, k):
+        self.before = len(state.output_ids)
+        return super().propose(state, k)
+
+    def on_verified(self, state, proposal, num_accepted, target=None):
+        self.steps.append((len(state.output_ids) - self.before, num_accepted))
+
+
+def test_a_drafter_hears_only_of_steps_whose_tokens_were_all_kept(tiny_dir):
+    """on_verified's contract: the step appended num_accepted + 1 tokens. A request that ends inside the
+    block (EOS here) keeps fewer: its drafter is not told (recycle indexed the context by that count and
+    failed on a short one)."""
+    d = tiny_dir("llama")
+    plain, tok = _decoder(d)
+    ids = tok.encode(VARIED)
+    ref = plain.generate(ids, greedy(20, ignore_eos=True)).token_ids
+    first = next(i for i in range(3, len(ref)) if ref[i] not in ref[:i])
+    plain.tokenizer.eos_token_ids = frozenset({ref[first]})
+    spec, _ = _decoder(d, lambda ctx: ContractProposer(ctx, ref, len(ids)), k=3)
+    spec.tokenizer = plain.tokenizer
+    got = spec.generate(ids, greedy(20))
+    assert got.token_ids == ref[:first + 1]
+    assert got.metrics.emitted_tokens > len(got.token_ids) - 1  # the last block was cut: the case in question
+    steps = spec.proposer.steps
+    assert steps and all(added == accepted + 1 for added, accepted in steps), steps
+
+
 def test_stop_string_spanning_drafted_tokens(tiny_dir):
     d = tiny_dir("llama")
     plain, tok = _decoder(d)

@@ -446,3 +446,14 @@ def test_generate_takes_params_per_prompt_and_checks_every_request_first(tiny_di
         with pytest.raises(ValueError, match="messages"):
             model.chat(bad, greedy(3))
     assert calls == []
+
+
+def test_layerskip_search_refuses_a_one_layer_target(tiny_dir):
+    """With one layer there is nothing to skip: a clear error, not max() of an empty list."""
+    from specdec.model.loader import load_model
+    from specdec.model.tokenizer import Tokenizer
+    from specdec.proposers import layer_skip
+
+    d = tiny_dir("llama", num_hidden_layers=1)
+    with pytest.raises(ConfigError, match="at least 2 layers"):
+        layer_skip.search_skip_layers(load_model(d), Tokenizer(d))

@@ -34,7 +34,8 @@ def draft_chains(logits: torch.Tensor, step: Callable[[list[int], list[int]], to
     row rows[i] and returns the logits [len(rows), V] after them.
 
     Each row's logits are penalized as the target's are (specdec/penalties.py; a no-op without
-    penalties). Greedy requests take the argmax (q is then irrelevant: probs None); sampling requests draw from
+    penalties), except min_tokens' EOS mask: a drafted EOS the target masks is rejected, q being the true
+    draft distribution either way. Greedy requests take the argmax (q is then irrelevant: probs None); sampling requests draw from
     q = warp(logits, params) with the request's generator and return q [k, V], so verification is
     exact. A row stops after a token whose draft probability max(softmax(logits)) < threshold (the
     low-confidence token itself is still proposed: verifying it costs almost nothing)."""
@@ -90,11 +91,13 @@ def fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
 def time_one_step(model, layers: list[int] | None = None, repeats: int = 3) -> float:
     """A first estimate of seconds per drafted token: a one-token forward after a short prefix
     (proposers refine it from every proposal)."""
-    cache = model.new_cache(16)
-    model(torch.zeros(1, 4, dtype=torch.long), torch.arange(4)[None], cache, num_logits=1, layers=layers)
+    cache, dev = model.new_cache(16), model.device
+    model(torch.zeros(1, 4, dtype=torch.long, device=dev), torch.arange(4, device=dev)[None], cache, num_logits=1,
+          layers=layers)
     times = []
     for i in range(repeats):
         t0 = time.perf_counter()
-        model(torch.zeros(1, 1, dtype=torch.long), torch.tensor([[4 + i]]), cache, layers=layers)
+        model(torch.zeros(1, 1, dtype=torch.long, device=dev), torch.tensor([[4 + i]], device=dev), cache,
+              layers=layers)
         times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2]

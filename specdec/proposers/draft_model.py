@@ -98,9 +98,9 @@ class DraftModelProposer(Proposer):
 
     def _forward(self, cache, tokens: list[int]) -> torch.Tensor:
         """Feed tokens at the next positions of the draft cache; logits [V] after the last one."""
-        start = cache.length
-        out = self.model(torch.tensor([tokens]), torch.arange(start, start + len(tokens))[None], cache,
-                         num_logits=1)
+        start, dev = cache.length, self.model.device
+        out = self.model(torch.tensor([tokens], device=dev), torch.arange(start, start + len(tokens), device=dev)[None],
+                         cache, num_logits=1)
         return fit_vocab(out.logits[0, -1], self.vocab)
 
     @torch.inference_mode()

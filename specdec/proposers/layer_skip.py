@@ -56,9 +56,9 @@ class _ProbeCache(KVCache):
     def attention_mask(self, block_mask, num_new):
         if not self.probe:
             return super().attention_mask(block_mask, num_new)
-        n = self.length
-        prefix = torch.ones(num_new, n, dtype=torch.bool).tril(n - num_new - 1)
-        return torch.cat((prefix, torch.eye(num_new, dtype=torch.bool)), dim=1)
+        n, dev = self.length, self.k.device
+        prefix = torch.ones(num_new, n, dtype=torch.bool, device=dev).tril(n - num_new - 1)
+        return torch.cat((prefix, torch.eye(num_new, dtype=torch.bool, device=dev)), dim=1)
 
 
 class LayerProbe:
@@ -70,14 +70,15 @@ class LayerProbe:
     def __init__(self, target, ids: list[int], scored: int = 16):
         n, cfg = len(ids), target.config
         L, self.scored = cfg.num_hidden_layers, min(scored, n)
-        self.cache = _ProbeCache(L, 1, cfg.num_key_value_heads, cfg.head_dim, n + self.scored, target.dtype)
-        ids_t = torch.tensor([ids])
-        out = target(ids_t, torch.arange(n)[None], self.cache, output_layers=tuple(range(L)))
+        dev = target.device
+        self.cache = _ProbeCache(L, 1, cfg.num_key_value_heads, cfg.head_dim, n + self.scored, target.dtype, dev)
+        ids_t = torch.tensor([ids], device=dev)
+        out = target(ids_t, torch.arange(n, device=dev)[None], self.cache, output_layers=tuple(range(L)))
         tail = slice(n - self.scored, n)
         self.ref = out.logits[0, tail].argmax(-1)  # [scored]
         h = [target.embed_tokens(ids_t)[0, tail]] + [out.layer_hidden[i][0, tail] for i in range(L)]
         self.influence = [float((1 - torch.cosine_similarity(h[i], h[i + 1], dim=-1)).mean()) for i in range(L)]
-        self.ids, self.positions = ids_t[:, tail], torch.arange(n)[None, tail]
+        self.ids, self.positions = ids_t[:, tail], torch.arange(n, device=dev)[None, tail]
         self.target, self.n = target, n
         self.cache.probe = True
 
@@ -109,11 +110,14 @@ def calibration_sequences(target, tokenizer, gen_tokens: int = 24) -> list[list[
         chat = [{"role": "user", "content": text}]
         ids = tokenizer.encode_chat(chat) if tokenizer.chat_template else tokenizer.encode(text)
         cache = target.new_cache(len(ids) + gen_tokens)
-        logits = target(torch.tensor([ids]), torch.arange(len(ids))[None], cache, num_logits=1).logits[0, -1]
+        dev = target.device
+        logits = target(torch.tensor([ids], device=dev), torch.arange(len(ids), device=dev)[None], cache,
+                        num_logits=1).logits[0, -1]
         for _ in range(gen_tokens):
             ids.append(int(logits.argmax()))
             if len(ids) < cache.max_len:
-                logits = target(torch.tensor([[ids[-1]]]), torch.tensor([[len(ids) - 1]]), cache).logits[0, -1]
+                logits = target(torch.tensor([[ids[-1]]], device=dev), torch.tensor([[len(ids) - 1]], device=dev),
+                                cache).logits[0, -1]
         seqs.append(ids)
     return seqs
 
@@ -123,6 +127,8 @@ def search_skip_layers(target, tokenizer, swaps: int = 3) -> tuple[int, ...]:
     """The skipped set maximising expected speedup on the calibration prompts (see module doc)."""
     cfg = target.config
     L = cfg.num_hidden_layers
+    if L < 2:
+        raise ConfigError("layerskip needs a target of at least 2 layers (one to skip, one to keep)")
     probes = [LayerProbe(target, ids) for ids in calibration_sequences(target, tokenizer)]
     influence = [sum(p.influence[i] for p in probes) for i in range(L)]
     order = sorted(range(L), key=lambda i: (influence[i], i))  # least influential first
@@ -196,8 +202,9 @@ class LayerSkipProposer(Proposer):
         self.draft_cost_per_token = time_one_step(ctx.target, self.layers)
 
     def _forward(self, cache, tok: int) -> torch.Tensor:
-        pos = cache.length
-        out = self.ctx.target(torch.tensor([[tok]]), torch.tensor([[pos]]), cache, layers=self.layers)
+        target, pos = self.ctx.target, cache.length
+        dev = "cpu" if getattr(target, "takes_host_inputs", False) else target.device  # (GraphedModel copies)
+        out = target(torch.tensor([[tok]], device=dev), torch.tensor([[pos]], device=dev), cache, layers=self.layers)
         return out.logits[0, -1]  # [V]
 
     @torch.inference_mode()

@@ -43,8 +43,9 @@ class UniversalDrafter:
         state.draft["fed"] = []  # draft ids whose k/v are in ucache, in order
 
     def _feed(self, cache, fed: list[int], tokens: list[int]) -> torch.Tensor:
-        start = cache.length
-        out = self.model(torch.tensor([tokens]), torch.arange(start, start + len(tokens))[None], cache, num_logits=1)
+        start, dev = cache.length, self.model.device
+        out = self.model(torch.tensor([tokens], device=dev), torch.arange(start, start + len(tokens), device=dev)[None],
+                         cache, num_logits=1)
         fed.extend(tokens)
         return out.logits[0, -1]  # [V_draft]
 

@@ -300,7 +300,9 @@ class SpeculativeDecoder:
             rows = list(range(1 + verdict.num_accepted))
             cache.rollback(start + 1 + verdict.num_accepted)
         out.emit(state, verdict.tokens, raw[rows] if state.params.logprobs is not None else None)
-        if self.proposer is not None:
+        # a request that ended inside the block (EOS, a stop) holds fewer than 1 + num_accepted new tokens:
+        # its drafter is not told of a step it will not take (as the engine, which finishes it first)
+        if self.proposer is not None and out.finish_reason is None:
             self.proposer.on_verified(state, proposal, verdict.num_accepted, TargetOutput(fwd, rows))
         t3 = time.perf_counter()
         self.cost.observe(T, t2 - t1)
