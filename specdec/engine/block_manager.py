@@ -67,12 +67,10 @@ class BlockManager:
         for i in range((len(tokens) - 1) // bs):
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
             h = block_hash(parent, chunk, seq.cache_salt)
-            self.prefix.queries += 1
             block_id = self.prefix.lookup(h)
             block = self.blocks[block_id] if block_id is not None else None
             if block is None or block.token_ids != chunk or block.parent != parent:
                 break  # a miss, or a hash collision caught by the content check
-            self.prefix.hits += 1
             if block.ref_count == 0:
                 self.prefix.unpark(block_id)
             block.ref_count += 1
@@ -81,6 +79,14 @@ class BlockManager:
             parent = h
         seq.num_computed = len(seq.block_table) * bs
         return seq.num_computed
+
+    def count_prefix_lookup(self, seq, cached_tokens: int) -> None:
+        """Count an admitted sequence's lookup (match_prefix's result) in the cache's queries and hits."""
+        if not self.enable_prefix_caching or not seq.reads_prefix_cache:
+            return
+        hits, lookable = cached_tokens // self.block_size, (seq.num_tokens - 1) // self.block_size
+        self.prefix.hits += hits
+        self.prefix.queries += min(hits + 1, lookable)  # the hits, and the miss that ended them if any
 
     def commit(self, seq) -> None:
         """Hash and register the sequence's newly completed blocks (all their tokens final)."""
@@ -126,7 +132,8 @@ class BlockManager:
     def _release(self, block_id: int) -> None:
         block = self.blocks[block_id]
         block.ref_count -= 1
-        assert block.ref_count >= 0, f"block {block_id} freed twice"
+        if block.ref_count < 0:  # (not an assert: under python -O a double free would hand a block out twice)
+            raise RuntimeError(f"block {block_id} freed twice")
         if block.ref_count == 0:
             if block.hash is not None:
                 self.prefix.park(block_id)

@@ -7,8 +7,9 @@ A step schedules two kinds of rows, run as separate forwards (padding a 1-token 
           max_num_batched_tokens in all; waiting sequences are admitted first-come first-served
           while there are free sequence slots, tokens in the budget and KV blocks. The engine packs
           the chunks into forwards of similar lengths (specdec.engine.model_runner.pack_rows).
-When a decode row cannot get its blocks, its draft is dropped first, then the most recently
-admitted other sequence is preempted (blocks freed, recomputed later), then the row itself.
+When a decode row cannot get its blocks, its draft is dropped first, then the drafts of the rows already
+placed, then the most recently admitted other sequence is preempted (blocks freed, recomputed later), then
+the row itself.
 """
 from __future__ import annotations
 
@@ -95,6 +96,8 @@ class Scheduler:
                 if caps[seq]:
                     caps[seq] = 0  # no room for drafts: plain decoding this step
                     continue
+                if self._reclaim_drafts(ready, caps):  # a row's next token before other rows' drafts
+                    continue
                 victim = self.running[-1]
                 seqs = [s for s in seqs if s is not victim]
                 ready = [s for s in ready if s is not victim]
@@ -108,6 +111,17 @@ class Scheduler:
         k = self.spec.choose_k(ready, row_caps, found)
         proposals = self.spec.propose(ready, k, row_caps, found)
         return [Row(s, 1, p) for s, p in zip(ready, proposals)]
+
+    def _reclaim_drafts(self, ready: list[Sequence], caps: dict) -> bool:
+        """Take the rows already placed off drafting this step and give back the blocks held for their drafts
+        alone; whether any block came back."""
+        freed = False
+        for seq in ready:
+            if caps[seq]:
+                caps[seq], held = 0, len(seq.block_table)
+                self.blocks.trim(seq, seq.num_computed + 1)
+                freed |= len(seq.block_table) < held
+        return freed
 
     @staticmethod
     def _chunk_limit(seq) -> int:
@@ -127,10 +141,7 @@ class Scheduler:
                 used += n
         while self.waiting and len(self.running) < self.config.max_num_seqs and used < budget:
             seq = self.waiting[0]
-            if not seq.block_table:
-                cached = self.blocks.match_prefix(seq)
-                if not seq.output_ids:
-                    seq.num_cached_prompt = cached
+            cached = self.blocks.match_prefix(seq) if not seq.block_table else 0
             n = min(seq.num_uncomputed, budget - used, self._chunk_limit(seq))
             need = self.blocks.blocks_for(seq.num_computed + n) - len(seq.block_table)
             reserve = len(self.running)  # one spare block per running sequence for its decode growth
@@ -138,6 +149,9 @@ class Scheduler:
                 self.blocks.free(seq)  # give back the prefix hits; admitted again on a later step
                 break
             self.waiting.popleft()
+            self.blocks.count_prefix_lookup(seq, cached)  # counted once admitted: a blocked head is looked up anew
+            if not seq.num_preemptions:  # a re-admission hits its own blocks: not what the prompt found cached
+                seq.num_cached_prompt = cached
             seq.status = Status.RUNNING
             self.running.append(seq)
             rows.append(Row(seq, n))

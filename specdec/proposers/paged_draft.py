@@ -19,6 +19,8 @@ the blocks: `reset` (Proposer.on_preempted) sets paged_len back to 0.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from specdec.cache.kv_cache import kv_dtype
@@ -34,7 +36,8 @@ class PagedDraft:
 
     def __init__(self, model, vocab: int):
         self.model, self.vocab = model, vocab
-        self.pools: dict[int, PagedKVPool] = {}  # id(target pool) -> the drafter's pool
+        self.pool: PagedKVPool | None = None  # the drafter's pool, mirroring ...
+        self._mirrors = None  # ... this engine pool (a weak reference: an id() is reused once a pool is freed)
 
     @staticmethod
     def applies(states: list[RequestState]) -> bool:
@@ -42,12 +45,12 @@ class PagedDraft:
         return bool(kvs) and all(type(kv) is SeqKV and kv.pool is kvs[0].pool for kv in kvs)
 
     def pool_for(self, target: PagedKVPool) -> PagedKVPool:
-        pool = self.pools.get(id(target))
-        if pool is None:
-            self.pools.clear()  # one engine at a time: a new pool replaces the last one's
-            pool = self.pools[id(target)] = PagedKVPool.for_model(
-                self.model.config, target.num_blocks, target.block_size, kv_dtype(self.model), target.k.device)
-        return pool
+        if self._mirrors is None or self._mirrors() is not target:  # one engine at a time: a new pool replaces
+            self.pool = None                                          # the last one's
+            self.pool = PagedKVPool.for_model(self.model.config, target.num_blocks, target.block_size,
+                                              kv_dtype(self.model), target.k.device)
+            self._mirrors = weakref.ref(target)
+        return self.pool
 
     def _forward(self, pool, tables: list[list[int]], past: list[int], new: list[list[int]]) -> torch.Tensor:
         """Feed new[i] after past[i] cached tokens of rows tables[i], left-padded; logits [B, V] after each."""
