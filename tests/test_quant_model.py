@@ -135,3 +135,48 @@ def test_loader_rejects_foreign_quantization(tiny_dir, tmp_path):
     (out / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match="gptq"):
         load_model(out)
+
+
+def _tampered(out, edit) -> None:
+    """Rewrite the quantized directory's tensors through edit(dict of tensors)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(out / "model.safetensors"))
+    edit(tensors)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
+
+
+@pytest.mark.parametrize("edit, why", [
+    (lambda t: t.pop("model.layers.0.self_attn.q_proj.zeros"), "zero points"),  # the kernel read a NULL
+    (lambda t: t.update({"model.layers.0.mlp.up_proj.scales": t["model.layers.0.mlp.up_proj.scales"].float()}),
+     "int4, group 32"),  # fp32 scales read as fp16
+    (lambda t: t.update({"model.layers.0.mlp.up_proj.zeros": t["model.layers.0.mlp.up_proj.zeros"][:, :1]}),
+     "widths differ"),  # read past its end
+    (lambda t: t.update({"model.layers.0.self_attn.o_proj.zeros": t["model.layers.0.self_attn.o_proj.zeros"][:, :1]}),
+     "int4, group 32"),
+    (lambda t: t.update({"model.embed_tokens.qweight": t["model.embed_tokens.qweight"][:-8],
+                         "model.embed_tokens.scales": t["model.embed_tokens.scales"][:-8]}), "embed_tokens"),
+    (lambda t: t.update({"model.layers.1.self_attn.k_proj.qweight": t["model.layers.1.self_attn.k_proj.qweight"][0]}),
+     "rank"),
+    (lambda t: t.update({"model.norm.weight": t["model.norm.weight"][:-1]}), "norm"),
+])
+def test_a_tampered_quantized_file_is_a_clear_error(tiny_dir, tmp_path, edit, why):
+    """The kernels read the stored tensors raw: each wrong type or shape is refused at load, not a segfault,
+    silent garbage or a traceback."""
+    src = tiny_dir("llama")
+    out = save_quantized(quantize_model(load_model(src, torch.float32), INT4), src, tmp_path / "q", INT4, INT8, "rtn")
+    _tampered(out, edit)
+    with pytest.raises(ConfigError, match=why):
+        load_model(out)
+
+
+def test_a_malformed_quantization_config_is_a_clear_error(tiny_dir, tmp_path):
+    src = tiny_dir("llama")
+    out = save_quantized(quantize_model(load_model(src, torch.float32), INT4), src, tmp_path / "q", INT4, INT8, "rtn")
+    good = json.loads((out / "config.json").read_text())
+    for change in ({"lm_head": "int8"}, {"symmetric": "false"}):
+        cfg = json.loads(json.dumps(good))
+        cfg["quantization_config"].update(change)
+        (out / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(ConfigError, match="quantization_config"):
+            load_model(out)

@@ -60,6 +60,9 @@ def test_drafter_from_a_quantized_directory(tiny_dir, tmp_path):
     r = spec.generate_one(ids, greedy(16))
     assert r.token_ids == plain.generate_one(ids, greedy(16)).token_ids
     assert r.metrics.num_draft_tokens > 0
+    # the quantized directory as the target: its quantized copy would be itself (it crashed on the packed head)
+    with pytest.raises(ConfigError, match="int4-g32 already"):
+        llm(qdir, {"method": "qdraft"})
 
 
 def test_sampling_returns_q_and_is_reproducible(tiny_dir):

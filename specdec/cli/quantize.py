@@ -37,7 +37,7 @@ def register(sub) -> None:
     p.add_argument("--calib-tokens", type=int, default=512, help="AWQ calibration tokens")
     p.add_argument("--calib-file", default=None, help="AWQ calibration text file (default: ShareGPT chats)")
     p.add_argument("--awq-grid", type=at_least(1), default=20, help="AWQ: alpha grid points in [0, 1]")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--threads", type=at_least(1), default=None, help="CPU threads (default: all cores)")
     p.set_defaults(func=run)
 
 

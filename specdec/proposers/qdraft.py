@@ -62,6 +62,12 @@ def build_drafter(ctx):
         if tok.get_vocab() != ctx.tokenizer.get_vocab() or model.config.vocab_size != ctx.target.config.vocab_size:
             raise ConfigError(f"qdraft model {cfg.model!r} has a different vocabulary than the target")
         return model
+    from specdec.quant.qmodel import stored_as
+
+    stored = stored_as(ctx.target.layers[0].qkv.weight)
+    if stored not in (None, "bf16"):  # its quantized copy would be the target itself: no cheaper to run
+        raise ConfigError(f"qdraft drafts with a quantized copy of the target, which is {stored} already; "
+                          "serve the full-precision model, or name a quantized drafter with 'model'")
     opts = {**DEFAULTS, **cfg.extra}
     scheme = scheme_named(str(opts["scheme"]), int(opts["group_size"]))
     head = None if opts["lm_head"] == "none" else scheme_named(str(opts["lm_head"]), 32)
@@ -90,8 +96,9 @@ class QDraftProposer(Proposer):
 
     def _forward(self, cache, tokens: list[int]) -> torch.Tensor:
         """Feed tokens at the next positions of the draft cache; logits [V] after the last one."""
-        start = cache.length
-        out = self.model(torch.tensor([tokens]), torch.arange(start, start + len(tokens))[None], cache, num_logits=1)
+        start, dev = cache.length, self.model.device
+        out = self.model(torch.tensor([tokens], device=dev), torch.arange(start, start + len(tokens), device=dev)[None],
+                         cache, num_logits=1)
         return out.logits[0, -1]
 
     @torch.inference_mode()

@@ -49,7 +49,8 @@ def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if w.dim() != 2:
         raise ConfigError(f"fp8 quantizes matrices, got shape {tuple(w.shape)}")
     amax = w.detach().float().abs().amax(dim=1)
-    scales = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    scales = amax / E4M3_MAX
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # zero rows, and amax below ~6e-43 (0 / 448)
     return _to_fp8(w.detach(), scales[:, None]), scales
 
 
@@ -91,8 +92,8 @@ class Fp8Weight(StoredWeight):
         if x.is_cuda:
             check_cuda_fp8(x.device.index if x.device.index is not None else torch.cuda.current_device())
         x2 = x.reshape(-1, self.in_features)
-        amax = x2.detach().float().abs().amax(dim=1, keepdim=True)  # [M, 1]
-        sx = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+        sx = x2.detach().float().abs().amax(dim=1, keepdim=True) / E4M3_MAX  # [M, 1]
+        sx = torch.where(sx > 0, sx, torch.ones_like(sx))
         # rowwise scales on CUDA produce bf16 only; the CPU kernel gives the activations' dtype
         out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
         y = torch._scaled_mm(_to_fp8(x2, sx), self.qweight.t(), scale_a=sx, scale_b=self.scales[None, :],

@@ -141,32 +141,52 @@ def save_quantized(model: LlamaModel, src: Path, out: Path, scheme: QuantScheme 
 def _scheme(d: dict | None, what: str) -> QuantScheme | Fp8Scheme | None:
     if d is None:
         return None
+    if not isinstance(d, dict):
+        raise ConfigError(f"bad quantization_config for {what}: {d!r} is not an object")
     if d.get("format") == "fp8_e4m3":
         return Fp8Scheme()
+    symmetric = d.get("symmetric", False)
+    if not isinstance(symmetric, bool):  # "false" would read as True
+        raise ConfigError(f"bad quantization_config for {what}: symmetric {symmetric!r} is not true or false")
     try:
-        return QuantScheme(int(d["bits"]), int(d["group_size"]), bool(d.get("symmetric", False)))
+        return QuantScheme(int(d["bits"]), int(d["group_size"]), symmetric)
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError(f"bad quantization_config for {what}: {e}") from None
 
 
-def _stored_weight(t: dict, prefixes: tuple[str, ...], scheme, K: int, dtype: torch.dtype):
+def _stored_weight(t: dict, prefixes: tuple[str, ...], scheme, K: int, N: int, dtype: torch.dtype):
     """The projections `prefixes` (quantized) concatenated along rows, as a QuantizedWeight or an
-    Fp8Weight; None when stored in full precision."""
+    Fp8Weight of N x K; None when stored in full precision. Every stored tensor's type and shape is
+    checked: the kernels read them raw (fp32 scales read as fp16, a missing zero point a NULL)."""
     if not all(p + ".qweight" in t for p in prefixes):
         return None
     if scheme is None:
         raise ConfigError(f"{prefixes[0]} is quantized but the config has no scheme for it")
-    cat = lambda suffix: torch.cat([t[p + suffix] for p in prefixes])  # noqa: E731
+    parts = {suffix: [t.get(p + suffix) for p in prefixes] for suffix in (".qweight", ".scales", ".zeros")}
+    for suffix, tensors in parts.items():
+        if any(x is not None and x.dim() != (1 if suffix == ".scales" and isinstance(scheme, Fp8Scheme) else 2)
+               for x in tensors):
+            raise ConfigError(f"{prefixes[0]}{suffix}: a tensor of the wrong rank")
+        if len({tuple(x.shape[1:]) for x in tensors if x is not None}) > 1:  # (concatenated along rows)
+            raise ConfigError(f"{prefixes[0]}{suffix}: its parts' widths differ")
+    cat = lambda suffix: torch.cat(parts[suffix])  # noqa: E731
     if isinstance(scheme, Fp8Scheme):
         q, s = cat(".qweight"), cat(".scales")
-        if q.dtype != FP8 or q.shape[1] != K or s.shape != q.shape[:1]:
-            raise ConfigError(f"{prefixes[0]}: stored tensors do not match fp8 e4m3 with per-channel scales")
+        if q.dtype != FP8 or q.shape != (N, K) or s.shape != (N,) or not s.is_floating_point():
+            raise ConfigError(f"{prefixes[0]}: stored tensors do not match fp8 e4m3 [{N}, {K}] with per-channel "
+                              "scales")
         return Fp8Weight(q, s, dtype)
-    zeros = cat(".zeros") if all(p + ".zeros" in t for p in prefixes) else None
-    p = Packed(cat(".qweight"), cat(".scales"), zeros, scheme.bits, scheme.group_size, K)
-    width = K // 2 if scheme.bits == 4 else K
-    if p.qweight.shape[1] != width or p.scales.shape != (p.qweight.shape[0], -(-K // scheme.group_size)):
-        raise ConfigError(f"{prefixes[0]}: packed shapes do not match int{scheme.bits}, group {scheme.group_size}")
+    bits, G = scheme.bits, scheme.group_size
+    has_zeros = not (bits == 8 and scheme.symmetric)
+    if any((x is not None) != has_zeros for x in parts[".zeros"]):
+        raise ConfigError(f"{prefixes[0]}: int{bits} {'with' if has_zeros else 'without'} zero points expected")
+    p = Packed(cat(".qweight"), cat(".scales"), cat(".zeros") if has_zeros else None, bits, G, K)
+    qtype = torch.int8 if bits == 8 and scheme.symmetric else torch.uint8
+    grouped = (N, -(-K // G))
+    if (p.qweight.dtype != qtype or p.qweight.shape != (N, K // 2 if bits == 4 else K)
+            or p.scales.dtype != torch.float16 or p.scales.shape != grouped
+            or (p.zeros is not None and (p.zeros.dtype != torch.float16 or p.zeros.shape != grouped))):
+        raise ConfigError(f"{prefixes[0]}: stored tensors do not match int{bits}, group {G}, [{N}, {K}]")
     return QuantizedWeight(p, dtype)
 
 
@@ -196,12 +216,13 @@ def load_quantized(directory: Path, dtype: torch.dtype = torch.float32, max_len:
         model = LlamaModel(cfg, max_len)
     sd: dict[str, torch.Tensor] = {"norm.weight": t.get("model.norm.weight")}
     H = cfg.hidden_size
-    emb, tie = _stored_weight(t, ("model.embed_tokens",), head, H, dtype), False
+    V = cfg.vocab_size
+    emb, tie = _stored_weight(t, ("model.embed_tokens",), head, H, V, dtype), False
     if emb is not None:
         model.embed, model.lm_head = QEmbedding(emb), QLinear(emb)
     else:
         sd["embed.weight"] = t.get("model.embed_tokens.weight")
-        lm = _stored_weight(t, ("lm_head",), head, H, dtype)
+        lm = _stored_weight(t, ("lm_head",), head, H, V, dtype)
         if lm is not None:
             model.lm_head = QLinear(lm)
         elif "lm_head.weight" in t:
@@ -219,8 +240,10 @@ def load_quantized(directory: Path, dtype: torch.dtype = torch.float32, max_len:
         for name, hf_names in PROJECTIONS.items():
             prefixes = tuple(p + n for n in hf_names)
             bias = torch.cat([t[x + ".bias"] for x in prefixes]) if all(x + ".bias" in t for x in prefixes) else None
-            K = getattr(layer, name).weight.shape[1]
-            stored = _stored_weight(t, prefixes, body, K, dtype)
+            N, K = getattr(layer, name).weight.shape
+            if bias is not None and bias.shape != (N,):
+                raise ConfigError(f"{directory}: {prefixes[0]}'s bias is {list(bias.shape)}, not [{N}]")
+            stored = _stored_weight(t, prefixes, body, K, N, dtype)
             if stored is not None:
                 setattr(layer, name, QLinear(stored, None if bias is None else bias.to(dtype)))
                 continue
@@ -232,6 +255,11 @@ def load_quantized(directory: Path, dtype: torch.dtype = torch.float32, max_len:
     missing = [k for k, v in sd.items() if v is None]
     if missing:
         raise ConfigError(f"{directory}: weights missing for {missing[:3]}")
+    expected = model.state_dict()
+    wrong = [k for k, v in sd.items() if k in expected and v.shape != expected[k].shape]
+    if wrong:
+        raise ConfigError(f"{directory}: {wrong[0]} is {list(sd[wrong[0]].shape)}, the config says "
+                          f"{list(expected[wrong[0]].shape)}")
     model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=False, assign=True)
     if tie:
         model.lm_head.weight = model.embed.weight
