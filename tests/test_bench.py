@@ -139,6 +139,31 @@ def test_advise_recommends_with_a_reason(tiny_dir, tmp_path):
         assert rec["speculative_config"].get("num_speculative_tokens") == (None if rec["adaptive"] else rec["k"])
 
 
+def test_advise_keeps_plain_decoding_when_the_check_measures_a_loss(tiny_dir, tmp_path, monkeypatch):
+    """An estimate above the bar that the check against plain decoding measures below 1.0x is not
+    recommended (it was, with the loss printed beside it); a batch whose widest pass exceeds the prompts'
+    room no longer measures its cost curve after a negative context."""
+    from specdec.bench import advise as advise_mod
+    from specdec.model.tokenizer import Tokenizer
+
+    model = tiny_dir("llama")
+    prompts = [Tokenizer(model).encode("one two three four, one two three four, one two three four")]
+    monkeypatch.setattr(advise_mod, "MIN_GAIN", 0.0)  # any estimate is recommended ...
+    monkeypatch.setattr(advise_mod, "_measure_pair", lambda *a: 0.8)  # ... and measured a loss
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        adv = advise_mod.advise(str(model), prompts, dtype="float32", threads=1, batch_size=32, max_tokens=4,
+                                k_max=4, methods=("ngram",))
+    finally:
+        torch.set_num_threads(threads)
+    rec = adv.recommendation
+    assert adv.cost_curve["prefix_len"] > 0
+    assert rec["method"] is None and rec["slower"] == "ngram" and rec["measured"] == {"fixed": 0.8}
+    assert "measured 0.80x" in adv.reason and "keep plain decoding" in adv.reason
+
+
 def test_advise_prints_flags_the_cli_takes_for_a_pairing(tiny_dir, tmp_path, monkeypatch, capsys):
     """A recommended pairing (qdraft+ngram, the bench's and the server's per-request name) is printed as the
     CLI's flags, --speculative-method qdraft --speculative-lookup ngram, which `generate` parses (it printed

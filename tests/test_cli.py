@@ -76,6 +76,8 @@ def test_bad_paths_and_files_are_one_line(tmp_path):
     ["advise", "--prompts", "/nonexistent", "--k-max", "0"],
     ["eval-draft", str(HEAD), "--engine", "--prompts", "0"],
     ["train", "data", "--out", "/nonexistent-never-made", "--teacher-forced", "-3"],
+    ["train", "eagle3", "--data", "/nonexistent", "--out", "/nonexistent-never-made", "--eval-depth", "0"],
+    ["quantize", "--out", "/nonexistent-never-made", "--threads", "-1"],
 ])
 def test_sizes_below_their_minimum_are_usage_errors(args):
     """Counts and sizes parsed with a floor: argparse's usage error (exit 2) before anything runs (they

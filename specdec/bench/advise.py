@@ -138,7 +138,11 @@ def _reason(regime: str, ratio: float, batch: int, k_max: int, best: MethodEstim
         parts.append(f"the best method on your {n_prompts} prompts, {best.method}, had {best.acceptance_rate:.0%} of "
                      f"its drafted tokens accepted, {best.tokens_per_step:.2f} tokens per target step at k={best.best_k}, "
                      f"drafting costing {best.draft_cost_rel:.3f}x a target step per token")
-    if rec["method"] is None:
+    if rec.get("slower"):
+        parts.append(f"{rec['slower']} was expected at {best.expected_speedup:.2f}x but measured " + ", ".join(
+            f"{v:.2f}x {'at k=' + str(best.best_k) if name == 'fixed' else 'with adaptive k'}"
+            for name, v in rec["measured"].items()) + " against plain decoding on the same prompts: keep plain decoding")
+    elif rec["method"] is None:
         parts.append(f"the best expected gain is {best.expected_speedup if best else 1.0:.2f}x, under the "
                      f"{MIN_GAIN:.2f}x bar: keep plain decoding")
     else:
@@ -217,12 +221,12 @@ def advise(model: str, prompts: list[list[int]], dtype: str = "auto", threads: i
     n_threads = set_threads(threads)
     source = resolve_model(model, progress=False)
     dt = resolve_dtype(dtype)
-    max_len = max(len(p) for p in prompts) + max_tokens + 2 * k_max + 64
+    top = batch_size * (k_max + 1)  # the widest pass the cost curve measures, after `context` cached tokens
+    max_len = max(len(p) for p in prompts) + max_tokens + 2 * k_max + top + 64
     target = load_model(source.directory, dt, max_len)
     use_amx_tiles(target, amx)
     target.kv_cache_dtype = kv_cache_dtype_named(kv_cache_dtype)
     tokenizer = Tokenizer(source.directory)
-    top = batch_size * (k_max + 1)
     context = min(typical_context(prompts, max_tokens), max_len - top - 1)
     log(f"measuring the cost curve after {context} cached tokens ...")
     curve = measure_cost_curve(target, sorted(set(range(1, k_max + 2)) | {batch_size * j for j in range(1, k_max + 2)}
@@ -278,6 +282,9 @@ def advise(model: str, prompts: list[list[int]], dtype: str = "auto", threads: i
             rec.update(_verify(plain, best, spec, batch_size, prompts, max_tokens, log,
                                lambda config: SpecdecSystem(target, tokenizer, source.directory, best.method, config,
                                                             load_aux, **cfg.decoding)))
+            if rec["measured_speedup"] < 1.0:  # the estimate promised a gain the measurement did not see
+                rec.update(method=None, k=None, tree_size=None, speculative_config=None, adaptive=False,
+                           slower=best.method)
     reason = _reason(regime, ratio, batch_size, k_max, best, rec, len(prompts))
     return Advice(model, str(dt).replace("torch.", ""), n_threads, batch_size, len(prompts), regime, round(ratio, 3),
                   rec, reason, candidates, skipped, curve.to_dict(), cfg.decoding)

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from specdec.cli._common import at_least
-from specdec.config import ConfigError, check_method_name
+from specdec.config import ConfigError, check_method_name, split_method
 
 
 def register(sub) -> None:
@@ -26,8 +26,8 @@ def register(sub) -> None:
     p.add_argument("--engine", action="store_true", help="also decode MT-bench prompts with the engine")
     p.add_argument("--prompts", type=at_least(1), default=8)
     p.add_argument("--max-tokens", type=at_least(1), default=128)
-    p.add_argument("--num-steps", type=at_least(1), default=4)
-    p.add_argument("--eagle-topk", type=at_least(1), default=1)
+    p.add_argument("--num-steps", type=at_least(1), default=None, help="default: the method's, as served")
+    p.add_argument("--eagle-topk", type=at_least(1), default=None, help="default: the method's, as served")
     p.add_argument("--num-draft-tokens", type=int, default=None)
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="with --engine: draft this many tokens (a tree's nodes) every pass instead of adaptive k")
@@ -68,7 +68,7 @@ def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     from specdec.llm import load_target
-    from specdec.proposers.head_io import load_head
+    from specdec.proposers.head_io import check_head_fits, load_head
     from specdec.train.features import read_split, with_features
     from specdec.train.evaluate import chain_acceptance
 
@@ -85,6 +85,7 @@ def run(args) -> int:
     report: dict = {"head": str(args.head), "kind": head.cfg.kind}
     if args.data:
         _, target, _ = load_target(args.model, "float32", None, progress=False)
+        check_head_fits(head, target.config, args.head)
         held = with_features(target, [s for d in args.data for s in read_split(Path(d) / "heldout")],
                              head.cfg.aux_layers)
         depth = min(args.depth, head.cfg.medusa_num_heads) if head.cfg.kind == "medusa" else args.depth
@@ -108,7 +109,8 @@ def engine_compare(args, head) -> dict:
            "num_speculative_tokens": args.num_speculative_tokens}
     methods = {"plain": None, head.cfg.kind: {k: v for k, v in cfg.items() if v is not None}}
     for m in args.compare:
-        methods.setdefault(m, {"method": m})
+        method, lookup = split_method(m)  # qdraft+ngram: {"method": "qdraft", "lookup": "ngram"}
+        methods.setdefault(m, {"method": method, **({"lookup": lookup} if lookup else {})})
     base = LLM(args.model, dtype=args.dtype, num_threads=args.threads, progress=False)
     llms = {m: (base if c is None else LLM(args.model, speculative_config=c, dtype=args.dtype,
                                            num_threads=args.threads, progress=False)) for m, c in methods.items()}

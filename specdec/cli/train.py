@@ -59,7 +59,9 @@ def register(sub) -> None:
     _common(dm)
     dm.add_argument("--data", action="append", required=True)
     dm.add_argument("--draft", type=Path, default=None, help="draft model dir (default: make one from --layers)")
-    dm.add_argument("--layers", default="0,1,2,3,29", help="target layers of the truncated copy when --draft is absent")
+    dm.add_argument("--layers", default=None,
+                    help="target layers of the truncated copy when --draft is absent, e.g. 0,1,2,3,29 (default: "
+                         "make-draft's first-last choice of 5)")
     dm.add_argument("--epochs", type=float, default=1.0)
     dm.add_argument("--lr", type=float, default=1e-4)
     dm.set_defaults(func=run_distill)
@@ -90,7 +92,7 @@ def _train_args(p) -> None:
     p.add_argument("--intermediate-size", type=int, default=0, help="head MLP width (0: the target's)")
     p.add_argument("--medusa-heads", type=int, default=4)
     p.add_argument("--max-train-seqs", type=int, default=None)
-    p.add_argument("--eval-depth", type=int, default=5)
+    p.add_argument("--eval-depth", type=at_least(1), default=5, help="drafted tokens a held-out chain is scored over")
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--ckpt-every", type=int, default=10)
     p.add_argument("--save-dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
@@ -180,6 +182,21 @@ def run_head(args) -> int:
     return 0
 
 
+def _draft_layers(text: str | None, num_layers: int) -> list[int]:
+    from specdec.config import ConfigError
+    from specdec.train.make_draft import draft_layers
+
+    if text is None:
+        return draft_layers(num_layers, min(5, num_layers))
+    try:
+        layers = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--layers: comma-separated layer indices, got {text!r}") from None
+    if sorted(set(layers)) != layers or not 0 <= layers[0] <= layers[-1] < num_layers:
+        raise ConfigError(f"--layers: ascending distinct indices in [0, {num_layers}) for this model, got {text!r}")
+    return layers
+
+
 def run_distill(args) -> int:
     import torch
 
@@ -192,7 +209,7 @@ def run_distill(args) -> int:
     draft_dir = args.draft
     if draft_dir is None:
         draft_dir = args.out / "init"
-        save_model_dir(target, source.directory, draft_dir, [int(x) for x in args.layers.split(",")])
+        save_model_dir(target, source.directory, draft_dir, _draft_layers(args.layers, target.config.num_hidden_layers))
     draft = load_model(draft_dir, torch.float32)
     report = distill(target, draft, args.data, args.out, args.epochs, args.lr, seed=args.seed,
                      progress=not args.no_progress)

@@ -5,6 +5,9 @@ model or a head, and never mixes new files with an old directory's.
     check_new_dir(out)          # early, before the slow work: a clear error while it is cheap
     with new_dir(out) as tmp:   # write into tmp; renamed to out when the block ends without an error
         save_file(..., tmp / "model.safetensors")
+
+sync_replace(tmp, path) puts one written file in place durably (a training shard, a checkpoint): a file a
+resumed run trusts by its name alone must not be left empty or cut short by a crash of the machine.
 """
 from __future__ import annotations
 
@@ -21,6 +24,18 @@ def check_new_dir(out: Path) -> None:
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out} exists and is not an empty directory; give a new one")
+
+
+def sync_replace(tmp: Path, path: Path) -> None:
+    """Rename the written file tmp to path, its bytes on disk first and the rename after."""
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(Path(path).parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 @contextmanager

@@ -25,13 +25,12 @@ from pathlib import Path
 import torch
 
 from specdec.cache.draft_kv import DraftKV
-from specdec.config import ConfigError
 from specdec.model.cuda_graph import TOKEN_BUCKETS, GraphedModel
 from specdec.proposers import eagle_rows
 from specdec.proposers.chain import unsure
 from specdec.proposers.eagle_graph import GraphedHead
 from specdec.proposers.eagle_tree import dynamic_tree, rerank
-from specdec.proposers.head_io import default_head, load_head
+from specdec.proposers.head_io import check_head_fits, default_head, load_head
 from specdec.quant.bf16 import on_tiles
 from specdec.sampler import argmax, sample, warp
 from specdec.spec.proposer import EMPTY, Proposal, Proposer, RequestState, TargetOutput, register_proposer
@@ -61,12 +60,7 @@ class _EagleBase(Proposer):
         path = Path(cfg.model) if cfg.model else default_head(self.kind, ctx.target.config)
         self.device = ctx.target.device  # the head, its cache and every index live with the target
         self.head = load_head(path, ctx.dtype, ctx.target.config).to(self.device)  # upstream layouts too
-        if self.head.cfg.kind != self.kind:
-            raise ConfigError(f"{path} is a {self.head.cfg.kind} head, not {self.kind}")
-        tc = ctx.target.config
-        if (self.head.cfg.hidden_size, self.head.cfg.vocab_size) != (tc.hidden_size, tc.vocab_size):
-            raise ConfigError(f"{path}: head was trained for hidden {self.head.cfg.hidden_size} / vocab "
-                              f"{self.head.cfg.vocab_size}, the target has {tc.hidden_size} / {tc.vocab_size}")
+        check_head_fits(self.head, ctx.target.config, path, self.kind)
         if on_tiles(ctx.target):  # a bf16 target on AMX tiles: the head's matmuls too (heads.use_amx_tiles)
             self.head.use_amx_tiles(True)
         self.feature_layers = tuple(self.head.cfg.aux_layers)

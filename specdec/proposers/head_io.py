@@ -62,6 +62,20 @@ def load_head(path: Path, dtype: torch.dtype = torch.float32, target_config=None
     return head.to(dtype).eval().requires_grad_(False)
 
 
+def check_head_fits(head: torch.nn.Module, target_config, path, kind: str | None = None) -> None:
+    """A ConfigError unless `head` is a `kind` head made for this target: its hidden size, its vocabulary and
+    the target layers it reads (a head of another model failed as a shape error deep in a matmul)."""
+    cfg, tc = head.cfg, target_config
+    if kind is not None and cfg.kind != kind:
+        raise ConfigError(f"{path} is a {cfg.kind} head, not {kind}")
+    if (cfg.hidden_size, cfg.vocab_size) != (tc.hidden_size, tc.vocab_size):
+        raise ConfigError(f"{path}: head was trained for hidden {cfg.hidden_size} / vocab {cfg.vocab_size}, "
+                          f"the target has {tc.hidden_size} / {tc.vocab_size}")
+    if any(not 0 <= layer < tc.num_hidden_layers for layer in cfg.aux_layers):
+        raise ConfigError(f"{path}: head reads target layers {list(cfg.aux_layers)}, the target has "
+                          f"{tc.num_hidden_layers}")
+
+
 def default_head(kind: str, target_cfg) -> Path:
     """The shipped head of `kind` trained for this target (matched by architecture), if any."""
     for d in sorted(ASSETS.glob(f"*-{kind}")):

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.config import ConfigError
-from specdec.proposers.head_io import default_head, load_head
+from specdec.proposers.head_io import check_head_fits, default_head, load_head
 from specdec.spec.proposer import EMPTY, Proposal, Proposer, RequestState, TargetOutput, register_proposer
 
 
@@ -50,8 +49,7 @@ class MedusaProposer(Proposer):
         cfg = ctx.config
         path = Path(cfg.model) if cfg.model else default_head("medusa", ctx.target.config)
         self.head = load_head(path, ctx.dtype)
-        if self.head.cfg.kind != "medusa":
-            raise ConfigError(f"{path} is a {self.head.cfg.kind} head, not medusa")
+        check_head_fits(self.head, ctx.target.config, path, "medusa")
         self.lm_head = ctx.target.lm_head.weight
         K = self.head.cfg.medusa_num_heads
         acc = [list(r) for r in self.head.cfg.medusa_accuracy] or [[0.5 ** (i + 1) * 0.5 ** r for r in range(10)]

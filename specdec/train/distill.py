@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from specdec.config import ConfigError
 from specdec.model.layers import apply_rotary
-from specdec.train.features import Shard, read_split, token_counts, with_features
+from specdec.train.features import Shard, token_counts, train_and_heldout, with_features
 
 
 def train_forward(model, ids: torch.Tensor) -> torch.Tensor:
@@ -74,8 +74,7 @@ def distill(target, draft, data_dirs: list[str], out: Path, epochs: float = 1.0,
     from tqdm import tqdm
 
     torch.manual_seed(seed)
-    train = [s for d in data_dirs for s in read_split(Path(d) / "train")]
-    held = [s for d in data_dirs for s in read_split(Path(d) / "heldout")]
+    train, held = train_and_heldout(data_dirs)
     if not train:
         raise ConfigError(f"no training sequences under {', '.join(str(Path(d) / 'train') for d in data_dirs)} "
                           f"(a dataset from `specdec train data`)")

@@ -20,7 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+
+from specdec.config import ConfigError
+from specdec.model.output_dir import sync_replace
 
 
 @dataclass
@@ -58,11 +62,14 @@ def write_shard(path: Path, seqs: list[Shard.Sequence]) -> None:
             tensors[f"aux.{layer}"] = torch.cat([s.aux[layer] for s in seqs]).half().contiguous()
     tmp = path.with_suffix(".tmp")
     save_file(tensors, str(tmp))
-    tmp.replace(path)  # a killed run never leaves a half-written shard behind
+    sync_replace(tmp, path)  # neither a killed run nor a crashed machine leaves a half-written shard behind
 
 
 def read_shard(path: Path) -> list[Shard.Sequence]:
-    t = load_file(str(path))
+    try:
+        t = load_file(str(path))
+    except (SafetensorError, OSError) as e:
+        raise ConfigError(f"{path} cannot be read ({e}); delete it and run the data step again to remake it") from None
     off, seqs = t["offsets"].tolist(), []
     aux_keys = [k for k in t if k.startswith("aux.")]
     for s in range(len(off) - 1):
@@ -81,6 +88,17 @@ def read_split(directory: Path, limit: int | None = None) -> list[Shard.Sequence
         if limit is not None and len(seqs) >= limit:
             return seqs[:limit]
     return seqs
+
+
+def train_and_heldout(data_dirs, max_train: int | None = None) -> tuple[list[Shard.Sequence], list[Shard.Sequence]]:
+    """The train and held-out sequences of the data directories; a train sequence on a held-out prompt
+    (another directory's: teacher-forced data draws on the same ShareGPT first turns) is left out, as it
+    would measure a drafter on what it was trained on."""
+    held = [s for d in data_dirs for s in read_split(Path(d) / "heldout")]
+    held_prompts = {tuple(s.tokens[:s.prompt_len]) for s in held}
+    train = [s for d in data_dirs for s in read_split(Path(d) / "train")
+             if tuple(s.tokens[:s.prompt_len]) not in held_prompts][:max_train]
+    return train, held
 
 
 @torch.inference_mode()

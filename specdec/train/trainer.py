@@ -32,10 +32,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specdec.config import ConfigError, check_minimums
+from specdec.config import ConfigError, check_minimums, read_json_object
+from specdec.model.output_dir import sync_replace
 from specdec.proposers.head_io import load_head, make_head, save_head
 from specdec.proposers.heads import HeadConfig
-from specdec.train.features import Shard, read_split, token_counts, with_features
+from specdec.train.features import Shard, token_counts, train_and_heldout, with_features
 from specdec.train.vocab import grow_vocab, rank_vocab
 
 
@@ -46,7 +47,7 @@ class TrainSpec:
     out: str
     epochs: float = 2.0
     lr: float = 1e-3
-    warmup: int = 20
+    warmup: int = 10
     batch_size: int = 8
     max_len: int = 512  # tokens per sequence used for training
     ttt_steps: int = 2  # training-time test depth (1 = plain teacher forcing)
@@ -57,7 +58,7 @@ class TrainSpec:
     weight_decay: float = 0.0
     seed: int = 0
     eval_every: int = 50
-    ckpt_every: int = 25
+    ckpt_every: int = 10
     max_train_seqs: int | None = None
     save_dtype: str = "bfloat16"
     init_from: str | None = None  # a head dir: fine-tune its weights and draft vocabulary (fresh optimizer)
@@ -93,20 +94,34 @@ def _pad(seqs: list[Shard.Sequence], max_len: int, aux_layers: tuple[int, ...]):
     return tokens, mask, hidden, aux
 
 
+def read_data_meta(data_dirs, target_config) -> dict:
+    """The first data directory's meta.json, every directory's checked against the target and the others
+    (data made from another model failed deep in a matmul; features from other layers trained nonsense)."""
+    metas = []
+    for d in data_dirs:
+        path = Path(d) / "meta.json"
+        if not path.exists():
+            raise ConfigError(f"{d}: no meta.json (not a directory made by `specdec train data`)")
+        meta = read_json_object(path)
+        made = (meta.get("hidden_size"), meta.get("num_layers"))
+        if made != (target_config.hidden_size, target_config.num_hidden_layers):
+            raise ConfigError(f"{d}: data from a model of hidden size {made[0]} and {made[1]} layers, not this "
+                              f"target's {target_config.hidden_size} and {target_config.num_hidden_layers}")
+        metas.append(meta)
+    if len({tuple(m.get("aux_layers") or ()) for m in metas}) > 1:
+        raise ConfigError("the data directories hold features of different target layers (aux_layers)")
+    return metas[0]
+
+
 class Trainer:
     def __init__(self, spec: TrainSpec, target, progress: bool = True):
         self.spec, self.target, self.progress = spec, target, progress
         self.device = target.device
         self.out = Path(spec.out)
         torch.manual_seed(spec.seed)
-        meta = json.loads((Path(spec.data[0]) / "meta.json").read_text())
-        self.aux_layers = tuple(meta["aux_layers"]) if spec.kind == "eagle3" else ()
-        held = [s for d in spec.data for s in read_split(Path(d) / "heldout")]
-        # a train sequence on a held-out prompt (another data directory's: teacher-forced data draws on the
-        # same ShareGPT first turns) would measure the head on what it was trained on
-        held_prompts = {tuple(s.tokens[:s.prompt_len]) for s in held}
-        self.train = [s for d in spec.data for s in read_split(Path(d) / "train")
-                      if tuple(s.tokens[:s.prompt_len]) not in held_prompts][:spec.max_train_seqs]
+        meta = read_data_meta(spec.data, target.config)
+        self.aux_layers = tuple(meta.get("aux_layers", ())) if spec.kind == "eagle3" else ()
+        self.train, held = train_and_heldout(spec.data, spec.max_train_seqs)
         if not self.train:  # (the batches would cycle over empty epochs forever)
             raise ConfigError(f"no training sequences in {', '.join(map(str, spec.data))} (train/ shards)")
         self.heldout = with_features(target, held, self.aux_layers)  # online shards: computed once here
@@ -118,7 +133,7 @@ class Trainer:
         self.head = make_head(cfg)  # on the CPU until its vocabulary is set, then on self.device
         self.counts = token_counts(self.train, tc.vocab_size)
         self.embed = target.embed.weight.detach()
-        self._use_vocab(rank_vocab(self.counts, spec.draft_vocab_size or tc.vocab_size,
+        self._use_vocab(rank_vocab(self.counts, min(spec.draft_vocab_size or tc.vocab_size, tc.vocab_size),
                                    always=list(tc.eos_token_id)))  # the end-of-turn token is always draftable
         self.head.set_vocab(self.draft_ids.cpu())
         self.head.to(self.device)
@@ -131,6 +146,7 @@ class Trainer:
         steps_per_epoch = math.ceil(len(self.train) / spec.batch_size)
         self.total_steps = self.planned_steps = max(int(spec.epochs > 0), int(spec.epochs * steps_per_epoch))
         self.step, self.history = 0, []
+        self.seconds_before = 0.0  # training time of the runs this one resumes (max_seconds spans them all)
 
     def _use_vocab(self, draft_ids: torch.Tensor) -> None:
         """The draft vocabulary [Vd] (ascending target ids) that the loss and the head share."""
@@ -250,24 +266,44 @@ class Trainer:
                     yield [self.train[j] for j in chunk[i:i + bs]]
             epoch += 1
 
-    def save_checkpoint(self) -> None:
+    def settings(self) -> dict:
+        """What a resumed run must share with the run it resumes: the head's shape and the schedule. The data
+        may grow (a run resumed on more shards; the checkpoint's vocabulary wins), and the output, the
+        cadence of evaluations and checkpoints and the saved dtype may change."""
+        return {k: v for k, v in asdict(self.spec).items()
+                if k not in ("data", "max_train_seqs", "out", "eval_every", "ckpt_every", "save_dtype")}
+
+    def save_checkpoint(self, seconds_this_run: float = 0.0) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         state = {"head": self.head.state_dict(), "opt": self.opt.state_dict(), "step": self.step,
-                 "rng": torch.get_rng_state(), "history": json.dumps(self.history)}
+                 "rng": torch.get_rng_state(), "history": json.dumps(self.history),
+                 "settings": json.dumps(self.settings()), "total_steps": self.total_steps,
+                 "seconds": self.seconds_before + seconds_this_run}
         torch.save(state, self.out / "checkpoint.tmp")
-        (self.out / "checkpoint.tmp").replace(self.out / "checkpoint.pt")
+        sync_replace(self.out / "checkpoint.tmp", self.out / "checkpoint.pt")
 
     def maybe_resume(self) -> bool:
         path = self.out / "checkpoint.pt"
         if not path.exists():
             return False
-        state = torch.load(path, weights_only=True, map_location=self.device)
+        try:
+            state = torch.load(path, weights_only=True, map_location=self.device)
+        except (RuntimeError, OSError, EOFError) as e:  # a checkpoint cut short (a crash of the machine)
+            raise ConfigError(f"{path} cannot be read ({str(e).splitlines()[0][:120]}); delete it to start over")
+        saved = json.loads(state.get("settings", "null"))
+        changed = sorted(k for k in (saved or {}) if saved[k] != json.loads(json.dumps(self.settings())).get(k))
+        if changed:  # the batches skipped, the schedule and the head's shape all follow the settings
+            raise ConfigError(f"{self.out} holds a run with other settings ({', '.join(changed)}: "
+                              f"{', '.join(repr(saved[k]) for k in changed)}); resume with those, or use a new --out")
         self.head.load_state_dict(state["head"])
         # the checkpoint's draft vocabulary wins: new data (a resumed run on more shards) would rank
         # another top-Vd set, and the head's rows follow the vocabulary it was trained with
         self._use_vocab(self.head.draft_ids.clone())
         self.opt.load_state_dict(state["opt"])
         self.step, self.history = int(state["step"]), json.loads(state["history"])
+        if self.spec.max_seconds is not None:  # the steps as the time budget had cut them
+            self.total_steps = int(state.get("total_steps", self.total_steps))
+        self.seconds_before = float(state.get("seconds", 0.0))
         torch.set_rng_state(state["rng"].cpu())
         return True
 
@@ -310,9 +346,9 @@ class Trainer:
                 bar.write(json.dumps(rec))
                 self._fit_budget(start_step, time.perf_counter() - t0, bar)
             if self.step % self.spec.ckpt_every == 0:
-                self.save_checkpoint()
+                self.save_checkpoint(time.perf_counter() - t0)
         bar.close()
-        self.save_checkpoint()
+        self.save_checkpoint(time.perf_counter() - t0)
         return {"resumed": resumed, "train_tokens_this_run": seen, "seconds_this_run": time.perf_counter() - t0}
 
     def _fit_budget(self, start_step: int, elapsed: float, bar) -> None:
@@ -321,7 +357,7 @@ class Trainer:
         if self.spec.max_seconds is None or self.step <= start_step:
             return
         pace = elapsed / (self.step - start_step)
-        fits = self.step + max(0, int((self.spec.max_seconds - elapsed) / pace))
+        fits = self.step + max(0, int((self.spec.max_seconds - self.seconds_before - elapsed) / pace))
         self.total_steps = max(self.step, min(self.planned_steps, fits))
         bar.total = self.total_steps
         bar.refresh()
