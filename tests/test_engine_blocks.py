@@ -161,3 +161,28 @@ def test_text_pieces_cut_the_text_at_token_starts():
                     prev = owner[c]
                 want[-1][0] += text[c]
             assert Sequence.text_pieces(seq, start, end) == [tuple(w) for w in want], (start, end)
+
+
+def test_generated_blocks_are_cached_only_where_prompt_and_decode_passes_agree(tiny_dir, monkeypatch):
+    """Where a model's prompt passes run other kernels than its decode passes (a bf16 prompt on oneDNN, on a
+    CPU whose oneDNN is row-invariant), a later prompt hitting keys/values a decode pass wrote would differ
+    bitwise from its own cold prefill: only blocks wholly inside the prompt are cached there."""
+    from specdec.engine import engine as engine_mod
+    from specdec.llm import LLM
+
+    seq = FakeSeq(range(14))
+    seq.prompt_ids = list(range(9))  # a 9-token prompt, 5 generated tokens: blocks [0..3] [4..7] prompt-only
+    for cache_generated, cached in ((True, 3), (False, 2)):
+        bm = BlockManager(16, 4, cache_generated=cache_generated)
+        s = FakeSeq(seq.token_ids)
+        s.prompt_ids = seq.prompt_ids
+        _run(bm, s)
+        assert len(s.block_hashes) == cached
+    llm = LLM(str(tiny_dir("llama")), dtype="float32", max_model_len=64, progress=False, num_threads=1)
+    assert engine_mod.Engine(llm).blocks.cache_generated  # prompt passes on the decode passes' kernels
+    monkeypatch.setattr(engine_mod, "exact_prompt_passes", lambda model: False)  # a row-invariant oneDNN
+    llm.model.prefill_matmul_dtype = torch.bfloat16
+    try:
+        assert not engine_mod.Engine(llm).blocks.cache_generated
+    finally:
+        llm.model.prefill_matmul_dtype = None

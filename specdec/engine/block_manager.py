@@ -26,10 +26,15 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 cache_generated: bool = True):
+        """cache_generated: whether blocks holding generated tokens are cached too. Not where a model's prompt
+        passes run other kernels than its decode passes (a bf16 prompt on oneDNN, decoding on vdpbf16ps):
+        a prompt hitting keys/values a decode pass wrote would differ bitwise from its cold prefill."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError("need num_blocks >= 1 and block_size >= 1")
         self.block_size = block_size
+        self.cache_generated = cache_generated
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_ids: list[int] = list(range(num_blocks - 1, -1, -1))  # uncached free blocks (a stack)
         self.prefix = PrefixCache()
@@ -93,7 +98,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs, tokens = self.block_size, None
-        for i in range(len(seq.block_hashes), seq.num_computed // bs):
+        final = seq.num_computed if self.cache_generated else min(seq.num_computed, len(seq.prompt_ids))
+        for i in range(len(seq.block_hashes), final // bs):
             tokens = tokens if tokens is not None else seq.token_ids
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
             parent = seq.block_hashes[-1] if seq.block_hashes else ROOT

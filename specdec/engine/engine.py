@@ -144,7 +144,9 @@ class Engine:
         if num_blocks * config.block_size < self.max_model_len + 1:
             raise ConfigError(f"{num_blocks} KV blocks of {config.block_size} cannot hold one sequence of "
                               f"max_model_len {self.max_model_len}; raise the KV memory or lower --max-model-len")
-        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # (prompt passes on the decode passes' kernels: a generated token's keys/values are a prompt pass's too)
+        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                   cache_generated=getattr(self.model, "prefill_matmul_dtype", None) is None)
         self.pool = PagedKVPool.for_model(self.model.config, num_blocks, config.block_size, kv_dtype(self.model))
         self.runner = ModelRunner(self.model, self.pool)
         self.spec.pool = self.pool
