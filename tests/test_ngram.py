@@ -24,7 +24,7 @@ def test_index_grown_step_by_step_equals_a_full_scan():
         vocab = rng.choice([3, 5, 20])  # small vocabularies: many repeats, overlapping matches
         prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))]
         output: list[int] = []
-        n_min, n_max = rng.choice([(1, 4), (2, 3), (1, 1), (3, 6)])
+        n_min, n_max = rng.choice([(1, 4), (2, 3), (1, 1), (3, 6), (1, 64)])
         index = NgramIndex(n_min, n_max)
         for step in range(40):
             assert index.follows(prompt, output)
@@ -47,3 +47,27 @@ def test_a_context_that_does_not_extend_the_index_is_not_followed():
     assert index.follows(prompt, output + [1])
     index.extend(prompt, output + [1])
     assert index.lookup(1, 3, 2) == ([2, 3], 1)  # [1] last seen at 3, followed by 2, 3
+
+
+def test_a_wide_match_range_indexes_a_long_prompt_in_little_memory_and_time():
+    """prompt_lookup_max 64 on a 2,048-token prompt: the index once held a tuple of every n-gram (45 MB,
+    0.76 s); keyed by rolling hash it holds one int a window. A forced collision costs a missed draft, never a
+    wrong one."""
+    import sys
+    import time
+
+    rng = random.Random(1)
+    prompt = [rng.randrange(50) for _ in range(2048)]
+    index = NgramIndex(1, 64)
+    t0 = time.perf_counter()
+    index.extend(prompt, [])
+    assert time.perf_counter() - t0 < 2.0
+    assert all(type(key) is int for key in index.latest)
+    assert sys.getsizeof(index.latest) < 20e6
+    assert index.lookup(1, 64, 3) == scan(prompt, 1, 64, 3)
+    # every window of a length hashed alike: each probe finds the latest window of that length ([9, 2], [2]),
+    # whose tokens differ from the suffix's: no draft, where unchecked it would have drafted what followed them
+    index = NgramIndex(1, 4)
+    index._key = lambda start, end: end - start
+    index.extend([1, 2, 3, 9, 2, 3], [])
+    assert index.lookup(1, 4, 2) == ([], 0)
