@@ -109,12 +109,16 @@ class ModelConfig:
             rope_scaling=cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", model_type == "qwen2"),
+            attention_bias=model_type == "qwen2",  # transformers: Qwen2's q/k/v always have a bias
             qk_norm=model_type == "qwen3",
             model_type=model_type,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos,
         )
+        if model_type != "qwen2" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
+            # transformers' Llama puts attention_bias on o_proj too, mlp_bias on the MLP: not in this runtime
+            raise ConfigError(f"{model_type}: attention_bias / mlp_bias models are not supported")
+        _check_rope(fields["rope_theta"], fields["rope_scaling"])
         if model_type == "gemma3":
             fields.update(_gemma3_fields(cfg))
         elif cfg.get("sliding_window") and (model_type == "mistral" or cfg.get("use_sliding_window")):
@@ -139,6 +143,27 @@ class ModelConfig:
         norms = 4 * h + 2 * self.head_dim if self.model_type == "gemma3" else 2 * h
         per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + norms
         return L * per_layer + v * h * (1 if self.tie_word_embeddings else 2) + h
+
+
+def _check_rope(theta, scaling) -> None:
+    """RoPE settings the runtime computes as transformers does, or a ConfigError naming what is off."""
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+        raise ConfigError(f"rope_theta must be a positive number, got {theta!r}")
+    if scaling is None:
+        return
+    if not isinstance(scaling, dict):
+        raise ConfigError(f"rope_scaling must be an object, got {scaling!r}")
+    kind = scaling.get("rope_type", scaling.get("type"))
+    needs = {None: (), "default": (), "linear": ("factor",),
+             "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+    if kind not in needs:
+        raise ConfigError(f"rope_scaling type {kind!r} is not supported (linear and llama3 are)")
+    bad = [k for k in needs[kind] if isinstance(scaling.get(k), bool) or not isinstance(scaling.get(k), (int, float))
+           or not scaling[k] > 0]
+    if bad:
+        raise ConfigError(f"rope_scaling {kind}: {', '.join(bad)} must be positive numbers")
+    if kind == "llama3" and not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
+        raise ConfigError("rope_scaling llama3: high_freq_factor must exceed low_freq_factor")
 
 
 def _gemma3_fields(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -260,3 +260,59 @@ def test_bos_from_the_post_processor_when_the_config_does_not_say(tmp_path, smol
     (tmp_path / "tokenizer.json").write_text(json.dumps(tj))
     tok = Tokenizer(tmp_path)
     assert tok.add_bos and tok.encode("hi")[0] == bos_id and tok.encode("hi", add_special_tokens=False)[0] != bos_id
+
+
+def _copy_model(src, dst, config_change=None, tensors_change=None):
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    if config_change:
+        cfg = json.loads((dst / "config.json").read_text())
+        cfg.update(config_change)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    if tensors_change:
+        t = load_file(str(dst / "model.safetensors"))
+        tensors_change(t)
+        save_file(t, str(dst / "model.safetensors"))
+    return dst
+
+
+def test_configs_the_runtime_would_compute_wrongly_are_refused(tiny_dir, tmp_path):
+    """RoPE settings it does not compute as transformers does, o_proj / MLP biases it has no place for, a
+    vocabulary that is not the embedding's, an untied head missing: one-line errors (they were tracebacks,
+    or silently dropped weights)."""
+    src = tiny_dir("llama")
+    base = json.loads((src / "config.json").read_text())
+    bad = [({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "yarn"),
+           ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
+           ({"rope_scaling": "linear"}, "object"), ({"rope_theta": None}, "rope_theta"),
+           ({"attention_bias": True}, "attention_bias"), ({"mlp_bias": True}, "mlp_bias")]
+    for change, why in bad:
+        with pytest.raises(ConfigError, match=why):
+            ModelConfig.from_hf({**base, **change, "rope_parameters": None})
+    qwen2 = json.loads((tiny_dir("qwen2") / "config.json").read_text())
+    assert ModelConfig.from_hf({**qwen2, "attention_bias": False}).attention_bias  # as transformers' Qwen2 has
+    with pytest.raises(ConfigError, match="embed"):
+        load_model(_copy_model(src, tmp_path / "vocab", {"vocab_size": base["vocab_size"] + 8}))
+    untied = _copy_model(src, tmp_path / "untied", {"tie_word_embeddings": False},
+                         lambda t: t.pop("lm_head.weight", None))
+    with pytest.raises(ConfigError, match="lm_head"):
+        load_model(untied)
+
+
+def test_an_index_names_the_shards_read(tiny_dir, tmp_path):
+    """A hub snapshot may hold the shards and a consolidated copy: with model.safetensors.index.json only
+    its shards are read (the copy's weights were read too, and could override the shards' in file order)."""
+    from safetensors.torch import load_file, save_file
+
+    d = _copy_model(tiny_dir("llama"), tmp_path / "m")
+    weights = load_file(str(d / "model.safetensors"))
+    (d / "model.safetensors").rename(d / "model-00001-of-00001.safetensors")
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {k: "model-00001-of-00001.safetensors" for k in weights}}))
+    save_file({k: torch.zeros_like(v) for k, v in weights.items()}, str(d / "consolidated.safetensors"))
+    model = load_model(d)
+    assert torch.equal(model.embed.weight, weights["model.embed_tokens.weight"])
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "../elsewhere.safetensors"}}))
+    with pytest.raises(ConfigError, match="not in"):
+        load_model(d)

@@ -92,6 +92,11 @@ def _hf_config(reader, arch: str, n_tensors: dict) -> dict:
     }
     if arch == "qwen2":
         cfg["attention_bias"] = True
+    kind = _field(reader, p + "rope.scaling.type")
+    scaled = kind not in (None, "none") and _field(reader, p + "rope.scaling.factor") not in (None, 1.0)
+    if arch != "gemma3" and (scaled or "rope_freqs.weight" in n_tensors):  # (llama.cpp's Llama 3.1+ factors)
+        raise ConfigError(f"{arch} GGUF: RoPE scaling is not supported from GGUF (decoding without it would be "
+                          "wrong); load the model's Hugging Face directory")
     if arch == "gemma3":
         del cfg["hidden_act"]
         cfg.update(_gemma3_config(reader, cfg))
@@ -160,8 +165,6 @@ def _tensors(reader, cfg: dict, arch: str, progress: bool) -> dict[str, torch.Te
             if arch == "llama" and rest in ("attn_q.weight", "attn_k.weight"):
                 heads = cfg["num_attention_heads"] if rest == "attn_q.weight" else cfg["num_key_value_heads"]
                 w = _unpermute(w, heads)
-        elif name == "rope_freqs.weight":
-            continue  # llama3 scaling factors; handled through rope_scaling when present
         else:
             raise ConfigError(f"unsupported GGUF tensor {name!r}")
         if arch == "gemma3" and name.endswith("norm.weight"):

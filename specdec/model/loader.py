@@ -21,7 +21,7 @@ from specdec.model.llama import LlamaModel
 from specdec.model.memory import move_to_huge_pages
 from specdec.model.registry import architecture
 
-CONVERTER_VERSION = "1"
+CONVERTER_VERSION = "2"  # bump whenever a conversion's output changes (2: GGUF tokenizers, S44)
 
 
 @dataclass(frozen=True)
@@ -145,7 +145,17 @@ def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
 
 def read_safetensors_dir(directory: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a directory's *.safetensors files (never pickles); a ConfigError names a bad file."""
-    files = sorted(directory.glob("*.safetensors"))
+    index = directory / "model.safetensors.index.json"
+    if index.exists():  # its shards only (a hub snapshot may also hold a consolidated copy of every weight)
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ConfigError(f"{index}: no weight_map of tensor names to files")
+        files = [directory / f for f in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.exists() or f.parent.resolve() != directory.resolve()]
+        if missing:
+            raise ConfigError(f"{index} names shards that are not in {directory}: {missing[:3]}")
+    else:
+        files = sorted(directory.glob("*.safetensors"))
     if not files:
         bins = list(directory.glob("*.bin"))
         hint = " (only pickle .bin files, which specdec refuses to load)" if bins else ""
@@ -159,6 +169,15 @@ def read_safetensors_dir(directory: Path) -> dict[str, torch.Tensor]:
         except Exception as e:  # safetensors raises SafetensorError and others on corrupt files
             raise ConfigError(f"corrupt weights file {f}: {e}") from None
     return tensors
+
+
+def check_shapes(model: torch.nn.Module, sd: dict[str, torch.Tensor], directory) -> None:
+    """A ConfigError unless every weight has the shape the config gives (a vocab_size that is not the
+    embedding's rows, q/k/v of other widths were a RuntimeError from load_state_dict)."""
+    expected = model.state_dict()
+    for k, v in sd.items():
+        if k in expected and tuple(v.shape) != tuple(expected[k].shape):
+            raise ConfigError(f"{directory}: {k} is {list(v.shape)}, the config says {list(expected[k].shape)}")
 
 
 def hf_to_specdec(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -199,6 +218,7 @@ def load_model(directory: Path, dtype: torch.dtype = torch.float32, max_len: int
         sd = arch.from_hf(read_safetensors_dir(directory), cfg)
     except KeyError as e:
         raise ConfigError(f"{directory}: weights missing tensor {e}") from None
+    check_shapes(model, sd, directory)
     model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight

@@ -24,7 +24,10 @@ from specdec.model.llama import LlamaModel
 def llama_from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Rename HF keys to ours and fuse q/k/v and gate/up."""
     sd = {"embed.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
-    sd["lm_head.weight"] = hf.get("lm_head.weight", hf["model.embed_tokens.weight"])
+    if "lm_head.weight" in hf or not cfg.tie_word_embeddings:  # (a missing untied head: a missing tensor)
+        sd["lm_head.weight"] = hf["lm_head.weight"]
+    else:
+        sd["lm_head.weight"] = hf["model.embed_tokens.weight"]
     for i in range(cfg.num_hidden_layers):
         p, o = f"model.layers.{i}.", f"layers.{i}."
         sd[o + "input_norm.weight"] = hf[p + "input_layernorm.weight"]
