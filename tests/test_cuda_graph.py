@@ -80,14 +80,14 @@ def test_eager_fallbacks_and_buckets(tiny_dir):
     assert graphed.config is model.config and graphed.max_len == model.max_len
 
 
-def _graphed_llm(method: dict | None):
+def _graphed_llm(method: dict | None, max_model_len: int | None = None):
     """The real model behind a GraphedModel, built as LLM builds it on a GPU (proposer included), on the CPU."""
     from specdec import LLM
     from specdec.config import SpeculativeConfig
     from specdec.spec.decoder import SpeculativeDecoder
     from specdec.spec.proposer import ProposerContext, make_proposer
 
-    llm = LLM("smollm2-135m", dtype="float32", progress=False)
+    llm = LLM("smollm2-135m", dtype="float32", progress=False, max_model_len=max_model_len)
     graphed = GraphedModel(llm.model)
     config = SpeculativeConfig.from_dict(method)
     proposer = None if config is None else make_proposer(ProposerContext(
@@ -222,3 +222,22 @@ def test_cuda_graph_data_generation_equals_uncaptured(tiny_dir):
     assert [s.tokens for s in got] == [s.tokens for s in ref] and graphed.calls.num_graphs >= 1
     for a, b in zip(got, ref):
         torch.testing.assert_close(a.hidden, b.hidden)
+
+
+def test_graphed_head_on_a_short_prompt_and_at_the_end_of_its_rotary_table():
+    """A prompt whose rows fit one bucket (no chat template: a few tokens) reached the graphed head before
+    any digest had set the draft's last output (a KeyError on the GPU); near the end of the context, a draft
+    whose num_steps would run past the head's rotary table falls back to the eager head, which stops at k,
+    instead of indexing past the table (a device-side assert in a replay)."""
+    from specdec import LLM, SamplingParams
+    from specdec.model.layers import Rotary
+
+    plain = LLM("smollm2-135m", dtype="float32", progress=False, max_model_len=64)
+    llm, graphed, proposer = _graphed_llm({"method": "eagle3", "num_steps": 6, "adaptive": False}, max_model_len=64)
+    cfg = proposer.head.cfg
+    proposer.head.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, 64)  # the context's length
+    ids = llm.tokenizer.encode("The capital of France is Paris. The capital of Italy is Rome. The capital of")
+    params = SamplingParams(temperature=0.0, max_tokens=64 - len(ids), ignore_eos=True)  # to the context's end
+    want = plain.generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids
+    out = llm.generate({"prompt_token_ids": ids}, params)[0].outputs[0]
+    assert out.token_ids == want and proposer.graphed.stats()["replays"] > 0

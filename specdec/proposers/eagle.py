@@ -225,7 +225,10 @@ class _EagleBase(Proposer):
             rows = None
         st["cache"].length = st["len"]
         feats, tokens = rows if rows is not None else (None, [])
-        got = self.graphed.digest_and_draft("tree" if tree else "chain", feats, tokens, st["offset"], st["g"],
+        g = st.get("g")  # (none before a prompt's first digest: unused when rows are digested, as here)
+        if g is None:
+            g = torch.zeros(1, 1, self.head.cfg.hidden_size, dtype=self.ctx.dtype, device=self.device)
+        got = self.graphed.digest_and_draft("tree" if tree else "chain", feats, tokens, st["offset"], g,
                                             self.num_steps, self.topk if tree else 1, self.embed, self.draft_ids,
                                             self.lm_head)
         if got is None:

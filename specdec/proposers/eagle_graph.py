@@ -107,7 +107,10 @@ class GraphedHead:
         nb = bucket_of(n) if n else 0
         spec_rows = num_steps if kind == "chain" else (num_steps - 1) * topk
         keys = None if nb is None else key_span(start + nb + spec_rows, self.cache.k.shape[2])
-        if keys is None or start + n + spec_rows > self.capacity:
+        # the whole num_steps are drafted (then cut to k): their positions must be in the head's rotary table,
+        # as the eager paths' (which stop at k) and the C tree's are
+        last_position = offset + start + n + num_steps - 1
+        if keys is None or start + n + spec_rows > self.capacity or last_position >= self.head.rotary.cos.shape[0]:
             return None
         dev, H = g.device, g.shape[-1]
         F = feats.shape[-1] if n else 1
