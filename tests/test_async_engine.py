@@ -75,3 +75,38 @@ def test_a_refused_request_fails_alone(llm):
 
     assert len(asyncio.run(main())) == 6
     assert engine.blocks.num_used == 0
+
+
+def test_an_unexpected_error_handling_a_request_or_stats_fails_only_that(llm):
+    """An add that raises something other than the engine's ValueError, or a stats callback that raises,
+    once ended the engine thread: every later request then waited forever. Now the request fails alone."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine = Engine(llm, EngineConfig(max_num_seqs=4, block_size=8))
+    real_add = engine.add_request
+
+    def add(req):
+        if req.request_id == "bad":
+            raise RuntimeError("a bug in add_request")
+        return real_add(req)
+
+    engine.add_request = add
+    calls = []
+
+    def stats(_):
+        calls.append(1)
+        raise KeyError("a bug in the metrics")
+
+    async def main():
+        runner = AsyncEngine(engine, on_stats=stats)
+        runner.start()
+        try:
+            with pytest.raises(RuntimeError, match="a bug in add_request"):
+                await asyncio.wait_for(_collect(runner, EngineRequest("bad", [5, 6, 7], params)), 30)
+            good = EngineRequest("good", llm.tokenizer.encode(PROMPTS[0]), params)
+            return await asyncio.wait_for(_collect(runner, good), 60), runner.alive
+        finally:
+            runner.shutdown()
+
+    ids, alive = asyncio.run(main())
+    assert len(ids) == 6 and alive and calls
+    assert engine.blocks.num_used == 0

@@ -443,3 +443,21 @@ def test_bench_serve_checks_its_speculative_config(tmp_path):
             check_args(p.parse_args(["--speculative-config", bad, "--out", str(tmp_path)]))
     good = '{"eagle_topk": 3, "num_steps": 3, "num_draft_tokens": 9}'
     assert check_args(p.parse_args(["--speculative-config", good, "--out", str(tmp_path)])) == ([1, 4, 16], [float("inf")])
+
+
+def test_bench_serve_refuses_a_value_twice_and_counts_a_connection_error_as_a_failure(tmp_path):
+    """--settings on,on started two servers under one name (the first left running); --concurrency 4,4 kept
+    one run's ratio. A request whose connection fails is that request's failure, not the end of the bench."""
+    import argparse
+    import asyncio
+
+    from specdec.bench.serve_bench import add_arguments, check_args, drive
+    from specdec.config import ConfigError
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    for flag, value in (("--settings", "on,on"), ("--concurrency", "4,4"), ("--request-rate", "1,1")):
+        with pytest.raises(ConfigError, match=flag):
+            check_args(p.parse_args([flag, value, "--out", str(tmp_path)]))
+    results, seconds = asyncio.run(drive("http://127.0.0.1:9", [("hi", 4)] * 2, 2, 50.0, 0))  # nothing listens
+    assert len(results) == 2 and all("error" in r for r in results) and seconds < 5

@@ -31,6 +31,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from itertools import islice
 from pathlib import Path
@@ -119,6 +120,15 @@ def sharegpt_workload(tokenizer, n: int, max_prompt: int, max_output: int, seed:
 
 
 async def _one(client, url: str, prompt: str, max_tokens: int) -> dict:
+    import httpx
+
+    try:
+        return await _stream_one(client, url, prompt, max_tokens)
+    except httpx.HTTPError as e:  # the connection refused or dropped: this request failed
+        return {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+
+
+async def _stream_one(client, url: str, prompt: str, max_tokens: int) -> dict:
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
@@ -154,12 +164,13 @@ async def drive(url: str, work: list[tuple[str, int]], concurrency: int, rate: f
         async with sem:
             return await _one(client, url, prompt, n)
 
-    async with httpx.AsyncClient(timeout=None) as client:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)  # (httpx caps a pool at 100)
+    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
         t0 = time.perf_counter()
         tasks = []
-        for prompt, n in work:
+        for i, (prompt, n) in enumerate(work):
             tasks.append(asyncio.ensure_future(limited(client, prompt, n)))
-            if rate != float("inf"):
+            if rate != float("inf") and i + 1 < len(work):  # (after the last one: idle time, not the work's)
                 await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
     return results, time.perf_counter() - t0
@@ -225,12 +236,16 @@ def start_server(args, speculative: bool) -> tuple[subprocess.Popen, str]:
         if args.speculative_config:
             argv += ["--speculative-config", args.speculative_config]
     code = "import sys; from specdec.cli import main; sys.exit(main())"
-    proc = subprocess.Popen([sys.executable, "-c", code, *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # stderr into a file, read when the server fails: a pipe read only then filled up (64 KiB of logged
+    # errors) and froze the server's engine thread in its logging call
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen([sys.executable, "-c", code, *argv], stdout=subprocess.DEVNULL, stderr=log)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the server exited: {proc.stderr.read().decode()[-2000:]}")
+            log.seek(0)
+            raise ConfigError(f"the server exited: {log.read().decode(errors='replace')[-2000:]}")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return proc, url
@@ -322,6 +337,10 @@ def check_args(args) -> tuple[list[int], list[float]]:
     the output directory made."""
     concs = _numbers(args.concurrency, int, "--concurrency")
     rates = _numbers(args.request_rate, float, "--request-rate")
+    for flag, values in (("--concurrency", concs), ("--request-rate", rates),
+                         ("--settings", [s for s in args.settings.split(",") if s])):
+        if len(set(values)) < len(values):  # one run's figures (and, for settings, a server) would replace another's
+            raise ConfigError(f"{flag} names a value twice: {values}")
     if not args.url:
         check_method_name(args.speculative_method)
         bad = [s for s in args.settings.split(",") if s and s not in ("off", "on")]
@@ -345,6 +364,10 @@ def run_serve_bench(args) -> int:
     n_max = sum(args.num_prompts or max(8, 2 * c) for c in concs) * len(rates) * repeats + 1  # + the warm-up's
     work_all = (mtbench_workload(n_max, args.max_output_tokens, args.seed) if args.workload == "mtbench"
                 else sharegpt_workload(tok, n_max, args.max_prompt_tokens, args.max_output_tokens, args.seed))
+    reused = n_max - len({prompt for prompt, _ in work_all})  # MT-bench has 80 first turns: cycled past them
+    if reused:
+        print(f"note: {reused} of the {n_max} requests reuse an earlier run's prompt (the {args.workload} workload "
+              "holds fewer): those find it in the servers' prefix caches", file=sys.stderr)
     settings = ["server"] if args.url else [s for s in args.settings.split(",") if s]
     servers: dict[str, tuple] = {}
     rows = []
@@ -377,11 +400,14 @@ def run_serve_bench(args) -> int:
             "method": args.speculative_method, "k": args.num_speculative_tokens or "adaptive",
             "speculative_config": json.loads(args.speculative_config) if args.speculative_config else None,
             "load_avg_start_end": [round(load_start, 2), round(os.getloadavg()[0], 2)],
-            "max_num_seqs": args.max_num_seqs}
+            "max_num_seqs": args.max_num_seqs, "workload": args.workload, "requests_reusing_a_prompt": reused}
     ratios = tpot_ratios(rows)
     (args.out / f"{args.name}.json").write_text(json.dumps({"meta": meta, "rows": rows, "tpot_ratios": ratios},
                                                            indent=1))
     report = _table(rows) + ("\n\n" + _ratio_table(ratios) if ratios else "")
+    if reused:
+        report += (f"\n\n{reused} of the {n_max} requests (the warm-up's included) reuse an earlier run's prompt: "
+                   f"the {args.workload} workload holds fewer prompts than the runs ask for.")
     (args.out / f"{args.name}.md").write_text(report + "\n")
     print(report)
     try:

@@ -30,8 +30,8 @@ def register(sub) -> None:
     g.add_argument("--max-queued-requests", type=at_least(1), default=64, help="waiting sequences before 429")
     g.add_argument("--max-body-bytes", type=at_least(1), default=1 << 20)
     g.add_argument("--max-header-bytes", type=at_least(1), default=16 << 10)
-    g.add_argument("--shutdown-timeout", type=int, default=30, help="seconds SIGTERM waits for in-flight requests")
-    g.add_argument("--log-level", default="warning")
+    g.add_argument("--shutdown-timeout", type=at_least(0), default=30, help="seconds SIGTERM waits for in-flight requests")
+    g.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug", "trace"))
     g.add_argument("--grammar-warm-up", action=argparse.BooleanOptionalAction, default=True,
                    help="compile response_format json_object's grammar in the background at start, at the lowest "
                         "CPU priority (~5 s of one core; its first request then does not wait for it)")

@@ -144,10 +144,23 @@ class AsyncEngine:
                 self._deliver(payload.request_id, EngineFailure(str(e), 400))
         elif kind == "abort":
             self.engine.abort(payload)
-            if self.on_stats is not None:
-                self.on_stats(self.engine.stats())
+            self._report_stats()
+
+    def _report_stats(self) -> None:
+        if self.on_stats is None:
+            return
+        try:
+            self.on_stats(self.engine.stats())
+        except Exception:  # noqa: BLE001 - the metrics must not stop the engine thread
+            log.exception("reporting the engine's stats failed")
 
     def _loop(self, while_true: Callable[[], bool] = lambda: True) -> None:
+        try:
+            self._serve_inbox_and_step(while_true)
+        finally:  # however the loop ends, no request is left waiting for it
+            self._fail_all("the server is shutting down")
+
+    def _serve_inbox_and_step(self, while_true: Callable[[], bool]) -> None:
         eng = self.engine
         while not self._stop.is_set() and while_true():
             try:
@@ -155,7 +168,12 @@ class AsyncEngine:
                 kind, payload = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
                 if kind == "stop":
                     break
-                self._handle(kind, payload)
+                try:
+                    self._handle(kind, payload)
+                except Exception as e:  # noqa: BLE001 - one bad request must not end the engine thread
+                    log.exception("engine %s failed", kind)
+                    if kind == "add":
+                        self._deliver(payload.request_id, EngineFailure(f"engine error: {type(e).__name__}: {e}"))
                 continue  # drain the inbox before stepping
             except queue.Empty:
                 pass
@@ -169,9 +187,7 @@ class AsyncEngine:
                 continue
             self._deliver_all([(out.request_id, EngineFailure(out.error, out.error_status) if out.error else out)
                                for out in outs])
-            if self.on_stats is not None:
-                self.on_stats(eng.stats())
-        self._fail_all("the server is shutting down")
+            self._report_stats()
 
     def _fail_all(self, message: str) -> None:
         for request_id in list(self.engine.seqs):
