@@ -29,8 +29,9 @@ from specdec.spec.rejection import Verdict, verify_greedy, verify_sampling
 
 
 def _cut(proposal: Proposal, k: int) -> Proposal:
-    """A chain cut to k tokens; a tree's size is the proposer's own budget."""
-    return proposal if proposal.is_tree else proposal.first(k)
+    """A proposal cut to k nodes: a chain's first tokens, a tree's first nodes (a parent before its children).
+    Tree proposers build within k already; the cut keeps one that did not inside the context's room."""
+    return proposal.first(k)
 
 
 class RequestError(ValueError):
