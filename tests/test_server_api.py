@@ -453,3 +453,29 @@ def test_regex_response_format(server):
         "response_format": {"type": "regex", "regex": "[0-9]{3}-[0-9]{4}"}})
     assert r.status_code == 200, r.text
     assert re.fullmatch("[0-9]{3}-[0-9]{4}", r.json()["choices"][0]["text"])
+
+
+def test_metrics_count_a_requests_prompt_once_and_time_from_its_arrival(server, plain):
+    """n = 2 counts the prompt's tokens once (it counted them per sequence); TTFT counts from the server's
+    receipt of the request (tokenizing and queueing included, as vLLM's), not from when the engine took it."""
+    def total(name: str) -> float:
+        text = httpx.get(server.url + "/metrics").text
+        return sum(float(m) for m in re.findall(rf"^specdec:{name}_total\{{[^}}]*\}} ([0-9.e+]+)$", text, re.M))
+
+    server.wait_idle()
+    before = total("prompt_tokens")
+    r = httpx.post(server.url + "/v1/completions", headers=headers(), timeout=60,
+                   json={"prompt": "sky tree sky", "max_tokens": 3, "n": 2, "temperature": 0.5, "seed": 1})
+    assert r.status_code == 200, r.text
+    server.wait_idle()
+    assert total("prompt_tokens") - before == r.json()["usage"]["prompt_tokens"]
+    from specdec.engine.engine import Engine, EngineConfig, EngineRequest
+    import time as _time
+
+    engine = Engine(plain, EngineConfig(block_size=8))
+    engine.add_request(EngineRequest("late", plain.tokenizer.encode("sky tree"), SamplingParams(max_tokens=2),
+                                     arrival_time=_time.monotonic() - 5.0))
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert min(o.ttft for o in outs if o.ttft is not None) >= 5.0

@@ -69,6 +69,7 @@ class EngineRequest:
     speculative: dict | None = None  # {"method": name | None, "num_speculative_tokens": k}; None: server default
     cache_salt: str | None = None
     grammar: object = None  # specdec.engine.grammar.Grammar
+    arrival_time: float | None = None  # time.monotonic() when the server received it (None: when added here)
 
 
 @dataclass
@@ -187,6 +188,7 @@ class Engine:
             raise ValueError(f"the prompt must have 1 to {self.max_model_len - 1} tokens")
         check_token_ids(p, self.model.config.vocab_size, self.tokenizer.eos_token_ids)
         spec = self.resolve_spec(req.speculative)
+        arrival = req.arrival_time if req.arrival_time is not None else time.monotonic()
         seqs = []
         for i in range(p.n):
             params = p if p.n == 1 or p.seed is None else replace(p, seed=p.seed + i)
@@ -194,7 +196,7 @@ class Engine:
             grammar = GrammarState(req.grammar, req.grammar.initial()) if req.grammar is not None else None
             seqs.append(Sequence.create(next(self._ids), req.request_id, i, req.prompt_ids, params, self.tokenizer,
                                         gen, self.max_model_len, spec=spec, cache_salt=req.cache_salt,
-                                        grammar=grammar, adaptive=_adaptive(spec)))
+                                        grammar=grammar, adaptive=_adaptive(spec), arrival_time=arrival))
         self.seqs[req.request_id] = seqs
         for s in seqs:
             if p.prompt_logprobs is not None:

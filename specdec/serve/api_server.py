@@ -186,16 +186,19 @@ def build_app(st: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
+        arrival = time.monotonic()  # TTFT and e2e count from here (as vLLM's), tokenizing and queueing included
         # tokenizing (and rendering a chat template) a 1 MiB body takes ~1 s: off the event loop, so that
         # streams, /health and /metrics go on meanwhile
         prompts = await asyncio.to_thread(rb.completion_prompts, body)
-        return await _serve(request, body, prompts, chat=False)
+        return await _serve(request, body, prompts, chat=False, arrival=arrival)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
-        return await _serve(request, body, [await asyncio.to_thread(rb.chat_prompt, body)], chat=True)
+        arrival = time.monotonic()
+        prompts = [await asyncio.to_thread(rb.chat_prompt, body)]
+        return await _serve(request, body, prompts, chat=True, arrival=arrival)
 
-    async def _serve(request: Request, body, prompts: list[list[int]], chat: bool):
+    async def _serve(request: Request, body, prompts: list[list[int]], chat: bool, arrival: float):
         if body.model is not None and body.model != st.model_name:
             raise APIError(400, f"the model {body.model!r} does not exist; this server serves {st.model_name!r}",
                            "model", "model_not_found")
@@ -203,7 +206,7 @@ def build_app(st: ServerState) -> FastAPI:
         if len(prompts) * body.n > st.max_queued_requests:  # would never fit: a 429 would have it retry forever
             raise APIError(400, f"the request asks for {len(prompts) * body.n} sequences (prompts x n); this server "
                            f"queues at most {st.max_queued_requests}", "n")
-        reqs = await _engine_requests(body, prompts, chat)
+        reqs = await _engine_requests(body, prompts, chat, arrival)
         queued, new = st.queued(), sum(r.params.n for r in reqs)
         if queued + new > st.max_queued_requests:
             st.metrics.rejected.labels(model_name=st.model_name, reason="queue_full").inc()
@@ -228,7 +231,7 @@ def build_app(st: ServerState) -> FastAPI:
         finally:
             release()
 
-    async def _engine_requests(body, prompts: list[list[int]], chat: bool) -> list[EngineRequest]:
+    async def _engine_requests(body, prompts: list[list[int]], chat: bool, arrival: float) -> list[EngineRequest]:
         logprobs = (body.top_logprobs or 0 if body.logprobs else None) if chat else body.logprobs
         spec = body.speculative_choice()
         if spec is not None and spec.get("method") is not None:
@@ -254,7 +257,7 @@ def build_app(st: ServerState) -> FastAPI:
                 raise APIError(400, f"this model's maximum context length is {st.max_model_len} tokens; the prompt "
                                f"has {len(ids)} and max_tokens is {max_tokens} (at most {room})", "max_tokens")
             params = body.sampling_params(max_tokens or room, logprobs, st.vocab_size, st.tokenizer.eos_token_ids)
-            reqs.append(EngineRequest(f"{rid}-{i}", ids, params, spec, body.cache_salt, grammar))
+            reqs.append(EngineRequest(f"{rid}-{i}", ids, params, spec, body.cache_salt, grammar, arrival))
         return reqs
 
     return app

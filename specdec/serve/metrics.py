@@ -91,7 +91,8 @@ class ServerMetrics:
 
     def on_finished(self, out: SeqOutput) -> None:
         self.success.labels(**self._m, finished_reason=out.finish_reason or "unknown").inc()
-        self.prompt_tokens.inc(out.num_prompt_tokens)
+        if out.index == 0:  # once a request, not once each of its n sequences
+            self.prompt_tokens.inc(out.num_prompt_tokens)
         self.generation_tokens.inc(out.num_output_tokens)
         if out.ttft is not None:
             self.ttft.observe(out.ttft)
