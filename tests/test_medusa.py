@@ -11,11 +11,11 @@ from specdec.sampling_params import SamplingParams
 def test_static_tree_from_accuracy():
     acc = [[0.6, 0.1], [0.4, 0.1]]
     paths = static_tree(acc, 3)
-    assert paths == [(0,), (1,), (0, 0)]
-    assert tree_parents(paths) == [-1, -1, 0]
+    assert paths == [(0,), (0, 0), (1,)]  # most likely first: 0.6, 0.24, 0.1
+    assert tree_parents(paths) == [-1, 0, -1]
+    assert static_tree(acc, 2) == paths[:2]  # a cut keeps the likely path, not the unlikely shallow node
     big = static_tree([[0.7, 0.2, 0.05]] * 4, 20)
-    assert len(big) == 20 and all(p[:-1] in big for p in big if len(p) > 1)  # ancestor-closed
-    assert all(len(a) <= len(b) for a, b in zip(big, big[1:]))  # topological order
+    assert len(big) == 20 and all(p[:-1] in big[:i] for i, p in enumerate(big) if len(p) > 1)  # parents first
 
 
 @pytest.mark.parametrize("nodes", [3, 5, 10])

@@ -21,18 +21,19 @@ from specdec.spec.proposer import EMPTY, Proposal, Proposer, RequestState, Targe
 
 
 def static_tree(acc: list[list[float]], num_nodes: int, max_rank: int = 10) -> list[tuple[int, ...]]:
-    """The num_nodes most likely paths, in topological order (a path after its prefix)."""
+    """The num_nodes most likely paths, most likely first: a path comes after its prefix (the heap yields a
+    child only once its parent is out), so the first n of them are the n most likely nodes and a tree."""
     heap = [(-acc[0][r], (r,)) for r in range(min(max_rank, len(acc[0])))]
     heapq.heapify(heap)
-    chosen: list[tuple[float, tuple[int, ...]]] = []
+    chosen: list[tuple[int, ...]] = []
     while heap and len(chosen) < num_nodes:
         neg, path = heapq.heappop(heap)
-        chosen.append((neg, path))
+        chosen.append(path)
         d = len(path)
         if d < len(acc):
             for r in range(min(max_rank, len(acc[d]))):
                 heapq.heappush(heap, (neg * acc[d][r], path + (r,)))
-    return sorted((p for _, p in chosen), key=lambda p: (len(p), p))
+    return chosen  # (sorted by depth, a cut to k nodes kept shallow unlikely ones before a likely path)
 
 
 def tree_parents(paths: list[tuple[int, ...]]) -> list[int]:
@@ -77,7 +78,7 @@ class MedusaProposer(Proposer):
         n = min(k, len(self.paths))
         if n <= 0:
             return EMPTY
-        paths = self.paths[:n]  # topological order: any prefix of the list is a tree
+        paths = self.paths[:n]  # most likely first, a parent before its children: any prefix is a tree
         depth = max(len(p) for p in paths)  # only the heads these nodes use
         logits = self.head(h[None].to(self.ctx.dtype), self.lm_head, depth)[:, 0]  # [depth, Vd]
         top = self.draft_ids[logits.topk(self.max_rank, dim=-1).indices].tolist()  # [depth, ranks] target ids
