@@ -40,7 +40,6 @@ def check_same_vocab(target_tok, draft_tok, draft_name: str) -> None:
 
 @register_proposer("draft_model")
 class DraftModelProposer(Proposer):
-    deterministic = False  # sampling requests get q
 
     def __init__(self, ctx):
         super().__init__(ctx)

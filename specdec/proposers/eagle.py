@@ -40,7 +40,6 @@ from specdec.spec.tree import with_prefix
 
 class _EagleBase(Proposer):
     kind = "eagle"
-    deterministic = False
     # a head's acceptance swings with the content: starting each request from the last one's estimates
     # cost ~5-10% of eagle3's gain on mixed categories (interleaved A/B, session 24)
     carries_estimates = False

@@ -47,7 +47,6 @@ class HybridProposer(Proposer):
         self.lookup_steps = 0  # verified steps that drafted the lookup's chain (for reports and tests)
         self.model, self.lookup = model, lookup
         self.name = f"{model.name}+{lookup.name}"
-        self.deterministic = model.deterministic
         self.feature_layers = model.feature_layers
         self.min_match = ctx.config.lookup_min_match
 

@@ -191,7 +191,6 @@ def skip_layers_for(ctx) -> tuple[int, ...]:
 
 @register_proposer("layerskip")
 class LayerSkipProposer(Proposer):
-    deterministic = False  # sampling requests get q
 
     def __init__(self, ctx):
         super().__init__(ctx)

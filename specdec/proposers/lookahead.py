@@ -59,7 +59,6 @@ class NgramPool:
 
 @register_proposer("lookahead")
 class LookaheadProposer(Proposer):
-    deterministic = True
 
     def __init__(self, ctx):
         super().__init__(ctx)

@@ -43,7 +43,6 @@ def tree_parents(paths: list[tuple[int, ...]]) -> list[int]:
 
 @register_proposer("medusa")
 class MedusaProposer(Proposer):
-    deterministic = True
 
     def __init__(self, ctx):
         super().__init__(ctx)

@@ -75,7 +75,6 @@ class NgramIndex:
 
 @register_proposer("ngram")
 class NgramProposer(Proposer):
-    deterministic = True
     has_model_drafter = False
 
     def propose(self, state: RequestState, k: int) -> Proposal:

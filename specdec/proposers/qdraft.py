@@ -76,7 +76,6 @@ def build_drafter(ctx):
 
 @register_proposer("qdraft")
 class QDraftProposer(Proposer):
-    deterministic = False  # sampling requests get q
     # a copy of the target itself: acceptance 0.89-0.96 per category at int4-g32 (run S8); from the generic
     # prior (0.6) a single request spent its first ~10 steps at k = 1-2 before the estimate caught up
     acceptance_prior = 0.9

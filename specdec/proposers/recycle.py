@@ -61,7 +61,6 @@ def tree_order(num_nodes: int, width: int = WIDTH, max_depth: int = MAX_DEPTH,
 
 @register_proposer("recycle")
 class TokenRecyclingProposer(Proposer):
-    deterministic = True
     acceptance_prior = 0.45
 
     def __init__(self, ctx):

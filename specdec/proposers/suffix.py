@@ -32,7 +32,6 @@ from specdec.spec.proposer import EMPTY, Proposal, Proposer, RequestState, regis
 
 @register_proposer("suffix")
 class SuffixProposer(Proposer):
-    deterministic = True
     has_model_drafter = False
 
     def __init__(self, ctx):

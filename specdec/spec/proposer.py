@@ -110,7 +110,6 @@ class ProposerContext:
 
 class Proposer(ABC):
     name: ClassVar[str] = ""
-    deterministic: ClassVar[bool] = True  # gives no q: verified as one-hot proposals
     feature_layers: ClassVar[tuple[int, ...]] = ()  # target layers whose hidden states this proposer reads
     draft_cost_per_token: float = 0.0  # seconds per drafted token, measured; 0 for lookup drafters
     has_model_drafter: ClassVar[bool] = True  # False: a lookup alone (n-gram, suffix), free to ask
