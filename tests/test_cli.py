@@ -181,3 +181,13 @@ def test_parsing_the_command_line_does_not_import_torch():
     code = "import sys; from specdec.cli import build_parser; build_parser(); print('torch' in sys.modules)"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr
+
+
+def test_chat_refuses_a_line_that_is_not_utf8_and_goes_on():
+    """A line of bytes that are not UTF-8 is refused alone; the session goes on (it ended the session)."""
+    r = subprocess.run([sys.executable, "-m", "specdec.cli", "chat", "--max-tokens", "3", "--temperature", "0",
+                        "--dtype", "float32"], input=b"caf\xe9 \xff\nName a color.\n\n", capture_output=True,
+                       timeout=300)
+    err = r.stderr.decode()
+    assert r.returncode == 0 and "Traceback" not in err, err
+    assert "not valid UTF-8" in err and err.count(" tok/s; prompt ") == 1  # the good line was answered

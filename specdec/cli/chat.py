@@ -5,6 +5,7 @@ import sys
 
 from specdec.cli._common import StreamPrinter, add_model_args, add_spec_args, make_llm
 from specdec.cli.generate import add_sampling_args, sampling_from_args
+from specdec.model.tokenizer import valid_unicode
 
 
 def register(sub) -> None:
@@ -20,6 +21,8 @@ def run(args) -> int:
     llm = make_llm(args)
     params = sampling_from_args(args)
     messages = [{"role": "system", "content": args.system}] if args.system else []
+    if hasattr(sys.stdin, "reconfigure"):  # a line of bytes that are not UTF-8 reads (and is refused) alone
+        sys.stdin.reconfigure(errors="surrogateescape")
     while True:
         try:
             user = input("> ")
@@ -27,6 +30,9 @@ def run(args) -> int:
             break
         if not user.strip():
             break
+        if not valid_unicode(user):  # bytes that are not UTF-8: this line is refused, the conversation goes on
+            print("specdec: that line is not valid UTF-8; type it again", file=sys.stderr)
+            continue
         messages.append({"role": "user", "content": user})
         ids = llm.tokenizer.encode_chat(messages)
         if len(ids) >= llm.model.max_len:
