@@ -73,19 +73,24 @@ def test_max_tokens_inside_accepted_block(tiny_dir, max_tokens):
     assert r.token_ids == ref[:max_tokens] and r.finish_reason == "length"
 
 
-def test_eos_inside_accepted_block(tiny_dir):
+def _eos_inside_a_block(tiny_dir, proposer_cls, k: int):
+    """Greedy decoding where a token first seen at index >= 3 is made EOS, so that it lands inside an
+    accepted block of proposer_cls's perfect drafts: (plain result, speculative decoder, its result, the
+    expected ids)."""
     d = tiny_dir("llama")
     plain, tok = _decoder(d)
     ids = tok.encode(VARIED)
     ref = plain.generate(ids, greedy(20, ignore_eos=True)).token_ids
-    # pretend a token first seen at index >= 3 is EOS: it lands inside a 5-token accepted block
     first = next(i for i in range(3, len(ref)) if ref[i] not in ref[:i])
     plain.tokenizer.eos_token_ids = frozenset({ref[first]})
-    want = plain.generate(ids, greedy(20))
-    spec, _ = _decoder(d, lambda ctx: ScriptedProposer(ctx, ref, len(ids)), k=5)
+    spec, _ = _decoder(d, lambda ctx: proposer_cls(ctx, ref, len(ids)), k=k)
     spec.tokenizer = plain.tokenizer
-    got = spec.generate(ids, greedy(20))
-    assert got.token_ids == want.token_ids == ref[:first + 1]
+    return plain.generate(ids, greedy(20)), spec, spec.generate(ids, greedy(20)), ref[:first + 1]
+
+
+def test_eos_inside_accepted_block(tiny_dir):
+    want, _, got, expected = _eos_inside_a_block(tiny_dir, ScriptedProposer, k=5)
+    assert got.token_ids == want.token_ids == expected
     assert got.finish_reason == "stop" and got.metrics.num_accepted_tokens > 0
 
 
@@ -108,16 +113,8 @@ def test_a_drafter_hears_only_of_steps_whose_tokens_were_all_kept(tiny_dir):
     """on_verified's contract: the step appended num_accepted + 1 tokens. A request that ends inside the
     block (EOS here) keeps fewer: its drafter is not told (recycle indexed the context by that count and
     failed on a short one)."""
-    d = tiny_dir("llama")
-    plain, tok = _decoder(d)
-    ids = tok.encode(VARIED)
-    ref = plain.generate(ids, greedy(20, ignore_eos=True)).token_ids
-    first = next(i for i in range(3, len(ref)) if ref[i] not in ref[:i])
-    plain.tokenizer.eos_token_ids = frozenset({ref[first]})
-    spec, _ = _decoder(d, lambda ctx: ContractProposer(ctx, ref, len(ids)), k=3)
-    spec.tokenizer = plain.tokenizer
-    got = spec.generate(ids, greedy(20))
-    assert got.token_ids == ref[:first + 1]
+    _, spec, got, expected = _eos_inside_a_block(tiny_dir, ContractProposer, k=3)
+    assert got.token_ids == expected
     assert got.metrics.emitted_tokens > len(got.token_ids) - 1  # the last block was cut: the case in question
     steps = spec.proposer.steps
     assert steps and all(added == accepted + 1 for added, accepted in steps), steps
