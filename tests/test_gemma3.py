@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec.config import ConfigError, ModelConfig
+from specdec.config import ConfigError
+from specdec.model.config import ModelConfig
 from specdec.engine.engine import Engine, EngineConfig, EngineRequest
 from specdec.llm import LLM
 from specdec.model.loader import load_model

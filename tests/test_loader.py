@@ -5,7 +5,8 @@ import shutil
 import pytest
 import torch
 
-from specdec.config import ConfigError, ModelConfig
+from specdec.config import ConfigError
+from specdec.model.config import ModelConfig
 from specdec.model.chat_template import render_chat
 from specdec.model.loader import load_model, resolve_model
 from specdec.model.tokenizer import IncrementalDetokenizer, Tokenizer

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from specdec.config import ModelConfig
+from specdec.model.config import ModelConfig
 from specdec.model.registry import architecture
 
 Row = dict[str, Any]

@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from specdec.cache.kv_cache import KVCache, kv_dtype
-from specdec.config import ConfigError, ModelConfig
+from specdec.config import ConfigError
+from specdec.model.config import ModelConfig
 from specdec.kernels import linear
 from specdec.model.layers import RMSNorm, Rotary, apply_rotary, rounded_linear, sdpa
 from specdec.model.llama import ForwardOutput

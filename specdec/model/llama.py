@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 
 from specdec.cache.kv_cache import KVCache, kv_dtype
-from specdec.config import ModelConfig
+from specdec.model.config import ModelConfig
 from specdec.kernels import TILE_CALL_ROWS, linear, silu_mul
 from specdec.kernels.attention import FusedAttention, fused_attention
 from specdec.kernels.layer import decoder_layer, decoder_layers, packs, unpack

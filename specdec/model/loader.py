@@ -15,7 +15,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from specdec.config import ConfigError, ModelConfig, read_json_object
+from specdec.config import ConfigError, read_json_object
+from specdec.model.config import ModelConfig
 from specdec.model.aliases import ALIASES, DEFAULT_MODEL, alias_file  # noqa: F401 (DEFAULT_MODEL: re-exported)
 from specdec.model.llama import LlamaModel
 from specdec.model.memory import move_to_huge_pages

@@ -15,7 +15,8 @@ from typing import Callable
 
 import torch
 
-from specdec.config import ConfigError, ModelConfig
+from specdec.config import ConfigError
+from specdec.model.config import ModelConfig
 from specdec.model import gemma3
 from specdec.model.layers import Rotary
 from specdec.model.llama import LlamaModel

@@ -23,7 +23,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from specdec.config import ConfigError
+from specdec.config import ConfigError, read_json_object
 from specdec.model.output_dir import sync_replace
 
 
@@ -88,6 +88,25 @@ def read_split(directory: Path, limit: int | None = None) -> list[Shard.Sequence
         if limit is not None and len(seqs) >= limit:
             return seqs[:limit]
     return seqs
+
+
+def read_data_meta(data_dirs, target_config) -> dict:
+    """The first data directory's meta.json, every directory's checked against the target and the others
+    (data made from another model failed deep in a matmul; features from other layers trained nonsense)."""
+    metas = []
+    for d in data_dirs:
+        path = Path(d) / "meta.json"
+        if not path.exists():
+            raise ConfigError(f"{d}: no meta.json (not a directory made by `specdec train data`)")
+        meta = read_json_object(path)
+        made = (meta.get("hidden_size"), meta.get("num_layers"))
+        if made != (target_config.hidden_size, target_config.num_hidden_layers):
+            raise ConfigError(f"{d}: data from a model of hidden size {made[0]} and {made[1]} layers, not this "
+                              f"target's {target_config.hidden_size} and {target_config.num_hidden_layers}")
+        metas.append(meta)
+    if len({tuple(m.get("aux_layers") or ()) for m in metas}) > 1:
+        raise ConfigError("the data directories hold features of different target layers (aux_layers)")
+    return metas[0]
 
 
 def train_and_heldout(data_dirs, max_train: int | None = None) -> tuple[list[Shard.Sequence], list[Shard.Sequence]]:

@@ -32,11 +32,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specdec.config import ConfigError, check_minimums, read_json_object
+from specdec.config import ConfigError, check_minimums
 from specdec.model.output_dir import sync_replace
 from specdec.proposers.head_io import load_head, make_head, save_head
 from specdec.proposers.heads import HeadConfig
-from specdec.train.features import Shard, token_counts, train_and_heldout, with_features
+from specdec.train.features import Shard, read_data_meta, token_counts, train_and_heldout, with_features
 from specdec.train.vocab import grow_vocab, rank_vocab
 
 
@@ -92,25 +92,6 @@ def _pad(seqs: list[Shard.Sequence], max_len: int, aux_layers: tuple[int, ...]):
         if aux is not None:
             aux[b, :n - 1] = torch.cat([s.aux[l][:n - 1] for l in aux_layers], dim=-1)
     return tokens, mask, hidden, aux
-
-
-def read_data_meta(data_dirs, target_config) -> dict:
-    """The first data directory's meta.json, every directory's checked against the target and the others
-    (data made from another model failed deep in a matmul; features from other layers trained nonsense)."""
-    metas = []
-    for d in data_dirs:
-        path = Path(d) / "meta.json"
-        if not path.exists():
-            raise ConfigError(f"{d}: no meta.json (not a directory made by `specdec train data`)")
-        meta = read_json_object(path)
-        made = (meta.get("hidden_size"), meta.get("num_layers"))
-        if made != (target_config.hidden_size, target_config.num_hidden_layers):
-            raise ConfigError(f"{d}: data from a model of hidden size {made[0]} and {made[1]} layers, not this "
-                              f"target's {target_config.hidden_size} and {target_config.num_hidden_layers}")
-        metas.append(meta)
-    if len({tuple(m.get("aux_layers") or ()) for m in metas}) > 1:
-        raise ConfigError("the data directories hold features of different target layers (aux_layers)")
-    return metas[0]
 
 
 class Trainer:
