@@ -128,3 +128,15 @@ def use_row_count_dependent_linear(monkeypatch) -> None:
 
     monkeypatch.setattr(layers, "linear", old_linear)
     monkeypatch.setattr(llama, "linear", old_linear)
+
+
+@pytest.fixture(scope="module")
+def dataset(tiny_dir, tmp_path_factory):
+    """A tiny model's training data (`train data`: 6 train and 3 held-out prompts, 10 answer tokens each)."""
+    from specdec.train.data import DataSpec, build_dataset
+
+    d = tiny_dir("llama")
+    out = tmp_path_factory.mktemp("data")
+    build_dataset(str(d), out, DataSpec(num_prompts=6, num_heldout=3, max_new_tokens=10, batch_size=3, scan=300),
+                  progress=False)
+    return d, out

@@ -110,3 +110,20 @@ def test_an_unexpected_error_handling_a_request_or_stats_fails_only_that(llm):
     ids, alive = asyncio.run(main())
     assert len(ids) == 6 and alive and calls
     assert engine.blocks.num_used == 0
+
+
+def test_a_request_still_in_the_inbox_when_the_loop_ends_fails(llm):
+    """The loop ended (shutdown, or run_here's while_true turning false) with an add not yet taken: its
+    generate() waited forever. It now fails."""
+    engine = Engine(llm, EngineConfig(max_num_seqs=4, block_size=8))
+    params = SamplingParams(temperature=0, max_tokens=4)
+
+    async def main():
+        runner = AsyncEngine(engine, own_thread=False)
+        task = asyncio.ensure_future(_collect(runner, EngineRequest("late", [5, 6, 7], params)))
+        await asyncio.sleep(0.05)  # the add is in the inbox
+        await asyncio.get_running_loop().run_in_executor(None, runner.run_here, lambda: False)
+        with pytest.raises(RuntimeError, match="shutting down"):
+            await asyncio.wait_for(task, 10)
+
+    asyncio.run(main())

@@ -157,8 +157,12 @@ class AsyncEngine:
     def _loop(self, while_true: Callable[[], bool] = lambda: True) -> None:
         try:
             self._serve_inbox_and_step(while_true)
-        finally:  # however the loop ends, no request is left waiting for it
+        finally:  # however the loop ends, no request is left waiting for it (nor one still in the inbox)
             self._fail_all("the server is shutting down")
+            with self._lock:
+                waiting = list(self._queues)
+            for request_id in waiting:
+                self._deliver(request_id, EngineFailure("the server is shutting down"))
 
     def _serve_inbox_and_step(self, while_true: Callable[[], bool]) -> None:
         eng = self.engine

@@ -117,10 +117,11 @@ class Scheduler:
         alone; whether any block came back."""
         freed = False
         for seq in ready:
-            if caps[seq]:
-                caps[seq], held = 0, len(seq.block_table)
+            held = len(seq.block_table)
+            if caps[seq] and self.blocks.blocks_for(seq.num_computed + 1) < held:  # (else its drafts cost no block)
+                caps[seq] = 0
                 self.blocks.trim(seq, seq.num_computed + 1)
-                freed |= len(seq.block_table) < held
+                freed = True
         return freed
 
     @staticmethod

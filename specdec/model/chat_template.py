@@ -5,7 +5,8 @@ jinja2's ImmutableSandboxedEnvironment, so a template cannot reach Python intern
 with bounds on what it can build (`*` and `**` on large operands, the rendered text's length). Any failure
 of a template is a ConfigError naming it. The environment is the one transformers renders with (loop
 controls, a `{% generation %}` block, a `tojson` that keeps key order and non-ASCII text), so a template
-renders here as it does there.
+renders here as it does there. What a template builds otherwise (`~`, `join`) is bounded only by the rendered
+length's cap and memory: a template runs on the operator's say-so, from the model's files.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from specdec.config import ConfigError
 MAX_RENDERED_CHARS = 1 << 22  # a prompt's text: far beyond any context this engine serves
 MAX_BUILT_ITEMS = 1 << 20  # a string or list a template builds with `*`
 MAX_EXPONENT = 256  # `**` on numbers
+MAX_POWER_BITS = 1 << 16  # an integer `**`'s result
 
 
 def _raise(message: str):
@@ -52,6 +54,8 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
         if operator_name == "**":
             if isinstance(right, (int, float)) and abs(right) > MAX_EXPONENT:
                 raise TemplateError(f"an exponent above {MAX_EXPONENT}")
+            if isinstance(left, int) and isinstance(right, int) and abs(left).bit_length() * right > MAX_POWER_BITS:
+                raise TemplateError(f"a power of more than {MAX_POWER_BITS} bits")  # ((10**200)**256)**256
             return operator.pow(left, right)
         for seq, count in ((left, right), (right, left)):
             if isinstance(seq, (str, list, tuple)) and isinstance(count, int) and len(seq) * count > MAX_BUILT_ITEMS:
@@ -89,3 +93,5 @@ def render_chat(template: str, messages: list[dict], add_generation_prompt: bool
     # a string, a ZeroDivisionError, the sandbox's OverflowError for a huge range, a RecursionError) is its error
     except (TypeError, ValueError, ArithmeticError, LookupError, AttributeError, RecursionError) as e:
         raise ConfigError(f"chat template error: {type(e).__name__}: {e}") from None
+    except MemoryError:  # (a string doubled by `~` in a loop, a huge join: built before anything is rendered)
+        raise ConfigError("chat template error: it ran out of memory") from None

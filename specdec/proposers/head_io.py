@@ -53,8 +53,11 @@ def load_head(path: Path, dtype: torch.dtype = torch.float32, target_config=None
     except (TypeError, AttributeError) as e:
         raise ConfigError(f"{path}/config.json: invalid 'specdec' section ({e})") from None
     head = make_head(cfg)
-    missing, unexpected = head.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()},
-                                               strict=False)
+    try:
+        missing, unexpected = head.load_state_dict(
+            {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}, strict=False)
+    except RuntimeError as e:  # a tensor shaped unlike the config says
+        raise ConfigError(f"{path}: head weights do not match its config ({str(e).splitlines()[-1].strip()[:160]})") from None
     missing = [m for m in missing if not m.startswith("rotary.")]
     if missing or unexpected:
         raise ConfigError(f"{path}: head weights do not match its config (missing {missing[:3]}, "

@@ -77,8 +77,8 @@ class QuantizedWeight(StoredWeight):
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., K] -> [..., N]."""
-        # torch's int4 kernel computes in bf16: fp32 activations take the dequantized matmul, unrounded
-        fast = self._cuda_int4() if x.is_cuda and self.bits == 4 and x.dtype is not torch.float32 else None
+        # torch's int4 kernel computes in bf16: other activations (fp32, fp16) take the dequantized matmul
+        fast = self._cuda_int4() if x.is_cuda and self.bits == 4 and x.dtype is torch.bfloat16 else None
         if fast is not None:
             y = fast(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
             return y if bias is None else y + bias.to(y.dtype)

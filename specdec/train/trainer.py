@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import pickle  # (its error type only: torch.load's weights_only unpickler raises it on a damaged file)
 import random
 import time
 from dataclasses import asdict, dataclass, replace
@@ -269,8 +270,9 @@ class Trainer:
             return False
         try:
             state = torch.load(path, weights_only=True, map_location=self.device)
-        except (RuntimeError, OSError, EOFError) as e:  # a checkpoint cut short (a crash of the machine)
-            raise ConfigError(f"{path} cannot be read ({str(e).splitlines()[0][:120]}); delete it to start over")
+        except (RuntimeError, OSError, EOFError, pickle.UnpicklingError) as e:  # cut short, zero-filled (a crash)
+            why = (str(e).splitlines() or [type(e).__name__])[0][:120]
+            raise ConfigError(f"{path} cannot be read ({why}); delete it to start over") from None
         saved = json.loads(state.get("settings", "null"))
         changed = sorted(k for k in (saved or {}) if saved[k] != json.loads(json.dumps(self.settings())).get(k))
         if changed:  # the batches skipped, the schedule and the head's shape all follow the settings

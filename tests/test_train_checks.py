@@ -1,0 +1,92 @@
+"""The training pipeline's checks: a resumed run keeps its settings, its time budget and its data; a damaged
+checkpoint, shard or head, data of another model and bad draft layers are one-line errors."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+
+def test_a_resumed_run_keeps_its_settings_budget_and_data_checks(dataset, tmp_path):
+    """A checkpoint holds the settings it was trained with (another batch size would skip other batches,
+    another lr bend the schedule: refused), the steps a time budget cut the run to and the seconds spent
+    (a resumed run spends what is left, not a new budget); a checkpoint or shard cut short, data of another
+    model and data of other layers are one-line errors."""
+    from specdec.config import ConfigError
+    from specdec.model.loader import load_model
+    from specdec.train.features import read_split
+    from specdec.train.trainer import TrainSpec, Trainer
+
+    d, data = dataset
+    target = load_model(d, torch.float32, 512)
+    spec = TrainSpec(kind="eagle3", data=(str(data),), out=str(tmp_path / "e3"), epochs=4, batch_size=2, warmup=1,
+                     draft_vocab_size=40, ckpt_every=1, eval_every=100, save_dtype="float32", max_seconds=3600.0)
+    t = Trainer(spec, target, progress=False)
+    t.total_steps, t.seconds_before = 3, 3599.99  # as if a budget had cut it to 3 steps, its hour spent
+    t.run()
+    resumed = Trainer(spec, target, progress=False)
+    assert resumed.maybe_resume() and resumed.total_steps == 3 and resumed.seconds_before >= 3599.99
+    for change in ({"batch_size": 3}, {"lr": 2e-3}):
+        with pytest.raises(ConfigError, match=next(iter(change))):
+            Trainer(TrainSpec(**{**spec.__dict__, **change}), target, progress=False).maybe_resume()
+    assert Trainer(TrainSpec(**{**spec.__dict__, "max_train_seqs": 2}), target, progress=False).maybe_resume()
+    ckpt = tmp_path / "e3" / "checkpoint.pt"
+    whole = ckpt.read_bytes()
+    for damaged in (whole[:100], b"", bytes(len(whole))):  # cut short, empty, zero-filled
+        ckpt.write_bytes(damaged)
+        with pytest.raises(ConfigError, match="cannot be read"):
+            Trainer(spec, target, progress=False).maybe_resume()
+    # a shard cut short, data of another model, features of other layers
+    cut = tmp_path / "cut"
+    import shutil
+    shutil.copytree(data, cut)
+    shard = sorted((cut / "train").glob("shard-*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:64])
+    with pytest.raises(ConfigError, match="cannot be read"):
+        read_split(cut / "train")
+    meta = json.loads((data / "meta.json").read_text())
+    for i, change in enumerate(({"hidden_size": 999}, {"aux_layers": [0, 1, 2]})):
+        other = tmp_path / f"other{i}"
+        shutil.copytree(data, other)
+        (other / "meta.json").write_text(json.dumps({**meta, **change}))
+        with pytest.raises(ConfigError, match="hidden size 999" if i == 0 else "aux_layers"):
+            Trainer(TrainSpec(**{**spec.__dict__, "data": (str(data), str(other))}), target, progress=False)
+
+
+def test_draft_layers_and_head_fit_are_checked(tiny_dir):
+    """train draft-model's --layers (its old default named layer 29 of any target) and a head of another
+    model (the medusa proposer and eval-draft's offline path failed in a matmul) are one-line errors."""
+    from specdec.cli.train import _draft_layers
+    from specdec.config import ConfigError
+    from specdec.model.loader import read_config
+    from specdec.proposers.head_io import ASSETS, check_head_fits, load_head
+
+    assert _draft_layers(None, 30) == [0, 1, 2, 3, 29] and _draft_layers(None, 4) == [0, 1, 2, 3]
+    assert _draft_layers("0,2", 4) == [0, 2]
+    for bad in ("0,1,29", "2,1", "a,b", "-1,0"):
+        with pytest.raises(ConfigError, match="--layers"):
+            _draft_layers(bad, 4)
+    tiny = read_config(tiny_dir("llama"))
+    for kind in ("medusa", "eagle3"):
+        head_dir = next(ASSETS.glob(f"*-{kind}"))
+        with pytest.raises(ConfigError, match="trained for hidden"):
+            check_head_fits(load_head(head_dir), tiny, head_dir, kind)
+
+
+def test_a_head_whose_tensors_do_not_match_its_config_is_one_line(tmp_path):
+    """A head tensor shaped unlike its config made load_state_dict raise a RuntimeError (a traceback)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from specdec.config import ConfigError
+    from specdec.proposers.head_io import ASSETS, load_head
+
+    head = tmp_path / "head"
+    shutil.copytree(next(ASSETS.glob("*-eagle3")), head)
+    t = load_file(str(head / "model.safetensors"))
+    t["fc.weight"] = t["fc.weight"][:, :-1].contiguous()
+    save_file(t, str(head / "model.safetensors"))
+    with pytest.raises(ConfigError, match="do not match its config"):
+        load_head(head)
