@@ -151,10 +151,7 @@ class LLM:
         else:
             raise ValueError("messages: a conversation (a list of {'role': ..., 'content': ...} dicts) or a list "
                              f"of conversations; got {repr(messages)[:80]}")
-        texts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in convs]
-        # a template writes its own BOS: no special tokens added (Tokenizer.encode_chat)
-        return self._generate([(t, self.tokenizer.encode(t, add_special_tokens=False)) for t in texts],
-                              sampling_params)
+        return self._generate([self.tokenizer.chat_prompt(c) for c in convs], sampling_params)
 
     def info(self) -> dict:
         from specdec.kernels import kernel_status

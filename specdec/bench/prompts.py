@@ -163,8 +163,7 @@ def render(tokenizer, messages: list[dict], chat: bool = True) -> tuple[str, lis
     no special tokens added); for a base model without one (the gemma3-270m GGUF), or chat=False, the turns'
     texts one per paragraph, open for the continuation."""
     if chat and tokenizer.chat_template:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return text, tokenizer.encode(text, add_special_tokens=False)
+        return tokenizer.chat_prompt(messages)
     text = "\n\n".join(m["content"] for m in messages) + "\n\n"
     return text, tokenizer.encode(text)
 

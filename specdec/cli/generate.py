@@ -65,8 +65,8 @@ def run(args) -> int:
     params = sampling_from_args(args)
     llm = make_llm(args)
     for prompt in prompts:
-        chat = [{"role": "user", "content": prompt}]
-        ids = llm.tokenizer.encode_chat(chat) if args.chat else llm.tokenizer.encode(prompt)
+        tok = llm.tokenizer
+        ids = tok.encode_chat([{"role": "user", "content": prompt}]) if args.chat else tok.encode(prompt)
         stream = None if args.json else StreamPrinter(params.stop)
         r = llm.generate_one(ids, params, on_delta=stream)
         if stream is not None:

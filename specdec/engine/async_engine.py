@@ -158,11 +158,7 @@ class AsyncEngine:
         try:
             self._serve_inbox_and_step(while_true)
         finally:  # however the loop ends, no request is left waiting for it (nor one still in the inbox)
-            self._fail_all("the server is shutting down")
-            with self._lock:
-                waiting = list(self._queues)
-            for request_id in waiting:
-                self._deliver(request_id, EngineFailure("the server is shutting down"))
+            self._fail_all("the server is shutting down", everyone=True)
 
     def _serve_inbox_and_step(self, while_true: Callable[[], bool]) -> None:
         eng = self.engine
@@ -193,7 +189,13 @@ class AsyncEngine:
                                for out in outs])
             self._report_stats()
 
-    def _fail_all(self, message: str) -> None:
-        for request_id in list(self.engine.seqs):
+    def _fail_all(self, message: str, everyone: bool = False) -> None:
+        """Abort the engine's requests, each failed with `message`; everyone: the requests still in the inbox
+        too (the loop's end: nothing will take them)."""
+        failed = list(self.engine.seqs)
+        for request_id in failed:
             self.engine.abort(request_id)
-            self._deliver(request_id, EngineFailure(message))
+        if everyone:
+            with self._lock:
+                failed = list(dict.fromkeys(failed + list(self._queues)))
+        self._deliver_all([(request_id, EngineFailure(message)) for request_id in failed])

@@ -73,10 +73,16 @@ class Tokenizer:
     def get_vocab(self) -> dict[str, int]:
         return self._tok.get_vocab(with_added_tokens=True)
 
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+        """A conversation's prompt: its chat template's text, and that text encoded with no special tokens
+        added (a template writes its own BOS, as Gemma's and Llama's do: HF's apply_chat_template(tokenize=True)
+        likewise)."""
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        return text, self.encode(text, add_special_tokens=False)
+
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """A conversation's prompt ids: its chat template, encoded with no special tokens added (a template
-        writes its own BOS, as Gemma's and Llama's do: HF's apply_chat_template(tokenize=True) likewise)."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        """A conversation's prompt ids (chat_prompt's)."""
+        return self.chat_prompt(messages, add_generation_prompt)[1]
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             chat_template: str | None = None) -> str:

@@ -35,9 +35,9 @@ def draft_chains(logits: torch.Tensor, step: Callable[[list[int], list[int]], to
 
     Each row's logits are penalized as the target's are (specdec/penalties.py; a no-op without
     penalties), except min_tokens' EOS mask: a drafted EOS the target masks is rejected, q being the true
-    draft distribution either way. Greedy requests take the argmax (q is then irrelevant: probs None); sampling requests draw from
-    q = warp(logits, params) with the request's generator and return q [k, V], so verification is
-    exact. A row stops after a token whose draft probability max(softmax(logits)) < threshold (the
+    draft distribution either way. Greedy requests take the argmax (q is then irrelevant: probs None);
+    sampling requests draw from q = warp(logits, params) with the request's generator and return q [k, V], so
+    verification is exact. A row stops after a token whose draft probability max(softmax(logits)) < threshold (the
     low-confidence token itself is still proposed: verifying it costs almost nothing)."""
     tokens: list[list[int]] = [[] for _ in states]
     qs: list[list[torch.Tensor]] = [[] for _ in states]
@@ -85,6 +85,16 @@ def fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
         return logits[..., :vocab]
     pad = logits.new_full((*logits.shape[:-1], vocab - v), float("-inf"))
     return torch.cat((logits, pad), dim=-1)
+
+
+def feed_tokens(model, cache, tokens: list[int], layers: list[int] | None = None) -> torch.Tensor:
+    """Feed tokens at the cache's next positions (through `layers` only, where given); the logits [V] after
+    the last one. Inputs go to the model's device (a GraphedModel takes them on the host and copies them)."""
+    start = cache.length
+    dev = "cpu" if getattr(model, "takes_host_inputs", False) else model.device
+    out = model(torch.tensor([tokens], device=dev), torch.arange(start, start + len(tokens), device=dev)[None], cache,
+                num_logits=1, layers=layers)
+    return out.logits[0, -1]
 
 
 @torch.inference_mode()

@@ -25,7 +25,8 @@ import torch
 from specdec.cache.kv_cache import kv_dtype
 from specdec.cache.paged_cache import PagedKVPool
 from specdec.config import ConfigError
-from specdec.proposers.chain import draft_chain, draft_chains, fit_vocab, time_one_step  # noqa: F401 (re-exported)
+from specdec.proposers.chain import (draft_chain, draft_chains, feed_tokens, fit_vocab,  # noqa: F401 (re-exported)
+                                     time_one_step)
 from specdec.proposers.paged_draft import BATCH_CATCHUP, PagedDraft
 from specdec.spec.proposer import EMPTY, Proposal, Proposer, RequestState, TargetOutput, register_proposer
 
@@ -97,10 +98,7 @@ class DraftModelProposer(Proposer):
 
     def _forward(self, cache, tokens: list[int]) -> torch.Tensor:
         """Feed tokens at the next positions of the draft cache; logits [V] after the last one."""
-        start, dev = cache.length, self.model.device
-        out = self.model(torch.tensor([tokens], device=dev), torch.arange(start, start + len(tokens), device=dev)[None],
-                         cache, num_logits=1)
-        return fit_vocab(out.logits[0, -1], self.vocab)
+        return fit_vocab(feed_tokens(self.model, cache, tokens), self.vocab)
 
     @torch.inference_mode()
     def propose(self, state: RequestState, k: int) -> Proposal:

@@ -30,7 +30,7 @@ import torch
 
 from specdec.cache.kv_cache import KVCache
 from specdec.config import ConfigError
-from specdec.proposers.chain import draft_chain, time_one_step
+from specdec.proposers.chain import draft_chain, feed_tokens, time_one_step
 from specdec.spec.proposer import EMPTY, Proposal, Proposer, RequestState, register_proposer
 
 SEARCH_VERSION = "1"
@@ -107,8 +107,8 @@ def calibration_sequences(target, tokenizer, gen_tokens: int = 24) -> list[list[
     """Each calibration prompt followed by the target's greedy continuation."""
     seqs = []
     for text in CALIBRATION_PROMPTS:
-        chat = [{"role": "user", "content": text}]
-        ids = tokenizer.encode_chat(chat) if tokenizer.chat_template else tokenizer.encode(text)
+        chat = bool(tokenizer.chat_template)
+        ids = tokenizer.encode_chat([{"role": "user", "content": text}]) if chat else tokenizer.encode(text)
         cache = target.new_cache(len(ids) + gen_tokens)
         dev = target.device
         logits = target(torch.tensor([ids], device=dev), torch.arange(len(ids), device=dev)[None], cache,
@@ -201,10 +201,7 @@ class LayerSkipProposer(Proposer):
         self.draft_cost_per_token = time_one_step(ctx.target, self.layers)
 
     def _forward(self, cache, tok: int) -> torch.Tensor:
-        target, pos = self.ctx.target, cache.length
-        dev = "cpu" if getattr(target, "takes_host_inputs", False) else target.device  # (GraphedModel copies)
-        out = target(torch.tensor([[tok]], device=dev), torch.tensor([[pos]], device=dev), cache, layers=self.layers)
-        return out.logits[0, -1]  # [V]
+        return feed_tokens(self.ctx.target, cache, [tok], self.layers)  # [V]
 
     @torch.inference_mode()
     def propose(self, state: RequestState, k: int) -> Proposal:

@@ -41,7 +41,7 @@ import time
 import torch
 
 from specdec.config import ConfigError
-from specdec.proposers.chain import draft_chain, draft_chains, time_one_step
+from specdec.proposers.chain import draft_chain, draft_chains, feed_tokens, time_one_step
 from specdec.spec.proposer import EMPTY, Proposal, Proposer, RequestState, TargetOutput, register_proposer
 
 DEFAULTS = {"scheme": "int4", "group_size": 32, "lm_head": "int8"}
@@ -95,10 +95,7 @@ class QDraftProposer(Proposer):
 
     def _forward(self, cache, tokens: list[int]) -> torch.Tensor:
         """Feed tokens at the next positions of the draft cache; logits [V] after the last one."""
-        start, dev = cache.length, self.model.device
-        out = self.model(torch.tensor([tokens], device=dev), torch.arange(start, start + len(tokens), device=dev)[None],
-                         cache, num_logits=1)
-        return out.logits[0, -1]
+        return feed_tokens(self.model, cache, tokens)
 
     @torch.inference_mode()
     def propose(self, state: RequestState, k: int) -> Proposal:

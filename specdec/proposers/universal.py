@@ -25,6 +25,7 @@ import time
 import torch
 
 from specdec.cache.kept_prefix import common_prefix
+from specdec.proposers.chain import feed_tokens
 from specdec.sampler import argmax
 from specdec.spec.proposer import EMPTY, Proposal, RequestState
 
@@ -43,11 +44,9 @@ class UniversalDrafter:
         state.draft["fed"] = []  # draft ids whose k/v are in ucache, in order
 
     def _feed(self, cache, fed: list[int], tokens: list[int]) -> torch.Tensor:
-        start, dev = cache.length, self.model.device
-        out = self.model(torch.tensor([tokens], device=dev), torch.arange(start, start + len(tokens), device=dev)[None],
-                         cache, num_logits=1)
+        logits = feed_tokens(self.model, cache, tokens)  # [V_draft]
         fed.extend(tokens)
-        return out.logits[0, -1]  # [V_draft]
+        return logits
 
     def draft_ids(self, state: RequestState) -> list[int]:
         return self.draft_tok.encode(self.target_tok.decode(state.token_ids, skip_special_tokens=False))

@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from specdec.config import ConfigError
 from specdec.model.layers import Rotary
 from specdec.model.llama import LlamaModel
-from specdec.model.loader import read_safetensors_dir
+from specdec.model.loader import check_shapes, read_safetensors_dir
 from specdec.model.output_dir import new_dir
 from specdec.quant.fp8 import FP8, Fp8Scheme, Fp8Weight
 from specdec.quant.qlinear import QEmbedding, QLinear, QuantizedWeight
@@ -255,11 +255,7 @@ def load_quantized(directory: Path, dtype: torch.dtype = torch.float32, max_len:
     missing = [k for k, v in sd.items() if v is None]
     if missing:
         raise ConfigError(f"{directory}: weights missing for {missing[:3]}")
-    expected = model.state_dict()
-    wrong = [k for k, v in sd.items() if k in expected and v.shape != expected[k].shape]
-    if wrong:
-        raise ConfigError(f"{directory}: {wrong[0]} is {list(sd[wrong[0]].shape)}, the config says "
-                          f"{list(expected[wrong[0]].shape)}")
+    check_shapes(model, sd, directory)
     model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=False, assign=True)
     if tie:
         model.lm_head.weight = model.embed.weight

@@ -67,10 +67,10 @@ class ResponseBuilder:
     def chat_prompt(self, body) -> list[int]:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
-            text = self.tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+            ids = self.tok.encode_chat(messages, add_generation_prompt=body.add_generation_prompt)
         except ConfigError as e:
             raise APIError(400, str(e), "messages") from None
-        return self._check_ids(self.tok.encode(text, add_special_tokens=False), "messages")  # as encode_chat
+        return self._check_ids(ids, "messages")
 
     # --- running --------------------------------------------------------------------------------
     async def _outputs(self, reqs: list[EngineRequest]):

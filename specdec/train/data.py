@@ -55,7 +55,6 @@ def benchmark_conversations() -> frozenset[str]:
     return frozenset(item["id"] for pool in sharegpt_pools().values() for item in pool)
 
 
-
 def load_sharegpt_conversations(limit: int | None = None, exclude: frozenset[str] | None = None
                                 ) -> list[list[dict[str, str]]]:
     """ShareGPT conversations as chat messages (user and assistant in turn, from a non-empty human turn to
@@ -277,6 +276,14 @@ def default_aux_layers(num_layers: int) -> tuple[int, ...]:
     return (1, num_layers // 2 - 1, num_layers - 4)
 
 
+def data_meta(model: str, src: Path, cfg, aux: tuple[int, ...], online: bool, **extra) -> dict:
+    """A data directory's meta.json: the model it was made from, what the trainer checks against its target
+    (features.read_data_meta) and how the features are stored."""
+    return {"model": model, "model_dir": str(src), **extra, "aux_layers": list(aux), "hidden_size": cfg.hidden_size,
+            "num_layers": cfg.num_hidden_layers, "feature_dtype": "float16",
+            "features": "online" if online else "offline"}
+
+
 # what a rerun into the same directory may change: how far it goes, not which prompts go where
 RESUMABLE_SPEC_KEYS = ("max_batches", "max_seconds")
 
@@ -323,9 +330,7 @@ def build_dataset(model: str, out: Path, spec: DataSpec, progress: bool = True, 
     else:
         hf = tf.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).to(device).eval()
         generator, generate = None, functools.partial(generate_batch, hf)
-    meta = {"model": model, "model_dir": str(src), "spec": spec.__dict__, "aux_layers": list(aux),
-            "hidden_size": cfg.hidden_size, "num_layers": cfg.num_hidden_layers, "feature_dtype": "float16",
-            "features": "online" if spec.online else "offline"}
+    meta = data_meta(model, src, cfg, aux, spec.online, spec=spec.__dict__)
     out.mkdir(parents=True, exist_ok=True)
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
     t0, new_tokens = time.perf_counter(), 0

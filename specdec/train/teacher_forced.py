@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.train.data import default_aux_layers, load_sharegpt_pairs
+from specdec.train.data import data_meta, default_aux_layers, load_sharegpt_pairs
 from specdec.train.features import Shard, write_shard
 
 
@@ -38,9 +38,7 @@ def build_teacher_forced(model: str, out: Path, num: int, max_tokens: int = 384,
     pairs = [(h, a) for h, a in load_sharegpt_pairs(skip + 4 * num)[skip:] if a]
     end_of_turn = end_of_turn_ids(tok)
     (out / "train").mkdir(parents=True, exist_ok=True)
-    meta = {"model": model, "model_dir": str(src), "aux_layers": list(aux), "hidden_size": cfg.hidden_size,
-            "num_layers": cfg.num_hidden_layers, "feature_dtype": "float16", "teacher_forced": True,
-            "features": "online" if online else "offline"}
+    meta = data_meta(model, src, cfg, aux, online, teacher_forced=True)
     (out / "meta.json").write_text(json.dumps(meta, indent=2))  # what the trainer checks against its target
     t0, n_tok, seqs, shard = time.perf_counter(), 0, [], 0
     for h, a in tqdm(pairs, desc="teacher-forced features", disable=not progress):
