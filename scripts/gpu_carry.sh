@@ -9,10 +9,11 @@
 #   device call 2, carry [".gpu2"], at once (a warm machine waits ~30 s):
 #                                    BUDGET=480 bash scripts/gpu_carry.sh remote2   (timeout_s ~ BUDGET + 60)
 #   bash scripts/gpu_carry.sh restore    # here, after the calls (before anything else)
+#   bash scripts/gpu_carry.sh join /work/.device/N   # the fine-tuned head, from its parts, into runs/head
 #
 # remote2 puts the model where `smollm2-135m` resolves, the head back into specdec/assets, runs
 # scripts/gpu_session.sh (its CUDA tests first), then leaves in $OUT: run.tar.gz (logs and tables) and the fine-tuned
-# head's config.json and model.safetensors (the device returns files at most 2 folders down, 8 at most).
+# head's config.json and its weights in parts (the device returns at most 8 files, of 16 MiB each at most).
 set -eu
 ASIDE=${ASIDE:-/tmp/specdec-aside}
 PY=${PY:-.venv/bin/python}
@@ -50,15 +51,25 @@ remote2)
   echo "$(cat .gpu2/gguf.sha256)  $d/$GGUF" | sha256sum -c
   cp .gpu2/__init__.py "$d/"
   python3 -m pip install -q --no-index --no-deps --target "$SITE" .gpu2/whl/*.whl
-  mkdir -p specdec/assets && cp -r .gpu2/head specdec/assets/smollm2-135m-eagle3
+  # (rm first: were the directory there, cp -r would put the head one level down, where default_head finds
+  # no config.json; S45's CUDA test of the shipped head failed with "no shipped eagle3 head", likely so)
+  mkdir -p specdec/assets && rm -rf specdec/assets/smollm2-135m-eagle3 && cp -r .gpu2/head specdec/assets/smollm2-135m-eagle3
   export PYTHONPATH=$SITE PYTHONUNBUFFERED=1
   run=/tmp/run && mkdir -p $run  # gpu_session.sh's first stage: the CUDA tests (the shipped head is back)
   OUT=$run BUDGET=${BUDGET:-480} PROMPTS=.gpu2/prompts.json.gz MTBENCH=.gpu2/mtbench.json HEAD=.gpu2/head \
     timeout $(( ${BUDGET:-480} + 30 )) bash scripts/gpu_session.sh || true
   tar czf "$OUT/run.tar.gz" -C $run --exclude head .
-  cp $run/head/* "$OUT/" 2>/dev/null || true
+  # the device returns files of at most 16 MiB: a head with 8,192 draft tokens is 19.7 MB, and S45 lost
+  # one so. The weights come back as parts of 12 MiB; `gpu_carry.sh join DIR` puts them together here.
+  [ ! -e $run/head/model.safetensors ] || { cp $run/head/config.json "$OUT/";
+    split -b 12M -d $run/head/model.safetensors "$OUT/head.safetensors.part"; }
+  ;;
+join)
+  d=${2:?usage: $0 join DIR (the device files: config.json and head.safetensors.part*)}
+  mkdir -p runs/head && cp "$d/config.json" runs/head/ && cat "$d"/head.safetensors.part* > runs/head/model.safetensors
+  $PY -c "from safetensors import safe_open; safe_open('runs/head/model.safetensors', 'pt')" && echo "runs/head"
   ;;
 *)
-  echo "usage: $0 prepare|remote1|remote2|restore"; exit 2
+  echo "usage: $0 prepare|remote1|remote2|restore|join DIR"; exit 2
   ;;
 esac
