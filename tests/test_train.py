@@ -281,8 +281,8 @@ def test_later_turns_add_train_prompts_and_keep_the_heldout(tiny_dir, tmp_path):
     tok = Tokenizer(tiny_dir("llama"))
     firsts = DataSpec(num_prompts=20, num_heldout=5, scan=300, seed=3)
     spec = DataSpec(num_prompts=20, num_heldout=5, scan=300, seed=3, later_turn_tokens=256)
-    train0, held0 = select_prompts(tok, firsts)
-    train, held = select_prompts(tok, spec)
+    train0, held0, _ = select_prompts(tok, firsts)
+    train, held, digests = select_prompts(tok, spec)
     assert held == held0 and train[:20] == train0 and len(train) > 30
     later = [p for p in candidate_prompts(tok, spec) if not isinstance(p, str)]
     assert later and all(len(p) >= 3 and p[-1]["role"] == "user" and p[1]["role"] == "assistant" for p in later)
@@ -301,18 +301,42 @@ def test_later_turns_add_train_prompts_and_keep_the_heldout(tiny_dir, tmp_path):
     path = tmp_path / "synthetic.json"
     write_prompts(path, synthetic)
     spec2 = DataSpec(num_prompts=20, num_heldout=5, seed=3, later_turn_tokens=256, prompts_file=str(path))
-    train2, held2 = select_prompts(tok, spec2)
+    train2, held2, _ = select_prompts(tok, spec2)
     held_firsts = {q for q in synthetic[:30] if list(ids([{"role": "user", "content": q}])) in held2}
     assert len(held_firsts) == 5 and len(train2) == 20 + 25
     assert not {ids(c) for c in synthetic[30:] if c[0]["content"] in held_firsts} & {tuple(t) for t in train2}
     path = tmp_path / "prompts.json.gz"
     write_prompts(path, candidate_prompts(tok, spec))
     from_file = DataSpec(num_prompts=20, num_heldout=5, scan=300, seed=3, later_turn_tokens=256, prompts_file=str(path))
-    assert select_prompts(tok, from_file) == (train, held)
+    assert select_prompts(tok, from_file) == (train, held, digests)
     bad = tmp_path / "bad.json"
     bad.write_text('[[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]]')
     with pytest.raises(ConfigError, match="ending in a user turn"):
         select_prompts(tok, DataSpec(prompts_file=str(bad), later_turn_tokens=256))
+
+
+def test_heldout_prompts_stay_held_out_whatever_else_the_pool_holds(tiny_dir, tmp_path):
+    """spec.heldout_prompts (a fine-tune's starting head's held-out split, by digest) are the held-out
+    split, those the pool still holds, and never go into training, also when the candidate pool changes;
+    the selection records the digests. (S45: the pool lost the bench's conversations in S43, and the seed
+    then drew 64 held-out prompts that the shipped head had all trained on.)"""
+    from specdec.model.tokenizer import Tokenizer
+    from specdec.train.data import prompt_digest, select_prompts, write_prompts
+
+    tok = Tokenizer(tiny_dir("llama"))
+    pool = [f"question number {i}" for i in range(40)]
+    path = tmp_path / "pool.json"
+    write_prompts(path, pool)
+    _, held, digests = select_prompts(tok, DataSpec(num_prompts=20, num_heldout=4, seed=3, prompts_file=str(path)))
+    assert len(digests) == 4 and set(digests) <= {prompt_digest(p) for p in pool}
+    write_prompts(path, pool[1:] + ["a new question"])  # the pool changes: the seed's draw moves
+    moved = select_prompts(tok, DataSpec(num_prompts=20, num_heldout=4, seed=3, prompts_file=str(path)))
+    kept = select_prompts(tok, DataSpec(num_prompts=20, num_heldout=4, seed=3, prompts_file=str(path),
+                                        heldout_prompts=tuple(digests)))
+    present = [d for d in digests if d != prompt_digest(pool[0])]
+    assert set(moved[2]) != set(digests)  # (the control: without them the split changes)
+    assert sorted(kept[2]) == sorted(present) and len(kept[1]) == len(present) and len(kept[0]) == 20
+    assert not {tuple(ids) for ids in kept[0]} & {tuple(ids) for ids in kept[1]}
 
 
 def test_the_shard_writer_overlaps_writes_and_raises_their_errors(tmp_path):

@@ -1,5 +1,6 @@
 """The training pipeline's checks: a resumed run keeps its settings, its time budget and its data; a damaged
-checkpoint, shard or head, data of another model and bad draft layers are one-line errors."""
+checkpoint, shard or head, data of another model and bad draft layers are one-line errors; a fine-tune whose
+held-out prompts its starting head may have trained on is warned."""
 from __future__ import annotations
 
 import json
@@ -90,3 +91,39 @@ def test_a_head_whose_tensors_do_not_match_its_config_is_one_line(tmp_path):
     save_file(t, str(head / "model.safetensors"))
     with pytest.raises(ConfigError, match="do not match its config"):
         load_head(head)
+
+
+def test_a_fine_tune_is_warned_when_its_heldout_prompts_may_be_trained_on(dataset, tmp_path):
+    """A head records its data's held-out prompt digests; a fine-tune from it on data that holds out those
+    prompts runs quietly, one whose held-out prompts the head does not list as held out (or that lists none)
+    is warned, and `train data --heldout-from` reads the record (a head without one is one error)."""
+    import warnings
+
+    from specdec.cli.train import _heldout_of
+    from specdec.config import ConfigError
+    from specdec.model.loader import load_model
+    from specdec.train.trainer import TrainSpec, Trainer
+
+    d, data = dataset
+    target = load_model(d, torch.float32, 512)
+    held = json.loads((data / "meta.json").read_text())["heldout_prompts"]
+    assert len(held) == 3
+    spec = TrainSpec(kind="eagle3", data=(str(data),), out=str(tmp_path / "base"), epochs=1, batch_size=2,
+                     warmup=1, draft_vocab_size=40, eval_every=100, save_dtype="float32")
+    base = Trainer(spec, target, progress=False)
+    base.total_steps = 1
+    base.run()
+    head_dir = base.export({})
+    assert _heldout_of(head_dir) == tuple(sorted(held))
+    tune = TrainSpec(**{**spec.__dict__, "out": str(tmp_path / "tuned"), "init_from": str(head_dir)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Trainer(tune, target, progress=False)
+    config = json.loads((head_dir / "config.json").read_text())
+    for record, match in ((held[:2], "1 of the data's 3 held-out prompts are not held out"), (None, "records no")):
+        config["specdec"]["training"]["heldout_prompts"] = record
+        (head_dir / "config.json").write_text(json.dumps(config))
+        with pytest.warns(UserWarning, match=match):
+            Trainer(tune, target, progress=False)
+    with pytest.raises(ConfigError, match="records no held-out prompts"):
+        _heldout_of(head_dir)

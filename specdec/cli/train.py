@@ -33,6 +33,10 @@ def register(sub) -> None:
     d.add_argument("--later-turn-tokens", type=int, default=0, metavar="N",
                    help="also ShareGPT's later human turns as train prompts, with the conversation so far, "
                         "where that fits N tokens (held-out stays first turns)")
+    d.add_argument("--heldout-from", type=Path, default=None, metavar="HEAD_DIR",
+                   help="the held-out split is the prompts this head was held out from (its config's "
+                        "record; in place of --num-heldout), so a fine-tune from it is measured on prompts it "
+                        "never trained on")
     d.add_argument("--batch-size", type=int, default=48)
     d.add_argument("--max-batches", type=int, default=None, help="stop after N train batches (rerun to extend)")
     d.add_argument("--teacher-forced", type=at_least(0), default=0, metavar="N",
@@ -122,7 +126,8 @@ def run_data(args) -> int:
     spec = DataSpec(args.num_prompts, args.num_heldout, args.max_prompt_tokens, args.max_new_tokens,
                     args.batch_size, args.seed, scan=args.scan, max_batches=args.max_batches, online=args.online,
                     prompts_file=str(args.prompts) if args.prompts else None, max_seconds=args.max_seconds,
-                    generator=args.generator, later_turn_tokens=args.later_turn_tokens)
+                    generator=args.generator, later_turn_tokens=args.later_turn_tokens,
+                    heldout_prompts=_heldout_of(args.heldout_from) if args.heldout_from else ())
     if args.write_prompts:
         from specdec.model.loader import resolve_model
         from specdec.model.tokenizer import Tokenizer
@@ -140,6 +145,18 @@ def run_data(args) -> int:
                               device=resolve_device(args.device))
     print(json.dumps(stats, indent=2, default=str))
     return 0
+
+
+def _heldout_of(head_dir: Path) -> tuple[str, ...]:
+    """The held-out prompt digests a trained head's config.json records."""
+    from specdec.config import ConfigError, read_json_object
+
+    block = read_json_object(head_dir / "config.json").get("specdec")
+    record = block.get("training") if isinstance(block, dict) else None
+    digests = record.get("heldout_prompts") if isinstance(record, dict) else None
+    if not isinstance(digests, list) or not all(isinstance(d, str) for d in digests):
+        raise ConfigError(f"{head_dir}: its config.json records no held-out prompts (specdec.training.heldout_prompts)")
+    return tuple(digests)
 
 
 def run_head(args) -> int:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import gzip
+import hashlib
 import inspect
 import json
 import random
@@ -111,6 +112,10 @@ class DataSpec:
     # own earlier answers included; the loss stays on the regenerated answer) where they fit this many tokens.
     # The held-out split is first turns either way, the same as without them.
     later_turn_tokens: int = 0
+    # when given, the held-out split is these first turns (by prompt_digest; those the pool still holds), in
+    # place of num_heldout drawn by seed: the held-out prompts of the head a fine-tune starts from
+    # (`--heldout-from HEAD`), where any other prompt could be one it trained on
+    heldout_prompts: tuple[str, ...] = ()
 
     def __post_init__(self):
         check_minimums(self, {"num_prompts": 1, "num_heldout": 0, "max_prompt_tokens": 1, "max_new_tokens": 1,
@@ -118,6 +123,11 @@ class DataSpec:
                               "later_turn_tokens": 0})
         if self.generator not in ("transformers", "specdec"):
             raise ConfigError(f"unknown generator {self.generator!r}; choose transformers or specdec")
+
+
+def prompt_digest(prompt: str) -> str:
+    """A first turn's short SHA-256 (16 hex digits): how data and heads record their held-out prompts."""
+    return hashlib.sha256(prompt.encode()).hexdigest()[:16]
 
 
 # A prompt: a first human turn (a string), or a later one with its conversation so far (chat messages
@@ -179,24 +189,30 @@ def _is_conversation(prompt) -> bool:
                     and m["role"] == ("user", "assistant")[i % 2] for i, m in enumerate(prompt)))
 
 
-def select_prompts(tokenizer, spec: DataSpec) -> tuple[list[list[int]], list[list[int]]]:
-    """Chat-formatted prompt ids (train, held-out): short enough, deduplicated, shuffled by seed. The
-    held-out split and the first-turn train prompts are drawn from first turns alone; every later turn
-    that fits (spec.later_turn_tokens) is a train prompt too, after them, but for the later turns of a
-    held-out conversation (they carry its first turn: before session 43 they put held-out prompts into
-    the training input)."""
+def select_prompts(tokenizer, spec: DataSpec) -> tuple[list[list[int]], list[list[int]], list[str]]:
+    """Chat-formatted prompt ids (train, held-out) and the held-out prompts' digests: short enough,
+    deduplicated, shuffled by seed. The held-out split and the first-turn train prompts are drawn from first
+    turns alone (spec.heldout_prompts, when given, are the held-out split); every later turn that fits (spec.later_turn_tokens) is a train
+    prompt too, after them, but for the later turns of a held-out conversation (they carry its first turn:
+    before session 43 they put held-out prompts into the training input)."""
     candidates = _candidates(tokenizer, spec)
     picked = [(prompt, ids) for prompt, ids in candidates if isinstance(prompt, str)]
     later = [(prompt, ids) for prompt, ids in candidates if not isinstance(prompt, str)]
     random.Random(spec.seed).shuffle(picked)
     random.Random(spec.seed).shuffle(later)
-    need = spec.num_prompts + spec.num_heldout
+    num_heldout = spec.num_heldout
+    if spec.heldout_prompts:
+        listed = set(spec.heldout_prompts)
+        picked.sort(key=lambda p: prompt_digest(p[0]) not in listed)  # they first; stable: the seed's order
+        num_heldout = sum(prompt_digest(prompt) in listed for prompt, _ in picked)
+    need = spec.num_prompts + num_heldout
     if len(picked) < need:
         where = spec.prompts_file or f"the first {spec.scan} conversations"
         raise ValueError(f"only {len(picked)} usable prompts in {where}; need {need}")
-    held = {prompt for prompt, _ in picked[:spec.num_heldout]}
+    held = {prompt for prompt, _ in picked[:num_heldout]}
     later = [ids for conversation, ids in later if conversation[0]["content"] not in held]
-    return [ids for _, ids in picked[spec.num_heldout:need]] + later, [ids for _, ids in picked[:spec.num_heldout]]
+    return ([ids for _, ids in picked[num_heldout:need]] + later, [ids for _, ids in picked[:num_heldout]],
+            [prompt_digest(prompt) for prompt, _ in picked[:num_heldout]])
 
 
 def hf_layer_index(our_layer: int) -> int:
@@ -296,7 +312,8 @@ def check_resumable(out: Path, spec: DataSpec) -> None:
         before = json.loads((out / "meta.json").read_text()).get("spec", {})
     except (OSError, ValueError):
         return
-    changed = [k for k, v in spec.__dict__.items() if k not in RESUMABLE_SPEC_KEYS and k in before and before[k] != v]
+    now = json.loads(json.dumps(spec.__dict__))  # as meta.json holds it (tuples as lists)
+    changed = [k for k, v in now.items() if k not in RESUMABLE_SPEC_KEYS and k in before and before[k] != v]
     if changed:
         raise ConfigError(f"{out} holds data made with other settings ({', '.join(changed)}); rerun with the same "
                           "ones to resume, or give a new --out")
@@ -319,7 +336,7 @@ def build_dataset(model: str, out: Path, spec: DataSpec, progress: bool = True, 
     cfg = read_config(src)
     tok = Tokenizer(src)
     aux = default_aux_layers(cfg.num_hidden_layers)
-    train, held = select_prompts(tok, spec)
+    train, held, held_digests = select_prompts(tok, spec)
     if spec.generator == "specdec":
         from specdec.model.loader import load_model
         from specdec.train.generate import PROMPT_ROUND, StaticGenerator
@@ -330,7 +347,7 @@ def build_dataset(model: str, out: Path, spec: DataSpec, progress: bool = True, 
     else:
         hf = tf.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).to(device).eval()
         generator, generate = None, functools.partial(generate_batch, hf)
-    meta = data_meta(model, src, cfg, aux, spec.online, spec=spec.__dict__)
+    meta = data_meta(model, src, cfg, aux, spec.online, spec=spec.__dict__, heldout_prompts=held_digests)
     out.mkdir(parents=True, exist_ok=True)
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
     t0, new_tokens = time.perf_counter(), 0

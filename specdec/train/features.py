@@ -92,7 +92,8 @@ def read_split(directory: Path, limit: int | None = None) -> list[Shard.Sequence
 
 def read_data_meta(data_dirs, target_config) -> dict:
     """The first data directory's meta.json, every directory's checked against the target and the others
-    (data made from another model failed deep in a matmul; features from other layers trained nonsense)."""
+    (data made from another model failed deep in a matmul; features from other layers trained nonsense),
+    with "heldout_prompts": every directory's held-out prompt digests, None where one records none."""
     metas = []
     for d in data_dirs:
         path = Path(d) / "meta.json"
@@ -106,7 +107,9 @@ def read_data_meta(data_dirs, target_config) -> dict:
         metas.append(meta)
     if len({tuple(m.get("aux_layers") or ()) for m in metas}) > 1:
         raise ConfigError("the data directories hold features of different target layers (aux_layers)")
-    return metas[0]
+    recorded = [m.get("heldout_prompts") for m in metas]
+    held = None if any(r is None for r in recorded) else sorted({d for r in recorded for d in r})
+    return {**metas[0], "heldout_prompts": held}
 
 
 def train_and_heldout(data_dirs, max_train: int | None = None) -> tuple[list[Shard.Sequence], list[Shard.Sequence]]:

@@ -27,6 +27,7 @@ import math
 import pickle  # (its error type only: torch.load's weights_only unpickler raises it on a damaged file)
 import random
 import time
+import warnings
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -103,6 +104,7 @@ class Trainer:
         torch.manual_seed(spec.seed)
         meta = read_data_meta(spec.data, target.config)
         self.aux_layers = tuple(meta.get("aux_layers", ())) if spec.kind == "eagle3" else ()
+        self.heldout_prompts = meta["heldout_prompts"]  # digests, or None: the data does not say
         self.train, held = train_and_heldout(spec.data, spec.max_train_seqs)
         if not self.train:  # (the batches would cycle over empty epochs forever)
             raise ConfigError(f"no training sequences in {', '.join(map(str, spec.data))} (train/ shards)")
@@ -142,6 +144,7 @@ class Trainer:
         smaller draft vocabulary than this run's grows into it (vocab.grow_vocab: its tokens, then the
         most frequent of this run's data)."""
         src = load_head(path)
+        self._check_heldout(path, src.cfg.training.get("heldout_prompts"))
         shape = ("kind", "hidden_size", "vocab_size", "intermediate_size", "num_attention_heads",
                  "num_key_value_heads", "head_dim", "aux_layers", "medusa_num_heads")
         differ = [f"{f} ({getattr(src.cfg, f)} vs {getattr(self.head.cfg, f)})" for f in shape
@@ -157,6 +160,20 @@ class Trainer:
                               + ", ".join(differ))
         self._use_vocab(src.draft_ids.clone())
         self.head.load_state_dict(src.state_dict())  # the vocabulary buffers (d2t/t2d, token_map) too
+
+    def _check_heldout(self, path: Path, theirs: list[str] | None) -> None:
+        """A fine-tune's held-out figures mean something only on prompts the head it starts from was held out
+        from too: warn where the data's held-out prompts are not among those its record lists (S45's GPU
+        fine-tune measured tau 4.4 on prompts the shipped head had trained on; its own held-out gave 3.3)."""
+        ours = self.heldout_prompts
+        if ours is None or theirs is None:
+            whose = "this data" if ours is None else str(path)
+            warnings.warn(f"{whose} records no held-out prompts: held-out figures may include prompts {path} "
+                          "trained on", stacklevel=3)
+        elif not set(ours) <= set(theirs):
+            warnings.warn(f"{len(set(ours) - set(theirs))} of the data's {len(ours)} held-out prompts are not "
+                          f"held out by {path}, which may have trained on them; make the data with "
+                          f"`specdec train data --heldout-from {path}`", stacklevel=3)
 
     def _init_from_target(self) -> None:
         with torch.no_grad():
@@ -348,6 +365,7 @@ class Trainer:
     def export(self, extra: dict) -> Path:
         cfg = replace(self.head.cfg, training={**extra, "spec": asdict(self.spec), "history": self.history,
                                                "draft_vocab_coverage": self.coverage,
+                                               "heldout_prompts": self.heldout_prompts,
                                                "target_config": {"num_hidden_layers": self.target.config.num_hidden_layers}})
         self.head.cfg = cfg
         dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[self.spec.save_dtype]
