@@ -445,13 +445,15 @@ def test_build_dataset_with_our_generator_equals_transformers(dataset, tmp_path)
 
 def test_teacher_forced_data_keeps_its_last_shard_and_ends_turns_as_the_template(tiny_dir, tmp_path):
     """5 sequences in shards of 4: the fifth, in a last partial shard, is written (it was computed, counted
-    and dropped); each answer ends with the chat template's end of turn, not a hard-coded ChatML one."""
+    and dropped); its meta.json records no held-out prompts (an empty list: a fine-tune mixing it in is not
+    warned for it); each answer ends with the chat template's end of turn, not a hard-coded ChatML one."""
     from specdec.model.tokenizer import Tokenizer
     from specdec.train.teacher_forced import build_teacher_forced, end_of_turn_ids
 
     d = tiny_dir("llama")
     build_teacher_forced(str(d), tmp_path, 5, max_tokens=512, skip=0, shard_size=4, progress=False, online=True)
     assert [len(read_split(tmp_path / "train", None)), len(list((tmp_path / "train").glob("shard-*")))] == [5, 2]
+    assert json.loads((tmp_path / "meta.json").read_text())["heldout_prompts"] == []  # it holds none out
     eot = end_of_turn_ids(Tokenizer(d))
     assert eot and all(s.tokens[-len(eot):] == eot for s in read_split(tmp_path / "train") if len(s.tokens) < 512)
 

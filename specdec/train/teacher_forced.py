@@ -38,7 +38,7 @@ def build_teacher_forced(model: str, out: Path, num: int, max_tokens: int = 384,
     pairs = [(h, a) for h, a in load_sharegpt_pairs(skip + 4 * num)[skip:] if a]
     end_of_turn = end_of_turn_ids(tok)
     (out / "train").mkdir(parents=True, exist_ok=True)
-    meta = data_meta(model, src, cfg, aux, online, teacher_forced=True)
+    meta = data_meta(model, src, cfg, aux, online, teacher_forced=True, heldout_prompts=[])  # (it holds none out)
     (out / "meta.json").write_text(json.dumps(meta, indent=2))  # what the trainer checks against its target
     t0, n_tok, seqs, shard = time.perf_counter(), 0, [], 0
     for h, a in tqdm(pairs, desc="teacher-forced features", disable=not progress):
