@@ -1,6 +1,6 @@
 #!/bin/bash
 # Get the default model and the session's inputs onto a lent GPU. The device tool carries at most
-# 64 MiB a call, working tree included; the model's GGUF is 98 MB and docs/ 45 MB. So:
+# 64 MiB a call, working tree included; the model's GGUF is 98 MB, docs/ 58 MB and specdec/assets/ 18 MB. So:
 #
 #   bash scripts/gpu_carry.sh prepare    # here: .gpu/ (60 MB of the GGUF), .gpu2/ (the other 38 MB, its
 #                                        # sha256, the gguf wheel, ShareGPT candidate prompts (later turns too), 16 MT-bench

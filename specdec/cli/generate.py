@@ -19,7 +19,7 @@ def add_sampling_args(p) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--repetition-penalty", type=float, default=1.0,
-                   help="divide (multiply, if negative) the logits of prompt and output tokens by this, in (0, 2]")
+                   help="divide (multiply, if negative) the logits of prompt and output tokens by this, in [0.01, 2]")
     p.add_argument("--frequency-penalty", type=float, default=0.0,
                    help="subtract this x each token's count in the output, in [-2, 2]")
     p.add_argument("--min-tokens", type=int, default=0, help="no EOS or stop before this many tokens")
