@@ -8,6 +8,8 @@ from specdec.engine.regex_size import regex_size, uses_verbose_flag
     ("abc", 3), ("a|bc", 3), ("(ab){3}", 6), ("a{2,5}", 5), ("a{5,}", 5), ("[a-z]{10}", 10),
     (r"\d{3}-\d{4}", 8), ("((a{10}){10}){10}", 1000), ("(a|b)*c{1000000}", 1000002), ("[]a]{4}", 4),
     ("x*y+z?", 3), ("a{", 2),
+    # whitespace may pad a count: the compiler reads these as counted repetitions too
+    ("a{ 5000}", 5000), ("a{5000 }", 5000), ("a{100, 3000}", 3000), ("a{ 10 , 20 }", 20), ("a{\u00a0500}", 500),
 ])
 def test_regex_size_counts_states_and_multiplies_counted_repetitions(regex, size):
     assert regex_size(regex) == size

@@ -98,6 +98,18 @@ BAD = [
     # under the verbose flag the compiler skips whitespace: a{1 0 0 0 0 0 0} repeats a million times
     ("/v1/completions", {"prompt": "hi", "response_format": {"type": "regex", "regex": "(?x)a{1 0 0 0 0 0 0}"}},
      "response_format"),
+    # whitespace in a count: the compiler reads a{ 1000000} as a repetition of a million too
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "regex", "regex": "a{ 1000000}"}},
+     "response_format"),
+    # 100 optional properties of any JSON: a 70 MB regex (the grammar worker refuses it; it held the GIL)
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {f"p{i}": {} for i in range(100)}}}}},
+     "response_format"),
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": "x"}},
+     "response_format"),  # (an AttributeError: a 500)
+    # 4 prompts x 200 tokens x n 16 x 21 logprobs: 268,800 entries, each decoded into the answer
+    ("/v1/completions", {"prompt": [[5] * 200] * 4, "n": 16, "prompt_logprobs": 20, "max_tokens": 1},
+     "prompt_logprobs"),
     ("/v1/completions", {"prompt": "hi", "stop": ["x" * 2000]}, "stop"),  # streaming would hold all text back
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [-1], "min_tokens": 2}, "stop_token_ids"),
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [10**8]}, "stop_token_ids"),
@@ -226,7 +238,7 @@ def test_bad_input_gets_400_in_openai_shape(server, path, body, param):
 
 def test_lone_surrogates_and_internal_errors_get_the_error_shape(server, monkeypatch):
     """JSON may spell a lone UTF-16 surrogate, which no tokenizer encodes: a 400 naming where it is (it was
-    a 500 from inside the tokenizer). A bug past validation is a 500 in the OpenAI error shape, not
+    a 500 from inside the tokenizer), at any nesting depth. A bug past validation is a 500 in the OpenAI error shape, not
     starlette's plain text, and the server goes on."""
     for path, raw, param in (
             ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages.0.content"),
@@ -234,6 +246,13 @@ def test_lone_surrogates_and_internal_errors_get_the_error_shape(server, monkeyp
             ("/v1/completions", '{"prompt": "hi", "stop": ["\\ud83d"]}', "stop.0")):
         r = httpx.post(server.url + path, content=raw.encode(), headers={**headers(), "Content-Type": "application/json"})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    # the walk that finds them is iterative: nesting that the JSON parser still reads (~960 deep) made a
+    # RecursionError of the recursive one, a 500; deeper, the parser refuses it (a 400 of its own)
+    for depth in range(900, 1040):
+        raw = '{"prompt": "hi", "temperature": 5, "x": ' + "[" * depth + "]" * depth + "}"
+        r = httpx.post(server.url + "/v1/completions", content=raw.encode(),
+                       headers={**headers(), "Content-Type": "application/json"})
+        assert r.status_code == 400, (depth, r.text)
     from specdec.serve.responses import ResponseBuilder
 
     def broken(self, body):

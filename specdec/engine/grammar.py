@@ -1,7 +1,7 @@
 """Structured output (JSON schema, regex) through outlines-core, made to work with speculation.
 
 outlines-core compiles a regex against the tokenizer's vocabulary into an index whose states are
-plain integers, so speculation needs no rollback: a sequence keeps its state, drafts are walked
+plain integers (a client's schema and regex are built in a child process under limits: grammar_worker.py), so speculation needs no rollback: a sequence keeps its state, drafts are walked
 from it on the side. Per verified row i the target's logits are masked to the tokens allowed after
 the drafts before it, drafted tokens the grammar forbids are cut before the verify pass, and every
 emitted token advances the state. Greedy or sampled, output is what the masked target alone gives.
@@ -12,11 +12,13 @@ import json
 import os
 import threading
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from specdec.config import ConfigError
+from specdec.engine.grammar_worker import WHITESPACE, GrammarWorker, TooLarge, binary
 from specdec.engine.regex_size import regex_size, uses_verbose_flag
 
 try:
@@ -25,7 +27,17 @@ try:
 except ImportError:  # optional: `pip install outlines-core` (the serve extra)
     outlines_core = None
 
-MASK_CACHE = 4096  # allowed-token masks kept per grammar (states are revisited constantly)
+# allowed-token masks kept per grammar (states are revisited constantly), in bytes: a mask is a byte a
+# token (49 KB for SmolLM2, 262 KB for Gemma 3), so ~1,300 or ~250 of them
+MASK_CACHE_BYTES = 64 << 20
+# the compiled grammars kept (by regex), at most this many and this many bytes of automata together
+CACHE_GRAMMARS, CACHE_BYTES = 8, 512 << 20
+# the grammar worker's limits (grammar_worker.py): a schema's regex in 10 s, of at most 640,000 characters
+# (regex_size then bounds its states: 10,000 states take ~40,000 characters, json_object's 6,900 ~7,000);
+# an automaton in 60 s (json_object's took 8-9 s here, and 1 GiB of address space sufficed), of at most
+# 256 MiB (json_object's: 25 MiB; `[^"]{400}`'s 124 MiB, `[^"]{800}`'s 274); 2 GiB of address space
+WORKER_LIMITS = {"schema_seconds": 10.0, "index_seconds": 60.0, "memory_bytes": 2 << 30, "max_chars": 640_000,
+                 "max_index_bytes": 256 << 20}
 # the most states a response_format's regex may have by regex_size's bound (~5 s of compiling at most
 # here; a counted repetition like c{1000000} ran for minutes and took gigabytes)
 MAX_REGEX_STATES = 10_000
@@ -91,8 +103,10 @@ def token_bytes(tokenizer) -> dict[bytes, list[int]]:
 class Grammar:
     """A compiled regex: states, allowed-token masks over the model's vocabulary."""
 
-    def __init__(self, index, eos_id: int, vocab_size: int):
+    def __init__(self, index, eos_id: int, vocab_size: int, nbytes: int = 0):
         self.index, self.eos_id, self.vocab_size = index, eos_id, vocab_size
+        self.nbytes = nbytes  # the automaton's serialized size: what the compiler's cache counts
+        self.max_masks = max(16, MASK_CACHE_BYTES // vocab_size)
         self._masks: OrderedDict[int, torch.Tensor] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -112,7 +126,7 @@ class Grammar:
             m[torch.tensor(allowed)] = True
         with self._lock:
             self._masks[state] = m
-            if len(self._masks) > MASK_CACHE:
+            if len(self._masks) > self.max_masks:
                 self._masks.popitem(last=False)
         return m
 
@@ -156,10 +170,12 @@ class GrammarState:
 class GrammarCompiler:
     """Compiles response formats for one tokenizer; compiled grammars are cached by regex."""
 
-    def __init__(self, tokenizer, vocab_size: int, cache_size: int = 32):
-        self.tokenizer, self.vocab_size, self.cache_size = tokenizer, vocab_size, cache_size
+    def __init__(self, tokenizer, vocab_size: int, cache_size: int = CACHE_GRAMMARS, cache_bytes: int = CACHE_BYTES):
+        self.tokenizer, self.vocab_size, self.cache_size, self.cache_bytes = tokenizer, vocab_size, cache_size, cache_bytes
         self._vocab = None
+        self._worker: GrammarWorker | None = None
         self._cache: OrderedDict[str, Grammar] = OrderedDict()
+        self._schemas: OrderedDict[str, str] = OrderedDict()  # schema (JSON text) -> its regex, the last 64
         self._lock = threading.Lock()
         self._compiling = threading.Lock()  # one compile at a time: a burst of them does not starve the engine
         self._waiting = 0  # requests in compile() that found no cached grammar (guarded by _lock)
@@ -167,10 +183,21 @@ class GrammarCompiler:
         eos_id = tokenizer._tok.token_to_id(eos) if eos else None
         self.eos_id = eos_id if eos_id is not None else min(tokenizer.eos_token_ids or {0})
 
-    def _vocabulary(self):
+    def _vocabulary(self) -> bytes:
+        """outlines-core's vocabulary, serialized for the grammar worker."""
         if self._vocab is None:
-            self._vocab = outlines_core.Vocabulary(self.eos_id, token_bytes(self.tokenizer))
+            self._vocab = binary(outlines_core.Vocabulary(self.eos_id, token_bytes(self.tokenizer)))
         return self._vocab
+
+    def _grammar_worker(self) -> GrammarWorker:
+        if self._worker is None:
+            self._worker = GrammarWorker(self._vocabulary(), **WORKER_LIMITS)
+        return self._worker
+
+    def close(self) -> None:
+        """Stop the grammar worker's child process (a later compile starts another)."""
+        if self._worker is not None:
+            self._worker.close()
 
     def regex_for(self, response_format: dict) -> str | None:
         """The regex of an OpenAI-style response_format (None for plain text)."""
@@ -182,19 +209,30 @@ class GrammarCompiler:
             if not isinstance(regex, str) or not regex:
                 raise ConfigError("response_format.regex must be a non-empty string")
             return regex
-        if kind == "json_object":
-            schema = {"type": "object"}
-        elif kind == "json_schema":
-            js = response_format.get("json_schema") or {}
-            schema = js.get("schema", js.get("json_schema"))
-            if not isinstance(schema, dict):
-                raise ConfigError("response_format.json_schema.schema must be a JSON schema object")
-        else:
+        if kind == "json_object":  # (a fixed schema of known size: built here)
+            return build_regex_from_schema(json.dumps({"type": "object"}), WHITESPACE)
+        if kind != "json_schema":
             raise ConfigError(f"response_format.type {kind!r} is not supported (text, json_object, json_schema, regex)")
-        try:
-            return build_regex_from_schema(json.dumps(schema), r"[ ]?")
-        except (ValueError, TypeError, RuntimeError) as e:
-            raise ConfigError(f"cannot use this JSON schema: {e}") from None
+        js = response_format.get("json_schema") or {}
+        schema = js.get("schema", js.get("json_schema")) if isinstance(js, dict) else None
+        if not isinstance(schema, dict):
+            raise ConfigError("response_format.json_schema.schema must be a JSON schema object")
+        text = json.dumps(schema)
+        with self._lock:
+            regex = self._schemas.get(text)
+        if regex is None:
+            with self._turn():
+                try:
+                    regex = self._grammar_worker().schema_regex(text)
+                except ValueError as e:
+                    raise ConfigError(f"cannot use this JSON schema: {e}") from None
+                except TooLarge as e:
+                    raise ConfigError(f"response_format is too large to compile: {e}") from None
+            with self._lock:
+                self._schemas[text] = regex
+                if len(self._schemas) > 64:
+                    self._schemas.popitem(last=False)
+        return regex
 
     def compile(self, response_format: dict) -> Grammar | None:
         if not available():
@@ -212,36 +250,47 @@ class GrammarCompiler:
         if states > MAX_REGEX_STATES:
             raise ConfigError(f"response_format is too large to compile: its regex may need {states} states "
                               f"(at most {MAX_REGEX_STATES}; counted repetitions such as {{n}} multiply them)")
+        with self._turn():
+            g = self._cached(regex)  # (compiled meanwhile by the request this one waited for)
+            return g if g is not None else self._build(regex, self._grammar_worker())
+
+    @contextmanager
+    def _turn(self):
+        """The grammar worker's turn: one job at a time, and at most MAX_WAITING_COMPILES requests waiting
+        for it (each holds a thread of the event loop's executor); the next one gets CompilerBusy."""
         with self._lock:
             if self._waiting >= MAX_WAITING_COMPILES:
                 raise CompilerBusy(f"{self._waiting} response formats are waiting to be compiled; retry later")
             self._waiting += 1
         try:
             with self._compiling:
-                g = self._cached(regex)  # (compiled meanwhile by the request this one waited for)
-                return g if g is not None else self._build(regex)
+                yield
         finally:
             with self._lock:
                 self._waiting -= 1
 
-    def _build(self, regex: str) -> Grammar:
-        """Compile a regex (its size checked) and keep it in the cache."""
+    def _build(self, regex: str, worker: GrammarWorker) -> Grammar:
+        """Compile a regex (its size checked) in the worker's child and keep it in the cache."""
         try:
-            index = outlines_core.Index(regex, self._vocabulary())
-        except (ValueError, TypeError, RuntimeError) as e:
-            raise ConfigError(f"cannot compile this response_format: {str(e).splitlines()[0][:200]}") from None
-        g = Grammar(index, self.eos_id, self.vocab_size)
+            data = worker.index(regex)
+        except ValueError as e:
+            raise ConfigError(f"cannot compile this response_format: {e}") from None
+        except TooLarge as e:
+            raise ConfigError(f"response_format is too large to compile: {e}") from None
+        g = Grammar(outlines_core.Index.from_binary(data), self.eos_id, self.vocab_size, len(data))
         with self._lock:
             self._cache[regex] = g
-            if len(self._cache) > self.cache_size:
+            while len(self._cache) > 1 and (len(self._cache) > self.cache_size
+                                            or sum(x.nbytes for x in self._cache.values()) > self.cache_bytes):
                 self._cache.popitem(last=False)
         return g
 
     def warm_up(self) -> None:
         """Compile the generic JSON object's grammar (response_format json_object) on a daemon thread, so
-        that the first request for it does not wait: on a 2-vCPU Xeon it takes ~5 s (SmolLM2's 49k tokens).
-        The thread runs at the lowest priority (lower_priority) and outside the compile lock: a request
-        that wants the grammar meanwhile compiles it at its own priority instead of waiting for this one."""
+        that the first request for it does not wait: on a 2-vCPU Xeon it takes ~5-9 s (SmolLM2's 49k
+        tokens). It compiles in a child of its own at the lowest priority (nice 19), outside the compile
+        lock: a request that wants the grammar meanwhile compiles it at its own priority instead of waiting
+        for this one."""
         if available():
             threading.Thread(target=self._warm, args=(self.regex_for({"type": "json_object"}),), daemon=True,
                              name="grammar-warm-up").start()
@@ -249,7 +298,11 @@ class GrammarCompiler:
     def _warm(self, regex: str) -> None:
         lower_priority()
         if self._cached(regex) is None:
-            self._build(regex)
+            worker = GrammarWorker(self._vocabulary(), **WORKER_LIMITS, nice=19)
+            try:
+                self._build(regex, worker)
+            finally:
+                worker.close()
 
     def _cached(self, regex: str) -> Grammar | None:
         with self._lock:

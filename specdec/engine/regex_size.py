@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import re
 
-_COUNTED = re.compile(r"\{(\d+)(,(\d*))?\}")
+# (whitespace may pad a count, as the compiler reads `a{ 5000 }` and `a{100, 3000}`; a count read here that
+# the compiler refuses only over-counts)
+_COUNTED = re.compile(r"\{\s*(\d+)\s*(,\s*(\d*)\s*)?\}")
 _VERBOSE = re.compile(r"\(\?[A-Za-z-]*x")  # an inline flag group that turns the verbose flag on (or off)
 _HUGE = 10**9  # a count of more digits than this has is read as this (int() refuses 4,300+ digits)
 

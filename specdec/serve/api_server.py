@@ -34,6 +34,10 @@ from specdec.serve.protocol import APIError, ChatRequest, CompletionRequest, pyd
 from specdec.serve.responses import ResponseBuilder
 
 STATIC = Path(__file__).with_name("static")
+# prompt logprobs a request may ask for (prompt tokens x (prompt_logprobs + 1) x n), each decoded into the
+# answer on the event loop: one prompt of the whole context at 20 fits; 64 sequences of 8k tokens (11M
+# entries, a body of hundreds of MB) did not
+MAX_PROMPT_LOGPROB_ENTRIES = 1 << 18
 
 
 @dataclass
@@ -141,6 +145,8 @@ def build_app(st: ServerState) -> FastAPI:
             st.engine.start()
         yield
         st.engine.shutdown()
+        if st.grammars is not None:
+            st.grammars.close()  # (its schema worker's child process)
 
     app = FastAPI(title="specdec", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
     app.state.server = st
@@ -207,6 +213,11 @@ def build_app(st: ServerState) -> FastAPI:
             raise APIError(400, f"the request asks for {len(prompts) * body.n} sequences (prompts x n); this server "
                            f"queues at most {st.max_queued_requests}", "n")
         reqs = await _engine_requests(body, prompts, chat, arrival)
+        entries = sum(len(r.prompt_ids) * (r.params.prompt_logprobs + 1) * r.params.n for r in reqs
+                      if r.params.prompt_logprobs is not None)
+        if entries > MAX_PROMPT_LOGPROB_ENTRIES:  # (each one decoded, on the event loop, into the answer)
+            raise APIError(400, f"the request asks for {entries} prompt logprob entries (prompt tokens x "
+                           f"(prompt_logprobs + 1) x n); at most {MAX_PROMPT_LOGPROB_ENTRIES}", "prompt_logprobs")
         queued, new = st.queued(), sum(r.params.n for r in reqs)
         if queued + new > st.max_queued_requests:
             st.metrics.rejected.labels(model_name=st.model_name, reason="queue_full").inc()

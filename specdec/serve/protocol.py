@@ -50,19 +50,21 @@ class StreamOptions(BaseModel):
 def lone_surrogate(value, path: str = "") -> str | None:
     """The path (e.g. "messages.0.content") of the first string in a parsed JSON body that is not
     valid Unicode, or None. JSON may spell a lone UTF-16 surrogate ("\\ud800"), which no tokenizer can
-    encode (it made a 500 from deep in the tokenizer)."""
-    if isinstance(value, str):
-        return None if valid_unicode(value) else path or "body"
-    if isinstance(value, dict):
-        for k, v in value.items():
-            found = lone_surrogate(k, path) or lone_surrogate(v, f"{path}.{k}" if path else str(k))
-            if found:
-                return found
-    if isinstance(value, list):
-        for i, v in enumerate(value):
-            found = lone_surrogate(v, f"{path}.{i}" if path else str(i))
-            if found:
-                return found
+    encode (it made a 500 from deep in the tokenizer). Iterative: a body nested ~960 deep, which the JSON
+    parser still reads, made a RecursionError (a 500) of the recursive walk."""
+    stack = [(value, path)]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if not valid_unicode(value):
+                return path or "body"
+        elif isinstance(value, dict):
+            children = []
+            for k, v in value.items():
+                children += [(k, path), (v, f"{path}.{k}" if path else str(k))]
+            stack.extend(reversed(children))  # (document order: the first bad string is the one named)
+        elif isinstance(value, list):
+            stack.extend(reversed([(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(value)]))
     return None
 
 
