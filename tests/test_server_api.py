@@ -121,6 +121,9 @@ BAD = [
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 50}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/completions", {"prompt": [True, False]}, "prompt"),  # (lax ints read them as token ids 1 and 0)
+    ("/v1/completions", {"prompt": [[5.0, 6]]}, "prompt"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 7*7 }}"},
      "chat_template"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "presence_penalty": 2.5},

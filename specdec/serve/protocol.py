@@ -11,9 +11,11 @@ refused: templates come only from the model's files (rendered in a Jinja2 sandbo
 """
 from __future__ import annotations
 
+import re
+
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from specdec.model.tokenizer import valid_unicode
 from specdec.penalties import check_token_ids
@@ -184,7 +186,8 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # (strict ints: lax ones took [true, false] as token ids 1 and 0, and 5.0 as 5)
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     max_tokens: int | None = Field(default=16, ge=1)
     echo: bool = False  # the prompt's text (and, with logprobs, its tokens' logprobs) before the completion
@@ -218,17 +221,27 @@ class ChatRequest(_Common):
         if (self.model_extra or {}).get("continue_final_message"):
             raise APIError(400, "continue_final_message is not supported", "continue_final_message",
                            "unsupported_parameter")
+        if self.top_logprobs is not None and not self.logprobs:  # (OpenAI's and vLLM's rule; it was ignored)
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         for i, m in enumerate(self.messages):  # what the template would drop without a word
             if (m.model_extra or {}).get("tool_calls"):
                 raise APIError(400, "tool calling is not supported", f"messages.{i}.tool_calls",
                                "unsupported_parameter")
 
 
+_UNION_MEMBER = re.compile(r"(str|int|float|bool|[\w-]+\[.*\])$")  # pydantic's tags of a union's members
+
+
 def pydantic_error(exc) -> APIError:
     """A FastAPI RequestValidationError as a 400 naming the first offending field."""
     errors = exc.errors()
     first = errors[0] if errors else {}
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    loc = []
+    for part in first.get("loc", ()):
+        if isinstance(part, str) and _UNION_MEMBER.match(part):
+            break  # ("prompt", "list[int]", 0): which member the client meant is unknown; name the field
+        if part != "body":
+            loc.append(str(part))
     param = ".".join(loc) or None
     msg = first.get("msg", "invalid request")
     if first.get("type") == "json_invalid":
