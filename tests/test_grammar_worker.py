@@ -96,6 +96,23 @@ def test_the_compilers_cache_is_bounded_in_bytes(tiny_dir):
         compiler.close()
 
 
+def test_the_child_outlives_the_thread_that_asked_for_it():
+    """A request's thread comes and goes; the child (on Linux killed with the thread that started it) is
+    started by the worker's own thread, so the next request finds it alive (every other one failed)."""
+    import threading
+
+    worker = _worker()
+    try:
+        asker = threading.Thread(target=worker.index, args=("[0-9]{1,3}",))
+        asker.start()
+        asker.join()
+        pid = worker._proc.pid
+        time.sleep(0.2)
+        assert worker.index("(yes|no){2}") and worker._proc.pid == pid
+    finally:
+        worker.close()
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_the_child_dies_with_its_parent_mid_build(tmp_path):
     """A build in Rust reads no stdin, so a child whose server died (or whose daemon warm-up thread was cut

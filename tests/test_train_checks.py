@@ -124,6 +124,26 @@ def test_a_fine_tune_is_warned_when_its_heldout_prompts_may_be_trained_on(datase
         config["specdec"]["training"]["heldout_prompts"] = record
         (head_dir / "config.json").write_text(json.dumps(config))
         with pytest.warns(UserWarning, match=match):
-            Trainer(tune, target, progress=False)
+            tuned = Trainer(tune, target, progress=False)
+        # its own record: held out from what both were (None where either does not say)
+        assert tuned.heldout_prompts == (None if record is None else sorted(set(held) & set(record)))
     with pytest.raises(ConfigError, match="records no held-out prompts"):
         _heldout_of(head_dir)
+
+
+def test_a_train_sequence_that_begins_with_a_heldout_prompt_is_left_out(monkeypatch):
+    """Data directories combined: a train sequence on another directory's held-out prompt is dropped, and
+    so is a later turn whose conversation begins with one (it carries that prompt as context); a prompt
+    that a held-out one merely begins with is kept."""
+    from types import SimpleNamespace as Seq
+
+    from specdec.train import features
+
+    held = [Seq(tokens=[1, 2, 3, 9], prompt_len=3)]
+    train = [Seq(tokens=[1, 2, 3, 7, 8, 5, 6], prompt_len=5),  # the held-out prompt, an answer, a new turn
+             Seq(tokens=[1, 2, 3, 4], prompt_len=3),  # the held-out prompt itself
+             Seq(tokens=[1, 2, 4, 4], prompt_len=3),
+             Seq(tokens=[1, 2, 3], prompt_len=2)]
+    monkeypatch.setattr(features, "read_split", lambda path, *a: held if path.name == "heldout" else train)
+    kept, heldout = features.train_and_heldout(["data"])
+    assert heldout == held and kept == train[2:]

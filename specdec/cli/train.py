@@ -127,7 +127,7 @@ def run_data(args) -> int:
                     args.batch_size, args.seed, scan=args.scan, max_batches=args.max_batches, online=args.online,
                     prompts_file=str(args.prompts) if args.prompts else None, max_seconds=args.max_seconds,
                     generator=args.generator, later_turn_tokens=args.later_turn_tokens,
-                    heldout_prompts=_heldout_of(args.heldout_from) if args.heldout_from else ())
+                    heldout_prompts=_heldout_of(args.heldout_from) if args.heldout_from else None)
     if args.write_prompts:
         from specdec.model.loader import resolve_model
         from specdec.model.tokenizer import Tokenizer

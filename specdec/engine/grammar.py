@@ -32,12 +32,19 @@ except ImportError:  # optional: `pip install outlines-core` (the serve extra)
 MASK_CACHE_BYTES = 64 << 20
 # the compiled grammars kept (by regex), at most this many and this many bytes of automata together
 CACHE_GRAMMARS, CACHE_BYTES = 8, 512 << 20
-# the grammar worker's limits (grammar_worker.py): a schema's regex in 10 s, of at most 640,000 characters
-# (regex_size then bounds its states: 10,000 states take ~40,000 characters, json_object's 6,900 ~7,000);
-# an automaton in 60 s (json_object's took 8-9 s here, and 1 GiB of address space sufficed), of at most
-# 256 MiB (json_object's: 25 MiB; `[^"]{400}`'s 124 MiB, `[^"]{800}`'s 274); 2 GiB of address space
-WORKER_LIMITS = {"schema_seconds": 10.0, "index_seconds": 60.0, "memory_bytes": 2 << 30, "max_chars": 640_000,
-                 "max_index_bytes": 256 << 20}
+# the grammar worker's limits (grammar_worker.py) for SmolLM2's 49,152 tokens: a schema's regex in 10 s, of
+# at most 640,000 characters (regex_size then bounds its states: 10,000 states take ~40,000 characters,
+# json_object's 6,900 ~7,000); an automaton in 60 s (json_object's took 8-9 s here, and 1 GiB of address
+# space sufficed), of at most 256 MiB (json_object's: 25 MiB; `[^"]{400}`'s 124 MiB, `[^"]{800}`'s 274);
+# 2 GiB of address space. An automaton's time, memory and size grow with the vocabulary: those three scale
+# with it (Gemma 3's 262k tokens: x5.3), as does the cache's bytes
+LIMITS_VOCAB = 49_152
+
+
+def worker_limits(vocab_size: int) -> dict:
+    scale = max(1.0, vocab_size / LIMITS_VOCAB)
+    return {"schema_seconds": 10.0, "index_seconds": 60.0 * scale, "memory_bytes": int((2 << 30) * scale),
+            "max_chars": 640_000, "max_index_bytes": int((256 << 20) * scale)}
 # the most states a response_format's regex may have by regex_size's bound (~5 s of compiling at most
 # here; a counted repetition like c{1000000} ran for minutes and took gigabytes)
 MAX_REGEX_STATES = 10_000
@@ -107,6 +114,7 @@ class Grammar:
         self.index, self.eos_id, self.vocab_size = index, eos_id, vocab_size
         self.nbytes = nbytes  # the automaton's serialized size: what the compiler's cache counts
         self.max_masks = max(16, MASK_CACHE_BYTES // vocab_size)
+        # (the cache counts nbytes; the automaton's maps in memory take more, and its masks up to 64 MiB)
         self._masks: OrderedDict[int, torch.Tensor] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -171,7 +179,8 @@ class GrammarCompiler:
     """Compiles response formats for one tokenizer; compiled grammars are cached by regex."""
 
     def __init__(self, tokenizer, vocab_size: int, cache_size: int = CACHE_GRAMMARS, cache_bytes: int = CACHE_BYTES):
-        self.tokenizer, self.vocab_size, self.cache_size, self.cache_bytes = tokenizer, vocab_size, cache_size, cache_bytes
+        self.tokenizer, self.vocab_size, self.cache_size = tokenizer, vocab_size, cache_size
+        self.cache_bytes = int(cache_bytes * max(1.0, vocab_size / LIMITS_VOCAB))
         self._vocab = None
         self._worker: GrammarWorker | None = None
         self._cache: OrderedDict[str, Grammar] = OrderedDict()
@@ -191,7 +200,7 @@ class GrammarCompiler:
 
     def _grammar_worker(self) -> GrammarWorker:
         if self._worker is None:
-            self._worker = GrammarWorker(self._vocabulary(), **WORKER_LIMITS)
+            self._worker = GrammarWorker(self._vocabulary(), **worker_limits(self.vocab_size))
         return self._worker
 
     def close(self) -> None:
@@ -280,6 +289,7 @@ class GrammarCompiler:
         g = Grammar(outlines_core.Index.from_binary(data), self.eos_id, self.vocab_size, len(data))
         with self._lock:
             self._cache[regex] = g
+            self._cache.move_to_end(regex)  # (built twice, by the warm-up and a request: the newest stays)
             while len(self._cache) > 1 and (len(self._cache) > self.cache_size
                                             or sum(x.nbytes for x in self._cache.values()) > self.cache_bytes):
                 self._cache.popitem(last=False)
@@ -298,9 +308,14 @@ class GrammarCompiler:
     def _warm(self, regex: str) -> None:
         lower_priority()
         if self._cached(regex) is None:
-            worker = GrammarWorker(self._vocabulary(), **WORKER_LIMITS, nice=19)
+            # no time limit (a fixed regex of known size; at nice 19 on a busy machine it takes long): a
+            # request that wants it meanwhile compiles it itself
+            worker = GrammarWorker(self._vocabulary(), **{**worker_limits(self.vocab_size), "index_seconds": 3600.0},
+                                   nice=19)
             try:
                 self._build(regex, worker)
+            except ConfigError:  # (out of memory here: the first request's compile will say so)
+                pass
             finally:
                 worker.close()
 

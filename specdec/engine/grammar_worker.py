@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import select
 import subprocess
 import sys
@@ -48,6 +49,10 @@ class GrammarWorker:
         self.memory_bytes, self.max_chars, self.max_index_bytes = memory_bytes, max_chars, max_index_bytes
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()  # one build at a time through the one child
+        # children are started on a thread of their own that lives as long as this worker: on Linux a child
+        # dies with the thread that started it, and the threads that ask (a request's) come and go
+        self._spawns: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=_spawner, args=(self._spawns,), daemon=True, name="grammar-worker-spawner").start()
 
     def schema_regex(self, schema_json: str) -> str:
         """The regex of a JSON schema (JSON text). ValueError: outlines-core refuses it; TooLarge."""
@@ -61,54 +66,48 @@ class GrammarWorker:
 
     def _ask(self, header: dict, payload: bytes, seconds: float) -> tuple[dict, bytes]:
         with self._lock:
+            proc = self._proc  # (its own reference: close() at shutdown may clear self._proc meanwhile)
             try:
-                if self._proc is None or self._proc.poll() is not None:
-                    self._start()
-                self._send(header, payload)
-                reply, data = self._receive(time.monotonic() + seconds)
+                if proc is None or proc.poll() is not None:
+                    proc = self._proc = self._start()
+                _send(proc, header, payload)
+                reply, data = _receive(proc, time.monotonic() + seconds)
             except (OSError, EOFError, TimeoutError, ValueError):  # killed at its memory limit, hung, garbled
                 self.close()
-                raise TooLarge(f"building it took more than {seconds:g} s or {self.memory_bytes >> 20} MiB") from None
+                code = proc.returncode if proc is not None else None
+                raise TooLarge(f"building it took more than {seconds:g} s or {self.memory_bytes >> 20} MiB"
+                               + (f" (the worker ended with code {code})" if code not in (None, -9) else "")) from None
+            except BaseException:  # anything else leaves bytes in the pipes: never reuse this child
+                self.close()
+                raise
         if "error" in reply:
             raise ValueError(reply["error"])
         if "too_large" in reply:
             raise TooLarge(reply["too_large"])
         return reply, data
 
-    def _start(self) -> None:
-        self._proc = subprocess.Popen(
-            [sys.executable, __file__, str(self.memory_bytes), str(self.max_chars), str(self.max_index_bytes),
-             str(self.nice), str(os.getpid())], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0)
-        self._send({"op": "vocabulary", "size": len(self.vocabulary)}, self.vocabulary)
-        reply, _ = self._receive(time.monotonic() + self.schema_seconds)
-        if reply:  # (an error: say so as one; the vocabulary is ours, so it would be a bug)
+    def _start(self) -> subprocess.Popen:
+        """A child that holds the vocabulary. It gets the parent's import path (outlines-core may have come
+        from a path added at run time)."""
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        started: queue.SimpleQueue = queue.SimpleQueue()
+        self._spawns.put(([sys.executable, __file__, str(self.memory_bytes), str(self.max_chars),
+                           str(self.max_index_bytes), str(self.nice), str(os.getpid())], env, started))
+        proc = started.get()
+        if isinstance(proc, BaseException):
+            raise proc
+        try:
+            _send(proc, {"op": "vocabulary", "size": len(self.vocabulary)}, self.vocabulary)
+            reply, _ = _receive(proc, time.monotonic() + self.schema_seconds)
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+        if reply:  # (the vocabulary is ours: a bug, not the client's)
+            proc.kill()
+            proc.wait()
             raise RuntimeError(f"the grammar worker could not read the vocabulary: {reply}")
-
-    def _send(self, header: dict, payload: bytes) -> None:
-        self._proc.stdin.write(json.dumps(header).encode() + b"\n" + payload)
-        self._proc.stdin.flush()
-
-    def _receive(self, deadline: float) -> tuple[dict, bytes]:
-        buf = bytearray()
-        while b"\n" not in buf:
-            buf += self._read(deadline)
-        line, _, data = bytes(buf).partition(b"\n")
-        header = json.loads(line)
-        size = int(header.get("size", 0))
-        data = bytearray(data)
-        while len(data) < size:
-            data += self._read(deadline)
-        return header, bytes(data[:size])
-
-    def _read(self, deadline: float) -> bytes:
-        fd = self._proc.stdout.fileno()
-        left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
-            raise TimeoutError
-        chunk = os.read(fd, 1 << 20)
-        if not chunk:
-            raise EOFError
-        return chunk
+        return proc
 
     def close(self) -> None:
         """Stop the child (the next request starts another)."""
@@ -119,14 +118,57 @@ class GrammarWorker:
 
     def __del__(self):
         self.close()
+        self._spawns.put(None)  # (its spawner thread ends)
+
+
+def _spawner(jobs: queue.SimpleQueue) -> None:
+    """Start each child asked for (argv, env, where to put it), until None."""
+    while (job := jobs.get()) is not None:
+        argv, env, started = job
+        try:
+            started.put(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=subprocess.DEVNULL, env=env))
+        except BaseException as e:  # (handed to the thread that asked, which raises it)
+            started.put(e)
+
+
+def _send(proc: subprocess.Popen, header: dict, payload: bytes) -> None:
+    proc.stdin.write(json.dumps(header).encode() + b"\n" + payload)  # (a buffered writer: all of it)
+    proc.stdin.flush()
+
+
+def _receive(proc: subprocess.Popen, deadline: float) -> tuple[dict, bytes]:
+    """A header line and its payload, by `deadline`."""
+    buf = bytearray()
+    while b"\n" not in buf:
+        buf += _read(proc, deadline)
+    line, _, rest = bytes(buf).partition(b"\n")
+    header = json.loads(line)
+    size = int(header.get("size", 0))
+    data = bytearray(rest)
+    while len(data) < size:
+        data += _read(proc, deadline)
+    return header, bytes(data[:size])
+
+
+def _read(proc: subprocess.Popen, deadline: float) -> bytes:
+    """What the child has written so far (the raw descriptor: the pipe's reader object is never used)."""
+    fd = proc.stdout.fileno()
+    left = deadline - time.monotonic()
+    if left <= 0 or not select.select([fd], [], [], left)[0]:
+        raise TimeoutError
+    chunk = os.read(fd, 1 << 20)
+    if not chunk:
+        raise EOFError
+    return chunk
 
 
 def _serve(memory_bytes: int, max_chars: int, max_index_bytes: int, nice: int, parent: int) -> None:
     """The child: requests in on stdin, answers out on stdout, until stdin closes."""
     import resource
 
-    if sys.platform.startswith("linux"):  # die with the thread that started it, busy or not (a build in Rust
-        import ctypes                     # reads no stdin: an orphan ran on for the rest of its build)
+    if sys.platform.startswith("linux"):  # die with the thread that started it (the spawner), busy or not: a
+        import ctypes                     # build in Rust reads no stdin, and an orphan ran on to its end
         import signal
 
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG

@@ -212,12 +212,12 @@ def build_app(st: ServerState) -> FastAPI:
         if len(prompts) * body.n > st.max_queued_requests:  # would never fit: a 429 would have it retry forever
             raise APIError(400, f"the request asks for {len(prompts) * body.n} sequences (prompts x n); this server "
                            f"queues at most {st.max_queued_requests}", "n")
-        reqs = await _engine_requests(body, prompts, chat, arrival)
-        entries = sum(len(r.prompt_ids) * (r.params.prompt_logprobs + 1) * r.params.n for r in reqs
-                      if r.params.prompt_logprobs is not None)
+        asked = body.prompt_logprobs_asked(None if chat else body.logprobs)
+        entries = 0 if asked is None else sum(map(len, prompts)) * (asked + 1) * body.n
         if entries > MAX_PROMPT_LOGPROB_ENTRIES:  # (each one decoded, on the event loop, into the answer)
             raise APIError(400, f"the request asks for {entries} prompt logprob entries (prompt tokens x "
                            f"(prompt_logprobs + 1) x n); at most {MAX_PROMPT_LOGPROB_ENTRIES}", "prompt_logprobs")
+        reqs = await _engine_requests(body, prompts, chat, arrival)
         queued, new = st.queued(), sum(r.params.n for r in reqs)
         if queued + new > st.max_queued_requests:
             st.metrics.rejected.labels(model_name=st.model_name, reason="queue_full").inc()

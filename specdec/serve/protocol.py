@@ -163,7 +163,7 @@ class _Common(BaseModel):
                                   logprobs=logprobs, n=self.n, skip_special_tokens=self.skip_special_tokens,
                                   presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                                   repetition_penalty=self.repetition_penalty, logit_bias=self._logit_bias(),
-                                  min_tokens=self.min_tokens, prompt_logprobs=self._prompt_logprobs(logprobs),
+                                  min_tokens=self.min_tokens, prompt_logprobs=self.prompt_logprobs_asked(logprobs),
                                   allowed_token_ids=self.allowed_token_ids)
             check_token_ids(params, vocab_size, eos_ids)
         except ValueError as e:  # "<field> must be ..." / "<field>: ...": name the field
@@ -171,7 +171,7 @@ class _Common(BaseModel):
             raise APIError(400, str(e), field if field in type(self).model_fields else None) from None
         return params
 
-    def _prompt_logprobs(self, logprobs: int | None) -> int | None:
+    def prompt_logprobs_asked(self, logprobs: int | None) -> int | None:
         """vLLM's prompt_logprobs, or the completions API's echo with logprobs (the prompt's come back too)."""
         if self.prompt_logprobs is not None:
             return self.prompt_logprobs

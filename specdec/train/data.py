@@ -115,7 +115,7 @@ class DataSpec:
     # when given, the held-out split is these first turns (by prompt_digest; those the pool still holds), in
     # place of num_heldout drawn by seed: the held-out prompts of the head a fine-tune starts from
     # (`--heldout-from HEAD`), where any other prompt could be one it trained on
-    heldout_prompts: tuple[str, ...] = ()
+    heldout_prompts: tuple[str, ...] | None = None
 
     def __post_init__(self):
         check_minimums(self, {"num_prompts": 1, "num_heldout": 0, "max_prompt_tokens": 1, "max_new_tokens": 1,
@@ -201,10 +201,12 @@ def select_prompts(tokenizer, spec: DataSpec) -> tuple[list[list[int]], list[lis
     random.Random(spec.seed).shuffle(picked)
     random.Random(spec.seed).shuffle(later)
     num_heldout = spec.num_heldout
-    if spec.heldout_prompts:
+    if spec.heldout_prompts is not None:
         listed = set(spec.heldout_prompts)
         picked.sort(key=lambda p: prompt_digest(p[0]) not in listed)  # they first; stable: the seed's order
         num_heldout = sum(prompt_digest(prompt) in listed for prompt, _ in picked)
+        if listed and not num_heldout:
+            raise ConfigError(f"none of the {len(listed)} prompts to hold out is among the candidates")
     need = spec.num_prompts + num_heldout
     if len(picked) < need:
         where = spec.prompts_file or f"the first {spec.scan} conversations"

@@ -113,13 +113,18 @@ def read_data_meta(data_dirs, target_config) -> dict:
 
 
 def train_and_heldout(data_dirs, max_train: int | None = None) -> tuple[list[Shard.Sequence], list[Shard.Sequence]]:
-    """The train and held-out sequences of the data directories; a train sequence on a held-out prompt
-    (another directory's: teacher-forced data draws on the same ShareGPT first turns) is left out, as it
-    would measure a drafter on what it was trained on."""
+    """The train and held-out sequences of the data directories; a train sequence whose prompt is, or
+    begins with, a held-out prompt (another directory's: teacher-forced data draws on the same ShareGPT
+    first turns, and a later turn carries its conversation's first) is left out, as it would measure a
+    drafter on what it was trained on."""
     held = [s for d in data_dirs for s in read_split(Path(d) / "heldout")]
     held_prompts = {tuple(s.tokens[:s.prompt_len]) for s in held}
-    train = [s for d in data_dirs for s in read_split(Path(d) / "train")
-             if tuple(s.tokens[:s.prompt_len]) not in held_prompts][:max_train]
+    lengths = sorted({len(p) for p in held_prompts})
+
+    def on_held(s) -> bool:
+        return any(tuple(s.tokens[:n]) in held_prompts for n in lengths if n <= s.prompt_len)
+
+    train = [s for d in data_dirs for s in read_split(Path(d) / "train") if not on_held(s)][:max_train]
     return train, held
 
 

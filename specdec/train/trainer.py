@@ -104,7 +104,9 @@ class Trainer:
         torch.manual_seed(spec.seed)
         meta = read_data_meta(spec.data, target.config)
         self.aux_layers = tuple(meta.get("aux_layers", ())) if spec.kind == "eagle3" else ()
-        self.heldout_prompts = meta["heldout_prompts"]  # digests, or None: the data does not say
+        # digests, or None: the data does not say. With init_from: those the starting head was held out from
+        # too (what this head was never trained on), set by _check_heldout
+        self.heldout_prompts = meta["heldout_prompts"]
         self.train, held = train_and_heldout(spec.data, spec.max_train_seqs)
         if not self.train:  # (the batches would cycle over empty epochs forever)
             raise ConfigError(f"no training sequences in {', '.join(map(str, spec.data))} (train/ shards)")
@@ -174,6 +176,8 @@ class Trainer:
             warnings.warn(f"{len(set(ours) - set(theirs))} of the data's {len(ours)} held-out prompts are not "
                           f"held out by {path}, which may have trained on them; make the data with "
                           f"`specdec train data --heldout-from {path}`", stacklevel=3)
+        # the new head is held out from what both were: its record must not pass the others on as unseen
+        self.heldout_prompts = None if ours is None or theirs is None else sorted(set(ours) & set(theirs))
 
     def _init_from_target(self) -> None:
         with torch.no_grad():
