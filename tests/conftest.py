@@ -140,3 +140,19 @@ def dataset(tiny_dir, tmp_path_factory):
     build_dataset(str(d), out, DataSpec(num_prompts=6, num_heldout=3, max_new_tokens=10, batch_size=3, scan=300),
                   progress=False)
     return d, out
+
+
+def one_step_eagle3_head(dataset, tmp_path: Path):
+    """An EAGLE-3 head of 40 draft tokens trained one step on `dataset`: (target, its TrainSpec, its
+    Trainer, its directory)."""
+    from specdec.model.loader import load_model
+    from specdec.train.trainer import TrainSpec, Trainer
+
+    d, data = dataset
+    target = load_model(d, torch.float32, 512)
+    spec = TrainSpec(kind="eagle3", data=(str(data),), out=str(tmp_path / "base"), epochs=1, batch_size=2,
+                     warmup=1, draft_vocab_size=40, eval_every=100, save_dtype="float32")
+    base = Trainer(spec, target, progress=False)
+    base.total_steps = 1
+    base.run()
+    return target, spec, base, base.export({})

@@ -143,18 +143,11 @@ def test_init_from_a_smaller_vocabulary_grows_it(dataset, tmp_path):
     frequent others added (vocab.grow_vocab); --epochs 0 exports that head untrained, and a plain run
     (epochs 0 without a head to start from) is refused."""
     from specdec.config import ConfigError
-    from specdec.model.loader import load_model
     from specdec.proposers.head_io import load_head
     from specdec.train.trainer import TrainSpec, Trainer
+    from tests.conftest import one_step_eagle3_head
 
-    d, data = dataset
-    target = load_model(d, torch.float32, 512)
-    spec = TrainSpec(kind="eagle3", data=(str(data),), out=str(tmp_path / "base"), epochs=1, batch_size=2,
-                     warmup=1, draft_vocab_size=40, eval_every=100, save_dtype="float32")
-    base = Trainer(spec, target, progress=False)
-    base.total_steps = 1
-    base.run()
-    head_dir = base.export({})
+    target, spec, base, head_dir = one_step_eagle3_head(dataset, tmp_path)
     grown = Trainer(TrainSpec(**{**spec.__dict__, "out": str(tmp_path / "grown"), "draft_vocab_size": 50,
                                  "epochs": 0, "init_from": str(head_dir)}), target, progress=False)
     ids = grown.draft_ids.cpu()

@@ -101,19 +101,12 @@ def test_a_fine_tune_is_warned_when_its_heldout_prompts_may_be_trained_on(datase
 
     from specdec.cli.train import _heldout_of
     from specdec.config import ConfigError
-    from specdec.model.loader import load_model
     from specdec.train.trainer import TrainSpec, Trainer
+    from tests.conftest import one_step_eagle3_head
 
-    d, data = dataset
-    target = load_model(d, torch.float32, 512)
-    held = json.loads((data / "meta.json").read_text())["heldout_prompts"]
+    held = json.loads((dataset[1] / "meta.json").read_text())["heldout_prompts"]
     assert len(held) == 3
-    spec = TrainSpec(kind="eagle3", data=(str(data),), out=str(tmp_path / "base"), epochs=1, batch_size=2,
-                     warmup=1, draft_vocab_size=40, eval_every=100, save_dtype="float32")
-    base = Trainer(spec, target, progress=False)
-    base.total_steps = 1
-    base.run()
-    head_dir = base.export({})
+    target, spec, _, head_dir = one_step_eagle3_head(dataset, tmp_path)
     assert _heldout_of(head_dir) == tuple(sorted(held))
     tune = TrainSpec(**{**spec.__dict__, "out": str(tmp_path / "tuned"), "init_from": str(head_dir)})
     with warnings.catch_warnings():
