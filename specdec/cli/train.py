@@ -155,7 +155,8 @@ def _heldout_of(head_dir: Path) -> tuple[str, ...]:
     record = block.get("training") if isinstance(block, dict) else None
     digests = record.get("heldout_prompts") if isinstance(record, dict) else None
     if not isinstance(digests, list) or not all(isinstance(d, str) for d in digests):
-        raise ConfigError(f"{head_dir}: its config.json records no held-out prompts (specdec.training.heldout_prompts)")
+        raise ConfigError(f"{head_dir}: its config.json records no held-out prompts "
+                          "(specdec.training.heldout_prompts)")
     return tuple(digests)
 
 

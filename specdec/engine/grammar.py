@@ -1,10 +1,10 @@
 """Structured output (JSON schema, regex) through outlines-core, made to work with speculation.
 
 outlines-core compiles a regex against the tokenizer's vocabulary into an index whose states are
-plain integers (a client's schema and regex are built in a child process under limits: grammar_worker.py), so speculation needs no rollback: a sequence keeps its state, drafts are walked
-from it on the side. Per verified row i the target's logits are masked to the tokens allowed after
-the drafts before it, drafted tokens the grammar forbids are cut before the verify pass, and every
-emitted token advances the state. Greedy or sampled, output is what the masked target alone gives.
+plain integers (built in a child process under limits of time, memory and size: grammar_worker.py), so
+speculation needs no rollback: a sequence keeps its state, drafts are walked from it on the side. Per
+verified row i the target's logits are masked to the tokens allowed after the drafts before it, drafted
+tokens the grammar forbids are cut before the verify pass, and every emitted token advances the state. Greedy or sampled, output is what the masked target alone gives.
 """
 from __future__ import annotations
 
@@ -39,18 +39,19 @@ CACHE_GRAMMARS, CACHE_BYTES = 8, 512 << 20
 # 2 GiB of address space. An automaton's time, memory and size grow with the vocabulary: those three scale
 # with it (Gemma 3's 262k tokens: x5.3), as does the cache's bytes
 LIMITS_VOCAB = 49_152
-
-
-def worker_limits(vocab_size: int) -> dict:
-    scale = max(1.0, vocab_size / LIMITS_VOCAB)
-    return {"schema_seconds": 10.0, "index_seconds": 60.0 * scale, "memory_bytes": int((2 << 30) * scale),
-            "max_chars": 640_000, "max_index_bytes": int((256 << 20) * scale)}
 # the most states a response_format's regex may have by regex_size's bound (~5 s of compiling at most
 # here; a counted repetition like c{1000000} ran for minutes and took gigabytes)
 MAX_REGEX_STATES = 10_000
 # compiles one at a time, and at most this many requests waiting for their turn (the server answers the
 # next ones 429): each waiting request holds a worker thread of the event loop's executor
 MAX_WAITING_COMPILES = 4
+
+
+def worker_limits(vocab_size: int) -> dict:
+    """The grammar worker's limits for a vocabulary of this size (see LIMITS_VOCAB)."""
+    scale = max(1.0, vocab_size / LIMITS_VOCAB)
+    return {"schema_seconds": 10.0, "index_seconds": 60.0 * scale, "memory_bytes": int((2 << 30) * scale),
+            "max_chars": 640_000, "max_index_bytes": int((256 << 20) * scale)}
 
 
 class CompilerBusy(Exception):

@@ -41,8 +41,11 @@ def binary(obj) -> bytes:
 
 
 class GrammarWorker:
+    """One child process, started when first needed, that builds schemas' regexes and regexes' automata
+    over `vocabulary` (outlines-core's, serialized: `binary`), one at a time."""
+
     def __init__(self, vocabulary: bytes, *, schema_seconds: float = 10.0, index_seconds: float = 60.0,
-                 memory_bytes: int = 4 << 30, max_chars: int = 640_000, max_index_bytes: int = 256 << 20,
+                 memory_bytes: int = 2 << 30, max_chars: int = 640_000, max_index_bytes: int = 256 << 20,
                  nice: int = 0):
         self.vocabulary, self.nice = vocabulary, nice
         self.schema_seconds, self.index_seconds = schema_seconds, index_seconds

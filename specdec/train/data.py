@@ -191,10 +191,11 @@ def _is_conversation(prompt) -> bool:
 
 def select_prompts(tokenizer, spec: DataSpec) -> tuple[list[list[int]], list[list[int]], list[str]]:
     """Chat-formatted prompt ids (train, held-out) and the held-out prompts' digests: short enough,
-    deduplicated, shuffled by seed. The held-out split and the first-turn train prompts are drawn from first
-    turns alone (spec.heldout_prompts, when given, are the held-out split); every later turn that fits (spec.later_turn_tokens) is a train
-    prompt too, after them, but for the later turns of a held-out conversation (they carry its first turn:
-    before session 43 they put held-out prompts into the training input)."""
+    deduplicated, shuffled by seed. The held-out split and the first-turn train prompts are drawn from
+    first turns alone (spec.heldout_prompts, when given, are the held-out split); every later turn that
+    fits (spec.later_turn_tokens) is a train prompt too, after them, but for the later turns of a held-out
+    conversation (they carry its first turn: before session 43 they put held-out prompts into the
+    training input)."""
     candidates = _candidates(tokenizer, spec)
     picked = [(prompt, ids) for prompt, ids in candidates if isinstance(prompt, str)]
     later = [(prompt, ids) for prompt, ids in candidates if not isinstance(prompt, str)]
