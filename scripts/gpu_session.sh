@@ -14,8 +14,8 @@
 # (0: first turns only); LR, EPOCHS, MAXLEN: the fine-tune's; VOCAB: its draft vocabulary (more than
 # the head's grows it: train/vocab.py; 8192 keeps a bf16 head under the 20 MB it may ship at). HOST=0
 # skips the host probe. The held-out split is HEAD's own (its config's record: `train data --heldout-from`),
-# as any other prompt could be one HEAD trained on. NUMP defaults to 7,100 first-turn train prompts: 7,189 are usable with 64 held out
-# since S43 left the bench's conversations out (S45's 7,700 was refused).
+# as any other prompt could be one HEAD trained on. NUMP defaults to 7,100 first-turn train prompts: 7,189
+# are usable with 64 held out since S43 left the bench's conversations out (S45's 7,700 was refused).
 set -u
 OUT=${OUT:?OUT=directory} BUDGET=${BUDGET:-540} HEAD=${HEAD:-specdec/assets/smollm2-135m-eagle3}
 DEVICE=${DEVICE:-cuda} NSPEED=${NSPEED:-16} TOKENS=${TOKENS:-128}
