@@ -146,7 +146,7 @@ def build_app(st: ServerState) -> FastAPI:
         yield
         st.engine.shutdown()
         if st.grammars is not None:
-            st.grammars.close()  # (its schema worker's child process)
+            st.grammars.close()  # (its grammar worker's child process)
 
     app = FastAPI(title="specdec", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
     app.state.server = st
