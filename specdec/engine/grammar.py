@@ -4,7 +4,8 @@ outlines-core compiles a regex against the tokenizer's vocabulary into an index 
 plain integers (built in a child process under limits of time, memory and size: grammar_worker.py), so
 speculation needs no rollback: a sequence keeps its state, drafts are walked from it on the side. Per
 verified row i the target's logits are masked to the tokens allowed after the drafts before it, drafted
-tokens the grammar forbids are cut before the verify pass, and every emitted token advances the state. Greedy or sampled, output is what the masked target alone gives.
+tokens the grammar forbids are cut before the verify pass, and every emitted token advances the state.
+Greedy or sampled, output is what the masked target alone gives.
 """
 from __future__ import annotations
 
@@ -47,11 +48,27 @@ MAX_REGEX_STATES = 10_000
 MAX_WAITING_COMPILES = 4
 
 
+def _vocab_scale(vocab_size: int) -> float:
+    """How far past LIMITS_VOCAB's the limits that grow with the vocabulary stretch."""
+    return max(1.0, vocab_size / LIMITS_VOCAB)
+
+
 def worker_limits(vocab_size: int) -> dict:
     """The grammar worker's limits for a vocabulary of this size (see LIMITS_VOCAB)."""
-    scale = max(1.0, vocab_size / LIMITS_VOCAB)
+    scale = _vocab_scale(vocab_size)
     return {"schema_seconds": 10.0, "index_seconds": 60.0 * scale, "memory_bytes": int((2 << 30) * scale),
             "max_chars": 640_000, "max_index_bytes": int((256 << 20) * scale)}
+
+
+@contextmanager
+def _refused(invalid: str):
+    """The grammar worker's refusals as ConfigErrors (a 400): what outlines-core rejects, and TooLarge."""
+    try:
+        yield
+    except ValueError as e:
+        raise ConfigError(f"{invalid}: {e}") from None
+    except TooLarge as e:
+        raise ConfigError(f"response_format is too large to compile: {e}") from None
 
 
 class CompilerBusy(Exception):
@@ -181,7 +198,7 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer, vocab_size: int, cache_size: int = CACHE_GRAMMARS, cache_bytes: int = CACHE_BYTES):
         self.tokenizer, self.vocab_size, self.cache_size = tokenizer, vocab_size, cache_size
-        self.cache_bytes = int(cache_bytes * max(1.0, vocab_size / LIMITS_VOCAB))
+        self.cache_bytes = int(cache_bytes * _vocab_scale(vocab_size))
         self._vocab = None
         self._worker: GrammarWorker | None = None
         self._cache: OrderedDict[str, Grammar] = OrderedDict()
@@ -231,13 +248,8 @@ class GrammarCompiler:
         with self._lock:
             regex = self._schemas.get(text)
         if regex is None:
-            with self._turn():
-                try:
-                    regex = self._grammar_worker().schema_regex(text)
-                except ValueError as e:
-                    raise ConfigError(f"cannot use this JSON schema: {e}") from None
-                except TooLarge as e:
-                    raise ConfigError(f"response_format is too large to compile: {e}") from None
+            with self._turn(), _refused("cannot use this JSON schema"):
+                regex = self._grammar_worker().schema_regex(text)
             with self._lock:
                 self._schemas[text] = regex
                 if len(self._schemas) > 64:
@@ -281,12 +293,8 @@ class GrammarCompiler:
 
     def _build(self, regex: str, worker: GrammarWorker) -> Grammar:
         """Compile a regex (its size checked) in the worker's child and keep it in the cache."""
-        try:
+        with _refused("cannot compile this response_format"):
             data = worker.index(regex)
-        except ValueError as e:
-            raise ConfigError(f"cannot compile this response_format: {e}") from None
-        except TooLarge as e:
-            raise ConfigError(f"response_format is too large to compile: {e}") from None
         g = Grammar(outlines_core.Index.from_binary(data), self.eos_id, self.vocab_size, len(data))
         with self._lock:
             self._cache[regex] = g

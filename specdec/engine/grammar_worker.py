@@ -59,21 +59,21 @@ class GrammarWorker:
 
     def schema_regex(self, schema_json: str) -> str:
         """The regex of a JSON schema (JSON text). ValueError: outlines-core refuses it; TooLarge."""
-        header, _ = self._ask({"op": "schema", "schema": schema_json}, b"", self.schema_seconds)
+        header, _ = self._ask({"op": "schema", "schema": schema_json}, self.schema_seconds)
         return header["regex"]
 
     def index(self, regex: str) -> bytes:
         """The serialized index of a regex over the vocabulary. ValueError: not a regex outlines-core
         compiles; TooLarge."""
-        return self._ask({"op": "index", "regex": regex}, b"", self.index_seconds)[1]
+        return self._ask({"op": "index", "regex": regex}, self.index_seconds)[1]
 
-    def _ask(self, header: dict, payload: bytes, seconds: float) -> tuple[dict, bytes]:
+    def _ask(self, header: dict, seconds: float) -> tuple[dict, bytes]:
         with self._lock:
             proc = self._proc  # (its own reference: close() at shutdown may clear self._proc meanwhile)
             try:
                 if proc is None or proc.poll() is not None:
                     proc = self._proc = self._start()
-                _send(proc, header, payload)
+                _send(proc, header)
                 reply, data = _receive(proc, time.monotonic() + seconds)
             except (OSError, EOFError, TimeoutError, ValueError):  # killed at its memory limit, hung, garbled
                 self.close()
@@ -102,14 +102,12 @@ class GrammarWorker:
         try:
             _send(proc, {"op": "vocabulary", "size": len(self.vocabulary)}, self.vocabulary)
             reply, _ = _receive(proc, time.monotonic() + self.schema_seconds)
+            if reply:  # (the vocabulary is ours: a bug, not the client's)
+                raise RuntimeError(f"the grammar worker could not read the vocabulary: {reply}")
         except BaseException:
             proc.kill()
             proc.wait()
             raise
-        if reply:  # (the vocabulary is ours: a bug, not the client's)
-            proc.kill()
-            proc.wait()
-            raise RuntimeError(f"the grammar worker could not read the vocabulary: {reply}")
         return proc
 
     def close(self) -> None:
@@ -135,7 +133,7 @@ def _spawner(jobs: queue.SimpleQueue) -> None:
             started.put(e)
 
 
-def _send(proc: subprocess.Popen, header: dict, payload: bytes) -> None:
+def _send(proc: subprocess.Popen, header: dict, payload: bytes = b"") -> None:
     proc.stdin.write(json.dumps(header).encode() + b"\n" + payload)  # (a buffered writer: all of it)
     proc.stdin.flush()
 

@@ -145,8 +145,7 @@ def build_app(st: ServerState) -> FastAPI:
             st.engine.start()
         yield
         st.engine.shutdown()
-        if st.grammars is not None:
-            st.grammars.close()  # (its grammar worker's child process)
+        st.grammars.close()  # (its grammar worker's child process)
 
     app = FastAPI(title="specdec", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
     app.state.server = st

@@ -105,7 +105,7 @@ class Trainer:
         meta = read_data_meta(spec.data, target.config)
         self.aux_layers = tuple(meta.get("aux_layers", ())) if spec.kind == "eagle3" else ()
         # digests, or None: the data does not say. With init_from: those the starting head was held out from
-        # too (what this head was never trained on), set by _check_heldout
+        # too (what this head was never trained on), set by _heldout_from_head
         self.heldout_prompts = meta["heldout_prompts"]
         self.train, held = train_and_heldout(spec.data, spec.max_train_seqs)
         if not self.train:  # (the batches would cycle over empty epochs forever)
@@ -146,7 +146,7 @@ class Trainer:
         smaller draft vocabulary than this run's grows into it (vocab.grow_vocab: its tokens, then the
         most frequent of this run's data)."""
         src = load_head(path)
-        self._check_heldout(path, src.cfg.training.get("heldout_prompts"))
+        self._heldout_from_head(path, src.cfg.training.get("heldout_prompts"))
         shape = ("kind", "hidden_size", "vocab_size", "intermediate_size", "num_attention_heads",
                  "num_key_value_heads", "head_dim", "aux_layers", "medusa_num_heads")
         differ = [f"{f} ({getattr(src.cfg, f)} vs {getattr(self.head.cfg, f)})" for f in shape
@@ -163,10 +163,11 @@ class Trainer:
         self._use_vocab(src.draft_ids.clone())
         self.head.load_state_dict(src.state_dict())  # the vocabulary buffers (d2t/t2d, token_map) too
 
-    def _check_heldout(self, path: Path, theirs: list[str] | None) -> None:
-        """A fine-tune's held-out figures mean something only on prompts the head it starts from was held out
-        from too: warn where the data's held-out prompts are not among those its record lists (S45's GPU
-        fine-tune measured tau 4.4 on prompts the shipped head had trained on; its own held-out gave 3.3)."""
+    def _heldout_from_head(self, path: Path, theirs: list[str] | None) -> None:
+        """This head's held-out record, starting from the head at `path`: the prompts both were held out
+        from. A fine-tune's held-out figures mean something only there, so it warns where the data's
+        held-out prompts are not among those the head's record lists (S45's GPU fine-tune measured tau 4.4
+        on prompts the shipped head had trained on; its own held-out gave 3.3)."""
         ours = self.heldout_prompts
         if ours is None or theirs is None:
             whose = "this data" if ours is None else str(path)
