@@ -14,8 +14,9 @@
 # (0: first turns only); LR, EPOCHS, MAXLEN: the fine-tune's; VOCAB: its draft vocabulary (more than
 # the head's grows it: train/vocab.py; 8192 keeps a bf16 head under the 20 MB it may ship at). HOST=0
 # skips the host probe. The held-out split is HEAD's own (its config's record: `train data --heldout-from`),
-# as any other prompt could be one HEAD trained on. NUMP defaults to 7,100 first-turn train prompts: 7,189
-# are usable with 64 held out since S43 left the bench's conversations out (S45's 7,700 was refused).
+# as any other prompt could be one HEAD trained on. NUMP defaults to 7,000 first-turn train prompts: 7,130 are
+# usable with the held-out ones since S46 left out the copies of the bench's conversations (S45's 7,700 was
+# refused, and 7,100 would be now).
 set -u
 OUT=${OUT:?OUT=directory} BUDGET=${BUDGET:-540} HEAD=${HEAD:-specdec/assets/smollm2-135m-eagle3}
 DEVICE=${DEVICE:-cuda} NSPEED=${NSPEED:-16} TOKENS=${TOKENS:-128}
@@ -39,7 +40,7 @@ fi
 if [ -n "${PROMPTS:-}" ]; then
   data() {  # $1: generator; a rerun extends what an interrupted run wrote
     python3 -m specdec train data smollm2-135m --out /tmp/specdec-data --prompts "$PROMPTS" --generator $1 \
-      --num-prompts ${NUMP:-7100} --num-heldout ${HELD:-64} --max-new-tokens ${MAXNEW:-384} --batch-size ${BATCH:-512} \
+      --num-prompts ${NUMP:-7000} --num-heldout ${HELD:-64} --max-new-tokens ${MAXNEW:-384} --batch-size ${BATCH:-512} \
       --later-turn-tokens ${LATER:-384} --heldout-from "$HEAD" \
       --device $DEVICE --max-seconds $2 --threads 8 --no-progress >> "$OUT/data.log" 2>&1
   }

@@ -485,6 +485,25 @@ def test_training_without_train_sequences_and_a_rerun_with_other_settings_are_re
             check_resumable(data, DataSpec(**{**spec.__dict__, **change}))
 
 
+def test_copies_of_the_benchmarks_conversations_are_never_training_data():
+    """ShareGPT holds some conversations twice, under two ids: the bench's chat prompt Hd6QTGJ_0 (one of the 8
+    it measures) is also zXT4fqL_0, five turns the same. Left out by id alone, the copy's first turn (and its
+    later turns, the bench's very prompt) were training prompts; a left-out conversation's first turn now
+    leaves out every conversation that begins with it."""
+    from specdec.bench.prompts import sharegpt_pools
+    from specdec.train.data import load_sharegpt_conversations
+
+    def key(text):
+        return " ".join(text.split())
+
+    chat = {item["id"]: item for item in sharegpt_pools()["chat"]}
+    measured = key(chat["Hd6QTGJ_0"]["turns"][0])
+    everything = [key(c[0]["content"]) for c in load_sharegpt_conversations(exclude=frozenset())]
+    assert everything.count(measured) == 2  # the bench's and its copy (the negative control)
+    kept = {key(c[0]["content"]) for c in load_sharegpt_conversations()}
+    assert measured not in kept and not kept & {key(item["turns"][0]) for item in chat.values()}
+
+
 def test_the_benchmarks_conversations_are_never_training_data():
     """load_sharegpt_conversations (every training prompt's source) leaves out the conversations `specdec
     bench` builds its ShareGPT prompts from, and the serving workload's share: a head trained on them was

@@ -53,6 +53,12 @@ def test_a_resumed_run_keeps_its_settings_budget_and_data_checks(dataset, tmp_pa
         (other / "meta.json").write_text(json.dumps({**meta, **change}))
         with pytest.raises(ConfigError, match="hidden size 999" if i == 0 else "aux_layers"):
             Trainer(TrainSpec(**{**spec.__dict__, "data": (str(data), str(other))}), target, progress=False)
+    # a draft vocabulary past the target's (a size mismatch inside set_vocab), epochs NaN (int(nan) later)
+    with pytest.raises(ConfigError, match="more than the target's vocabulary"):
+        Trainer(TrainSpec(**{**spec.__dict__, "draft_vocab_size": target.config.vocab_size + 1}), target,
+                progress=False)
+    with pytest.raises(ConfigError, match="epochs"):
+        TrainSpec(**{**spec.__dict__, "epochs": float("nan")})
 
 
 def test_draft_layers_and_head_fit_are_checked(tiny_dir):

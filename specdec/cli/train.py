@@ -223,7 +223,7 @@ def run_distill(args) -> int:
     from specdec.model.loader import load_model, save_model_dir
     from specdec.train.distill import distill
 
-    source, target, _ = load_target(args.model, "float32", None, progress=not args.no_progress)
+    source, target, _ = load_target(args.model, "float32", None, progress=not args.no_progress, device="cpu")
     draft_dir = args.draft
     if draft_dir is None:
         draft_dir = args.out / "init"

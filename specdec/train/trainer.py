@@ -72,7 +72,7 @@ class TrainSpec:
                               "ckpt_every": 1, "max_train_seqs": 1, "max_seconds": 0})
         if not (self.lr > 0 and self.grad_clip > 0):
             raise ConfigError(f"lr and grad_clip must be > 0, got {self.lr} and {self.grad_clip}")
-        if self.epochs < 0 or (self.epochs == 0 and not self.init_from):
+        if not self.epochs >= 0 or (self.epochs == 0 and not self.init_from):  # (NaN too)
             raise ConfigError("epochs must be > 0 (0 with init_from: export the head it starts from, "
                               "its vocabulary grown to draft_vocab_size)")
 
@@ -112,6 +112,9 @@ class Trainer:
             raise ConfigError(f"no training sequences in {', '.join(map(str, spec.data))} (train/ shards)")
         self.heldout = with_features(target, held, self.aux_layers)  # online shards: computed once here
         tc = target.config
+        if spec.draft_vocab_size > tc.vocab_size:
+            raise ConfigError(f"draft_vocab_size {spec.draft_vocab_size} is more than the target's vocabulary "
+                              f"({tc.vocab_size} tokens)")
         cfg = HeadConfig.for_target(spec.kind, tc, spec.draft_vocab_size, spec.medusa_heads, self.aux_layers,
                                     target=meta.get("model", ""))
         if spec.intermediate_size:
@@ -119,7 +122,7 @@ class Trainer:
         self.head = make_head(cfg)  # on the CPU until its vocabulary is set, then on self.device
         self.counts = token_counts(self.train, tc.vocab_size)
         self.embed = target.embed.weight.detach()
-        self._use_vocab(rank_vocab(self.counts, min(spec.draft_vocab_size or tc.vocab_size, tc.vocab_size),
+        self._use_vocab(rank_vocab(self.counts, spec.draft_vocab_size or tc.vocab_size,
                                    always=list(tc.eos_token_id)))  # the end-of-turn token is always draftable
         self.head.set_vocab(self.draft_ids.cpu())
         self.head.to(self.device)
