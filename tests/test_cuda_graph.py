@@ -235,7 +235,8 @@ def test_graphed_head_on_a_short_prompt_and_at_the_end_of_its_rotary_table():
     plain = LLM("smollm2-135m", dtype="float32", progress=False, max_model_len=64)
     llm, graphed, proposer = _graphed_llm({"method": "eagle3", "num_steps": 6, "adaptive": False}, max_model_len=64)
     cfg = proposer.head.cfg
-    proposer.head.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, 64).to("cuda")  # the context's length
+    proposer.head.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, 64).to(
+        proposer.head.rotary.cos.device)  # the context's length, on the head's device
     ids = llm.tokenizer.encode("The capital of France is Paris. The capital of Italy is Rome. The capital of")
     params = SamplingParams(temperature=0.0, max_tokens=64 - len(ids), ignore_eos=True)  # to the context's end
     want = plain.generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids
