@@ -62,6 +62,9 @@ def test_bad_paths_and_files_are_one_line(tmp_path):
         (["quantize", "smollm2-135m", "--method", "awq", "--out", str(tmp_path / "q"),
           "--calib-file", str(tmp_path / "none")], "--calib-file"),
         (["train", "data", "--out", str(tmp_path / "d"), "--num-prompts", "-1"], "num_prompts must be >= 1"),
+        # (it took no held-out split from the head, and wrote data whose held-out prompts that head trained on)
+        (["train", "data", "--out", str(tmp_path / "d"), "--teacher-forced", "4", "--heldout-from", str(HEAD)],
+         "--heldout-from do not apply to --teacher-forced"),
         (["train", "draft-model", "--data", str(tmp_path), "--out", str(tmp_path / "dm")], "no training sequences"),
     ]:
         r = specdec(*args)

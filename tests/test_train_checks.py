@@ -32,6 +32,13 @@ def test_a_resumed_run_keeps_its_settings_budget_and_data_checks(dataset, tmp_pa
         with pytest.raises(ConfigError, match=next(iter(change))):
             Trainer(TrainSpec(**{**spec.__dict__, **change}), target, progress=False).maybe_resume()
     assert Trainer(TrainSpec(**{**spec.__dict__, "max_train_seqs": 2}), target, progress=False).maybe_resume()
+    import shutil
+    relabeled = tmp_path / "relabeled"  # data of another held-out split: the record would call trained-on prompts unseen
+    shutil.copytree(data, relabeled)
+    meta = json.loads((data / "meta.json").read_text())
+    (relabeled / "meta.json").write_text(json.dumps({**meta, "heldout_prompts": ["0" * 16]}))
+    with pytest.raises(ConfigError, match="other held-out prompts"):
+        Trainer(TrainSpec(**{**spec.__dict__, "data": (str(relabeled),)}), target, progress=False).maybe_resume()
     ckpt = tmp_path / "e3" / "checkpoint.pt"
     whole = ckpt.read_bytes()
     for damaged in (whole[:100], b"", bytes(len(whole))):  # cut short, empty, zero-filled
@@ -40,13 +47,11 @@ def test_a_resumed_run_keeps_its_settings_budget_and_data_checks(dataset, tmp_pa
             Trainer(spec, target, progress=False).maybe_resume()
     # a shard cut short, data of another model, features of other layers
     cut = tmp_path / "cut"
-    import shutil
     shutil.copytree(data, cut)
     shard = sorted((cut / "train").glob("shard-*.safetensors"))[0]
     shard.write_bytes(shard.read_bytes()[:64])
     with pytest.raises(ConfigError, match="cannot be read"):
         read_split(cut / "train")
-    meta = json.loads((data / "meta.json").read_text())
     for i, change in enumerate(({"hidden_size": 999}, {"aux_layers": [0, 1, 2]})):
         other = tmp_path / f"other{i}"
         shutil.copytree(data, other)

@@ -117,6 +117,13 @@ def _hardware(device) -> dict:
 
 def run_data(args) -> int:
     import torch
+    from specdec.config import ConfigError
+
+    if args.teacher_forced:  # ShareGPT's own answers, its first conversations: these choose prompts, not them
+        given = [flag for flag, value in (("--heldout-from", args.heldout_from), ("--prompts", args.prompts),
+                                          ("--later-turn-tokens", args.later_turn_tokens)) if value]
+        if given:
+            raise ConfigError(f"{', '.join(given)} do not apply to --teacher-forced data (ShareGPT's own answers)")
 
     torch.set_num_threads(args.threads)
     from specdec.model.loader import resolve_device

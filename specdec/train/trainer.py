@@ -275,7 +275,8 @@ class Trainer:
 
     def settings(self) -> dict:
         """What a resumed run must share with the run it resumes: the head's shape and the schedule. The data
-        may grow (a run resumed on more shards; the checkpoint's vocabulary wins), and the output, the
+        may grow (a run resumed on more shards; the checkpoint's vocabulary wins) but keeps its held-out
+        prompts (maybe_resume checks the record), and the output, the
         cadence of evaluations and checkpoints and the saved dtype may change."""
         return {k: v for k, v in asdict(self.spec).items()
                 if k not in ("data", "max_train_seqs", "out", "eval_every", "ckpt_every", "save_dtype")}
@@ -285,6 +286,7 @@ class Trainer:
         state = {"head": self.head.state_dict(), "opt": self.opt.state_dict(), "step": self.step,
                  "rng": torch.get_rng_state(), "history": json.dumps(self.history),
                  "settings": json.dumps(self.settings()), "total_steps": self.total_steps,
+                 "heldout_prompts": json.dumps(self.heldout_prompts),
                  "seconds": self.seconds_before + seconds_this_run}
         torch.save(state, self.out / "checkpoint.tmp")
         sync_replace(self.out / "checkpoint.tmp", self.out / "checkpoint.pt")
@@ -303,6 +305,11 @@ class Trainer:
         if changed:  # the batches skipped, the schedule and the head's shape all follow the settings
             raise ConfigError(f"{self.out} holds a run with other settings ({', '.join(changed)}: "
                               f"{', '.join(repr(saved[k]) for k in changed)}); resume with those, or use a new --out")
+        if json.loads(state.get("heldout_prompts", "null")) not in (None, self.heldout_prompts):
+            # its head trained on data of another split: this run's record would call some of the prompts
+            # it trained on held out
+            raise ConfigError(f"{self.out} holds a run on data with other held-out prompts; resume on that data "
+                              "(more of its shards may be added), or use a new --out")
         self.head.load_state_dict(state["head"])
         # the checkpoint's draft vocabulary wins: new data (a resumed run on more shards) would rank
         # another top-Vd set, and the head's rows follow the vocabulary it was trained with
