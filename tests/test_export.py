@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from specdec.config import ConfigError
 from specdec.model.loader import read_config
@@ -74,6 +75,14 @@ def test_eagle_layouts_round_trip(target, tmp_path, fmt, kind):
     for k, v in orig.state_dict().items():
         assert torch.equal(v, back.state_dict()[k]), k
     assert back.cfg.aux_layers == orig.cfg.aux_layers
+    if kind == "eagle3":  # a checkpoint with d2t alone (what the engines read): t2d follows from it
+        sd = load_file(str(out / "model.safetensors"))
+        save_file({k: v for k, v in sd.items() if k != "t2d"}, str(out / "model.safetensors"))
+        assert torch.equal(import_head(out, model.config).t2d, orig.t2d)
+        # a head for another target (here: another draft vocabulary) is a ConfigError, not a RuntimeError
+        save_file({**sd, "lm_head.weight": sd["lm_head.weight"][:200]}, str(out / "model.safetensors"))
+        with pytest.raises(ConfigError, match="does not match"):
+            import_head(out, model.config)
 
 
 def test_medusa_layout(target, tmp_path):

@@ -447,6 +447,9 @@ def test_teacher_forced_data_keeps_its_last_shard_and_ends_turns_as_the_template
     build_teacher_forced(str(d), tmp_path, 5, max_tokens=512, skip=0, shard_size=4, progress=False, online=True)
     assert [len(read_split(tmp_path / "train", None)), len(list((tmp_path / "train").glob("shard-*")))] == [5, 2]
     assert json.loads((tmp_path / "meta.json").read_text())["heldout_prompts"] == []  # it holds none out
+    from specdec.config import ConfigError
+    with pytest.raises(ConfigError, match=r"settings \(num\)"):  # a rerun for more skipped the shards there
+        build_teacher_forced(str(d), tmp_path, 8, max_tokens=512, skip=0, shard_size=4, progress=False, online=True)
     eot = end_of_turn_ids(Tokenizer(d))
     assert eot and all(s.tokens[-len(eot):] == eot for s in read_split(tmp_path / "train") if len(s.tokens) < 512)
 
@@ -479,10 +482,15 @@ def test_training_without_train_sequences_and_a_rerun_with_other_settings_are_re
                    progress=False)
     assert len(read_split(other / "train")) > 0 and len(both.train) == len(read_split(data / "train"))
     spec = DataSpec(num_prompts=6, num_heldout=3, max_new_tokens=10, batch_size=3, scan=300)
-    check_resumable(data, DataSpec(**{**spec.__dict__, "max_batches": 1, "max_seconds": 5.0}))
+    model = json.loads((data / "meta.json").read_text())["model"]
+    check_resumable(data, DataSpec(**{**spec.__dict__, "max_batches": 1, "max_seconds": 5.0}), model)
     for change in ({"seed": 1}, {"num_heldout": 2}):
         with pytest.raises(ConfigError, match=next(iter(change))):
-            check_resumable(data, DataSpec(**{**spec.__dict__, **change}))
+            check_resumable(data, DataSpec(**{**spec.__dict__, **change}), model)
+    with pytest.raises(ConfigError, match="holds data of"):  # another model's shards pass the shape checks
+        check_resumable(data, spec, "another-model")
+    with pytest.raises(ConfigError, match="holds regenerated answers"):  # teacher-forced data into it
+        check_resumable(data, {"num": 4}, model, kind="teacher_forced")
 
 
 def test_copies_of_the_benchmarks_conversations_are_never_training_data():

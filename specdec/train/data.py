@@ -320,15 +320,22 @@ def data_meta(model: str, src: Path, cfg, aux: tuple[int, ...], online: bool, **
 RESUMABLE_SPEC_KEYS = ("max_batches", "max_seconds")
 
 
-def check_resumable(out: Path, spec: DataSpec) -> None:
-    """A ConfigError when `out` holds data made with other selection settings: resuming skips the shards
-    that exist, so a new seed or split would mix two selections (the old held-out prompts could land in
-    the new train shards)."""
+def check_resumable(out: Path, spec: DataSpec | dict, model: str, kind: str = "spec") -> None:
+    """A ConfigError when `out` holds data made with other selection settings, of another model or of the
+    other kind (`kind`: "spec", regenerated answers; "teacher_forced", ShareGPT's own): resuming skips the
+    shards that exist, so a new seed or split would mix two selections (the old held-out prompts could land
+    in the new train shards), and another model's shards would pass the trainer's shape checks."""
     try:
-        before = json.loads((out / "meta.json").read_text()).get("spec", {})
+        meta = json.loads((out / "meta.json").read_text())
     except (OSError, ValueError):
         return
-    now = json.loads(json.dumps(spec.__dict__))  # as meta.json holds it (tuples as lists)
+    if kind not in meta:
+        other = "teacher-forced data" if kind == "spec" else "regenerated answers"
+        raise ConfigError(f"{out} holds {other}; give a new --out")
+    if meta.get("model", model) != model:
+        raise ConfigError(f"{out} holds data of {meta['model']}; give a new --out")
+    before = meta[kind] if isinstance(meta[kind], dict) else {}
+    now = json.loads(json.dumps(spec if isinstance(spec, dict) else spec.__dict__))  # as meta.json holds it
     changed = [k for k, v in now.items() if k not in RESUMABLE_SPEC_KEYS and k in before and before[k] != v]
     if changed:
         raise ConfigError(f"{out} holds data made with other settings ({', '.join(changed)}); rerun with the same "
@@ -347,7 +354,7 @@ def build_dataset(model: str, out: Path, spec: DataSpec, progress: bool = True, 
     from specdec.model.loader import read_config, resolve_model
     from specdec.model.tokenizer import Tokenizer
 
-    check_resumable(out, spec)
+    check_resumable(out, spec, model)
     src = resolve_model(model).directory
     cfg = read_config(src)
     tok = Tokenizer(src)

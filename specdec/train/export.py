@@ -104,8 +104,15 @@ def import_head(path: Path, target_config) -> "torch.nn.Module":
               and not (kind == "eagle" and k.startswith("lm_head"))}
         if "d2t" not in sd:
             sd["d2t"], sd["t2d"] = head.d2t, head.t2d
+        elif "t2d" not in sd:  # (the engines read d2t alone) draft token i is target token i + d2t[i]
+            sd["t2d"] = torch.zeros_like(head.t2d, dtype=torch.bool)
+            sd["t2d"][(torch.arange(sd["d2t"].numel()) + sd["d2t"]).clamp(0, head.t2d.numel() - 1)] = True
         sd["t2d"] = sd["t2d"].bool()
-    missing, unexpected = head.load_state_dict(sd, strict=False)
+    try:
+        missing, unexpected = head.load_state_dict(sd, strict=False)
+    except RuntimeError as e:  # a tensor shaped unlike this target's head (another hidden size, draft vocabulary)
+        raise ConfigError(f"{path}: the checkpoint does not match a {kind} head for this target "
+                          f"({str(e).splitlines()[-1].strip()[:160]})") from None
     missing = [m for m in missing if not m.startswith("rotary.")]
     if missing or unexpected:
         raise ConfigError(f"{path}: the checkpoint does not match a {kind} head for this target (missing "

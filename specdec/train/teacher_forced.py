@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.train.data import data_meta, default_aux_layers, load_sharegpt_pairs
+from specdec.train.data import check_resumable, data_meta, default_aux_layers, load_sharegpt_pairs
 from specdec.train.features import Shard, write_shard
 
 
@@ -31,6 +31,9 @@ def build_teacher_forced(model: str, out: Path, num: int, max_tokens: int = 384,
     from specdec.model.tokenizer import Tokenizer
     from specdec.train.features import compute_features
 
+    # a rerun skips the shards that exist: with other settings they would mix two selections
+    settings = {"num": num, "max_tokens": max_tokens, "skip": skip, "shard_size": shard_size, "online": online}
+    check_resumable(out, settings, model, kind="teacher_forced")
     src = resolve_model(model).directory
     cfg, tok = read_config(src), Tokenizer(src)
     aux = default_aux_layers(cfg.num_hidden_layers)
@@ -38,7 +41,7 @@ def build_teacher_forced(model: str, out: Path, num: int, max_tokens: int = 384,
     pairs = [(h, a) for h, a in load_sharegpt_pairs(skip + 4 * num)[skip:] if a]
     end_of_turn = end_of_turn_ids(tok)
     (out / "train").mkdir(parents=True, exist_ok=True)
-    meta = data_meta(model, src, cfg, aux, online, teacher_forced=True, heldout_prompts=[])  # (it holds none out)
+    meta = data_meta(model, src, cfg, aux, online, teacher_forced=settings, heldout_prompts=[])  # (none held out)
     (out / "meta.json").write_text(json.dumps(meta, indent=2))  # what the trainer checks against its target
     t0, n_tok, seqs, shard = time.perf_counter(), 0, [], 0
     for h, a in tqdm(pairs, desc="teacher-forced features", disable=not progress):
