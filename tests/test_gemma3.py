@@ -206,6 +206,19 @@ def test_config_forms_and_errors(gemma_dir):
     assert a.rope_local_theta == 100.0 and a.rope_scaling["factor"] == 2.0 and a.query_pre_attn_scalar == 20
     with pytest.raises(ConfigError, match="attn_logit_softcapping"):
         ModelConfig.from_hf({**new, "attn_logit_softcapping": 50.0})
+    # rope_parameters replace the fields from_hf checked: checked too (they crashed the model's build, or
+    # gave NaN rotary tables); transformers' defaults where the window and the query scale are left out
+    full, sliding = new["rope_parameters"]["full_attention"], new["rope_parameters"]["sliding_attention"]
+    for glob, local, match in (({**full, "rope_type": "yarn", "factor": 2.0}, sliding, "yarn"),
+                               ({"rope_type": "linear", "rope_theta": 1e4}, sliding, "factor"),
+                               ({**full, "rope_theta": -1}, sliding, "rope_theta"),
+                               (full, {**sliding, "rope_theta": "1e4"}, "rope_theta")):
+        with pytest.raises(ConfigError, match=match):
+            ModelConfig.from_hf({**new, "rope_parameters": {"full_attention": glob, "sliding_attention": local}})
+    for change in ({"query_pre_attn_scalar": 0}, {"sliding_window": 2.5}):
+        with pytest.raises(ConfigError, match="query_pre_attn_scalar"):
+            ModelConfig.from_hf({**new, **change})
+    assert ModelConfig.from_hf({k: v for k, v in new.items() if k != "sliding_window"}).sliding_window == 4096
 
 
 def test_alias_chunks_assemble_with_checked_hash(tmp_path, monkeypatch):

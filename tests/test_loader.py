@@ -4,6 +4,7 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from specdec.config import ConfigError
 from specdec.model.config import ModelConfig
@@ -130,9 +131,18 @@ def test_a_config_with_missing_or_odd_values_is_one_clear_error(tmp_path, tiny_d
         with pytest.raises(ConfigError, match=match) as e:
             read_config(d)
         assert "config.json" in str(e.value)
-    (d / "config.json").write_text("[]")
-    with pytest.raises(ConfigError, match="not a JSON object"):
-        read_config(d)
+    for raw, match in ((b"[]", "not a JSON object"), (b"5", "not a JSON object"), (b"\xff\xfe{}", "cannot read")):
+        (d / "config.json").write_bytes(raw)
+        for read in (read_config, load_model):  # load_model looks for a quantization_config first
+            with pytest.raises(ConfigError, match=match):
+                read(d)
+    # q/k/v whose shapes do not join (from_hf concatenates them before the shape check): a RuntimeError before
+    (d / "config.json").write_text(json.dumps(good))
+    weights = load_file(str(d / "model.safetensors"))
+    key = next(k for k in weights if k.endswith("layers.0.self_attn.k_proj.weight"))
+    save_file({**weights, key: weights[key][:, :-1].contiguous()}, str(d / "model.safetensors"))
+    with pytest.raises(ConfigError, match="inconsistent shapes"):
+        load_model(d)
     w = gguf.GGUFWriter(str(tmp_path / "bare.gguf"), "llama")  # an architecture, no sizes, no tokens
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -242,6 +252,11 @@ def test_gguf_byte_level_tokenizers_other_than_smollm2s_are_refused():
                              "llama")
     added = {t["content"]: t["special"] for t in tok["added_tokens"]}
     assert added == {"<x>": True, "<u>": False}  # control tokens special; user-defined ones kept in text
+    # merges the tokenizers library refuses (its own Exception type) or that are not strings: ConfigErrors
+    for merges, match in ((["a c"], "out of vocabulary"), ([1, 2], "merges must be strings")):
+        with pytest.raises(ConfigError, match=match):
+            tokenizer_files(lambda key, default=None, m=merges: {**fields, "tokenizer.ggml.pre": "smollm",
+                                                                  "tokenizer.ggml.merges": m}.get(key, default), "llama")
 
 
 def test_bos_from_the_post_processor_when_the_config_does_not_say(tmp_path, smollm_dir):
@@ -262,6 +277,31 @@ def test_bos_from_the_post_processor_when_the_config_does_not_say(tmp_path, smol
     (tmp_path / "tokenizer.json").write_text(json.dumps(tj))
     tok = Tokenizer(tmp_path)
     assert tok.add_bos and tok.encode("hi")[0] == bos_id and tok.encode("hi", add_special_tokens=False)[0] != bos_id
+
+
+def test_chat_template_and_eos_ids_from_the_files_transformers_reads(tmp_path, smollm_dir):
+    """Newer transformers save the chat template as chat_template.jinja (not in tokenizer_config.json);
+    older files list named templates (the one named "default" is used); generation_config.json's eos ids
+    stop generation as they stop transformers' generate (some models name end of turn only there)."""
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        shutil.copy(smollm_dir / name, tmp_path / name)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    template = cfg.pop("chat_template")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert Tokenizer(tmp_path).chat_template is None  # (the negative control: no template anywhere)
+    (tmp_path / "chat_template.jinja").write_text(template)
+    tok = Tokenizer(tmp_path)
+    assert tok.chat_template == template and tok.encode_chat([{"role": "user", "content": "hi"}])
+    named = [{"name": "tool_use", "template": "x"}, {"name": "default", "template": template}]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": named}))
+    assert Tokenizer(tmp_path).chat_template == template
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": named[:1]}))
+    with pytest.raises(ConfigError, match="none of them named 'default'"):
+        Tokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    before = Tokenizer(tmp_path).eos_token_ids
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9, True, "x"]}))
+    assert Tokenizer(tmp_path).eos_token_ids == before | {7, 9}
 
 
 def _copy_model(src, dst, config_change=None, tensors_change=None):

@@ -118,6 +118,10 @@ class ModelConfig:
         return L * per_layer + v * h * (1 if self.tie_word_embeddings else 2) + h
 
 
+def _positive(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and value > 0
+
+
 def _check_rope(theta, scaling) -> None:
     """RoPE settings the runtime computes as transformers does, or a ConfigError naming what is off."""
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
@@ -165,12 +169,20 @@ def _gemma3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         scaling = {k: v for k, v in glob.items() if k != "rope_theta"}
     if local.get("rope_type", "default") != "default":
         raise ConfigError("gemma3: RoPE scaling on the sliding layers is not supported")
+    theta = glob.get("rope_theta", cfg.get("rope_theta", 1_000_000.0))
+    local_theta = local.get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))
+    _check_rope(theta, scaling or None)  # (rope_parameters replaced what from_hf checked)
+    _check_rope(local_theta, None)
+    window, scale = cfg.get("sliding_window", 4096), cfg.get("query_pre_attn_scalar", 256)  # transformers' defaults
+    if not _positive(scale) or not (window is None or (_positive(window) and int(window) == window)):
+        raise ConfigError(f"gemma3: query_pre_attn_scalar must be a positive number and sliding_window a positive "
+                          f"integer, got {scale!r} and {window!r}")
     return {
-        "rope_theta": glob.get("rope_theta", cfg.get("rope_theta", 1_000_000.0)),
+        "rope_theta": theta,
         "rope_scaling": scaling or None,
-        "rope_local_theta": local.get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0)),
-        "query_pre_attn_scalar": cfg.get("query_pre_attn_scalar", 256),
-        "sliding_window": cfg.get("sliding_window"),
+        "rope_local_theta": local_theta,
+        "query_pre_attn_scalar": scale,
+        "sliding_window": window,
         "layer_types": tuple(types),
         "final_logit_softcapping": cfg.get("final_logit_softcapping"),
         "attention_bias": False,

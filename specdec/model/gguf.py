@@ -134,7 +134,7 @@ def _gemma3_config(reader, cfg: dict) -> dict:
         out["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}
     eot = _token_id(reader, "<end_of_turn>")  # llama.cpp ends generation there too (an EOG token)
     if eot is not None and eot != cfg["eos_token_id"]:
-        out["eos_token_id"] = [cfg["eos_token_id"], eot]
+        out["eos_token_id"] = [i for i in (cfg["eos_token_id"], eot) if i is not None]
     return out
 
 

@@ -219,6 +219,8 @@ def load_model(directory: Path, dtype: torch.dtype = torch.float32, max_len: int
         sd = arch.from_hf(read_safetensors_dir(directory), cfg)
     except KeyError as e:
         raise ConfigError(f"{directory}: weights missing tensor {e}") from None
+    except RuntimeError as e:  # q/k/v or gate/up of shapes that do not join (from_hf concatenates them)
+        raise ConfigError(f"{directory}: weights of inconsistent shapes ({str(e).splitlines()[0][:160]})") from None
     check_shapes(model, sd, directory)
     model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=False, assign=True)
     if cfg.tie_word_embeddings:

@@ -31,11 +31,13 @@ class Tokenizer:
         cfg_path = directory / "tokenizer_config.json"
         self.config = read_json_object(cfg_path) if cfg_path.exists() else {}
         model_cfg = read_json_object(directory / "config.json")
-        self.chat_template: str | None = self.config.get("chat_template")
+        self.chat_template: str | None = _chat_template(directory, self.config.get("chat_template"))
         self.bos_token = _token_str(self.config.get("bos_token"))
         self.eos_token = _token_str(self.config.get("eos_token"))
-        eos_ids = model_cfg.get("eos_token_id")
-        eos_ids = eos_ids if isinstance(eos_ids, list) else [eos_ids] if eos_ids is not None else []
+        eos_ids = _token_ids(model_cfg.get("eos_token_id"))
+        generation = directory / "generation_config.json"
+        if generation.is_file():  # transformers' generate stops there too; some models list end of turn only there
+            eos_ids += _token_ids(read_json_object(generation).get("eos_token_id"))
         if self.eos_token is not None and self._tok.token_to_id(self.eos_token) is not None:
             eos_ids.append(self._tok.token_to_id(self.eos_token))
         self.eos_token_ids: frozenset[int] = frozenset(eos_ids)
@@ -91,6 +93,29 @@ class Tokenizer:
             raise ConfigError("this model has no chat template; use generate() with a plain prompt")
         return render_chat(template, messages, add_generation_prompt=add_generation_prompt,
                            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+
+def _token_ids(value) -> list[int]:
+    """An eos_token_id field (an id or a list of ids) as a list; anything else: none."""
+    values = value if isinstance(value, list) else [value]
+    return [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+
+
+def _chat_template(directory: Path, template) -> str | None:
+    """tokenizer_config.json's template; of a list of named ones (older files), the one named "default";
+    none there: chat_template.jinja beside it (where newer transformers save it)."""
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        if not isinstance(named.get("default"), str):
+            raise ConfigError(f"{directory}: tokenizer_config.json lists chat templates, none of them named 'default'")
+        return named["default"]
+    path = directory / "chat_template.jinja"
+    if template is None and path.is_file():
+        try:
+            return path.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read {path}: {e}") from None
+    return template
 
 
 def _token_str(tok) -> str | None:

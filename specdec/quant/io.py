@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from specdec.config import ConfigError
+from specdec.config import ConfigError, read_json_object
 from specdec.model.layers import Rotary
 from specdec.model.llama import LlamaModel
 from specdec.model.loader import check_shapes, read_safetensors_dir
@@ -43,10 +43,7 @@ PROJECTIONS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj
 
 
 def _raw_config(directory: Path) -> dict:
-    try:
-        return json.loads((Path(directory) / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"cannot read {Path(directory) / 'config.json'}: {e}") from None
+    return read_json_object(Path(directory) / "config.json")
 
 
 def require_llama_layout(cfg) -> None:
