@@ -8,6 +8,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -219,6 +220,17 @@ def test_config_forms_and_errors(gemma_dir):
         with pytest.raises(ConfigError, match="query_pre_attn_scalar"):
             ModelConfig.from_hf({**new, **change})
     assert ModelConfig.from_hf({k: v for k, v in new.items() if k != "sliding_window"}).sliding_window == 4096
+
+
+def test_an_untied_config_without_its_head_is_refused(gemma_dir, tmp_path):
+    """tie_word_embeddings false and no lm_head tensor: a missing tensor, as for Llama (it ran with the
+    embedding as its head, silently)."""
+    d = tmp_path / "untied"
+    shutil.copytree(gemma_dir(), d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": False}))
+    with pytest.raises(ConfigError, match="lm_head"):
+        load_model(d)
 
 
 def test_alias_chunks_assemble_with_checked_hash(tmp_path, monkeypatch):

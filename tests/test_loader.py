@@ -96,6 +96,14 @@ def test_hub_id_resolves_from_local_cache(tmp_path, monkeypatch, tiny_dir):
     shutil.copytree(tiny_dir("llama"), snap)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     assert resolve_model("org/tiny").directory == snap
+    # refs/main names the snapshot the hub resolves, whichever is newer on disk; a ref with a path is ignored
+    newer = snap.parent / "def"
+    shutil.copytree(snap, newer)
+    assert resolve_model("org/tiny").directory == newer
+    (snap.parent.parent / "refs").mkdir()
+    for ref, want in (("abc\n", snap), ("../snapshots/abc", newer)):
+        (snap.parent.parent / "refs" / "main").write_text(ref)
+        assert resolve_model("org/tiny").directory == want
 
 
 def test_corrupt_gguf_is_a_clear_error(tmp_path, monkeypatch):
@@ -125,7 +133,8 @@ def test_a_config_with_missing_or_odd_values_is_one_clear_error(tmp_path, tiny_d
     odd = "invalid value|positive integers"
     for change, match in (({"num_attention_heads": None}, "missing key"), ({"num_attention_heads": "8"}, odd),
                           ({"num_attention_heads": 0}, odd), ({"num_hidden_layers": -1}, "positive integers"),
-                          ({"num_key_value_heads": 3}, "multiple of")):
+                          ({"num_key_value_heads": 3}, "multiple of"), ({"rms_norm_eps": "1e-5"}, "rms_norm_eps"),
+                          ({"rms_norm_eps": 0}, "rms_norm_eps")):
         cfg = {k: v for k, v in {**good, **change}.items() if v is not None}
         (d / "config.json").write_text(json.dumps(cfg))
         with pytest.raises(ConfigError, match=match) as e:

@@ -52,6 +52,10 @@ class ModelConfig:
                if isinstance(getattr(self, n), bool) or not isinstance(getattr(self, n), int) or getattr(self, n) < 1]
         if bad:
             raise ConfigError(f"model sizes must be positive integers: {', '.join(bad)}")
+        if not _positive(self.rms_norm_eps) or not (self.final_logit_softcapping is None
+                                                    or _positive(self.final_logit_softcapping)):
+            raise ConfigError(f"rms_norm_eps must be a positive number and final_logit_softcapping a positive number "
+                              f"or null, got {self.rms_norm_eps!r} and {self.final_logit_softcapping!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                               f"num_key_value_heads ({self.num_key_value_heads})")

@@ -176,7 +176,9 @@ def from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Te
     """HF Gemma3ForCausalLM tensors -> our state dict (fused q/k/v and gate/up, norms as 1 + w)."""
     one = lambda w: w.float() + 1.0  # noqa: E731
     sd = {"embed.weight": hf["model.embed_tokens.weight"], "norm.weight": one(hf["model.norm.weight"])}
-    sd["lm_head.weight"] = hf.get("lm_head.weight", hf["model.embed_tokens.weight"])
+    # a missing untied head is a missing tensor (it was the embedding, silently)
+    untied = "lm_head.weight" in hf or not cfg.tie_word_embeddings
+    sd["lm_head.weight"] = hf["lm_head.weight"] if untied else hf["model.embed_tokens.weight"]
     for i in range(cfg.num_hidden_layers):
         p, o = f"model.layers.{i}.", f"layers.{i}."
         for ours, theirs in _NORMS.items():

@@ -55,6 +55,12 @@ def _from_hub_cache(repo_id: str) -> Path | None:
     snaps = hub / f"models--{repo_id.replace('/', '--')}" / "snapshots"
     if not snaps.is_dir():
         return None
+    try:  # the snapshot the main branch points to, as huggingface_hub resolves it; else the newest
+        ref = (snaps.parent / "refs" / "main").read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        ref = ""
+    if ref.isalnum() and (snaps / ref / "config.json").exists():  # (a commit hash: no path in it)
+        return snaps / ref
     for snap in sorted(snaps.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True):
         if (snap / "config.json").exists():
             return snap
