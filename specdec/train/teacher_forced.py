@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from specdec.train.data import check_resumable, data_meta, default_aux_layers, load_sharegpt_pairs
+from specdec.train.data import check_resumable, data_meta, default_aux_layers
+from specdec.train.sharegpt import load_sharegpt_pairs
 from specdec.train.features import Shard, write_shard
 
 
