@@ -95,6 +95,32 @@ def test_greedy_batched_speculation_equals_single_request(plain, ngram, spec_k):
     assert any(out.packed for out in packed)
 
 
+def test_a_drafter_that_raises_leaves_its_row_decoding_without_it(plain, ngram, monkeypatch):
+    """A drafter's exception (a draft model whose vocabulary is smaller than the target's, meeting an id
+    past it) failed the whole step, and the async engine then aborted every request in flight. Now the row
+    it drafts for decodes on without drafts, its output plain decoding's, and the other rows go on drafting."""
+    real = ngram.proposer.propose_lookup
+    calls = {"0-0": 0}
+
+    def lookup(state, cap):
+        if state.request_id == "0-0":
+            calls["0-0"] += 1
+            if calls["0-0"] >= 3:
+                raise IndexError("index out of range in self")
+        return real(state, cap)
+
+    monkeypatch.setattr(ngram.proposer, "propose_lookup", lookup)
+    engine = memory_bound(Engine(ngram, EngineConfig(max_num_seqs=4, max_num_batched_tokens=16, block_size=8)))
+    reqs = greedy_reqs(ngram)
+    res = run(engine, reqs)  # (no abort; every block back)
+    for r in reqs:
+        out = res[(r.request_id, 0)]
+        assert out["out"].finish_reason == "length"
+        assert out["ids"] == reference(plain, r.prompt_ids, r.params)[0].token_ids, r.request_id
+    assert calls["0-0"] == 3  # not asked again after it raised
+    assert sum(res[(r.request_id, 0)]["out"].metrics.num_draft_tokens for r in reqs[1:]) > 0
+
+
 def test_preemption_by_recompute_keeps_outputs(plain, ngram):
     eng = Engine(ngram, EngineConfig(max_num_seqs=6, max_num_batched_tokens=32, block_size=8, num_kv_blocks=21))
     reqs = greedy_reqs(ngram)

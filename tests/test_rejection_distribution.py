@@ -92,8 +92,9 @@ class ForbidGrammar:
     def __init__(self, forbidden: set[int]):
         self.forbidden = forbidden
 
-    def cut(self, tokens: list[int]) -> int:
-        return next((i for i, t in enumerate(tokens) if t in self.forbidden), len(tokens))
+    def cut(self, tokens: list[int]) -> tuple[int, bool]:
+        allowed = next((i for i, t in enumerate(tokens) if t in self.forbidden), len(tokens))
+        return allowed, allowed < len(tokens)
 
 
 def run_grammar_cut(fit, p, q, forbidden, seed=0, n=N // 4):
@@ -116,6 +117,48 @@ def run_grammar_cut(fit, p, q, forbidden, seed=0, n=N // 4):
         if len(v.tokens) > 1:
             second[v.tokens[1]] += 1
     return first, second
+
+
+def test_after_an_eos_that_ends_the_grammar_the_next_token_is_the_targets_draw():
+    """With ignore_eos, a draft that ends the grammar (EOS in a final state) and goes on is cut after the
+    EOS for its place, not for a token's value: the token after it is the target's own draw. It was drawn
+    from the residual of the cut token's q, as for a forbidden token (4000 of 4000 draws one token where p
+    is 50/50). Negative control: that residual is rejected."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from specdec.engine.grammar import GrammarState
+    from specdec.engine.speculation import Speculation, verify_rows
+    from specdec.sampling_params import SamplingParams
+    from specdec.spec.proposer import Proposal
+
+    class EndGrammar:  # one final state: tokens 0 and 1 stay in it, EOS (2) ends it, 3 is forbidden
+        eos_id = 2
+
+        def next(self, state, token):
+            return state if token == self.eos_id else (0 if token in (0, 1) else None)
+
+    params = SamplingParams(temperature=1.0, ignore_eos=True, max_tokens=10)
+    q = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.9, 0.1, 0.0, 0.0]])  # EOS, then mostly token 0
+    p_after = torch.tensor([0.5, 0.5, 0.0, 0.0])
+    logits = torch.stack([torch.tensor([0.0, 0.0, 1.0, 0.0]), p_after, p_after]).log()
+    n = 4000
+
+    def after_eos(fit):
+        gen, counts = torch.Generator().manual_seed(0), torch.zeros(4)
+        seq = SimpleNamespace(grammar=GrammarState(EndGrammar(), 0), params=params, draft_yield=0.0)
+        for _ in range(n):
+            fitted = fit(seq, Proposal([2, sample(q[1], gen)], q), 2)
+            counts[verify_rows(fitted, logits[:len(fitted) + 1], params, gen).tokens[1]] += 1
+        return counts
+
+    assert tv(after_eos(Speculation._fit), p_after) < tv_bound(p_after, n)
+
+    def residual_as_it_was(seq, proposal, k):
+        fitted = Speculation._fit(seq, proposal, k)
+        return replace(fitted, cut_probs=proposal.probs[len(fitted)]) if len(fitted) < k else fitted
+
+    assert tv(after_eos(residual_as_it_was), p_after) > tv_bound(p_after, n)
 
 
 def test_a_grammar_cut_draws_the_residual():

@@ -168,14 +168,18 @@ class GrammarState:
     grammar: Grammar
     state: int
 
-    def cut(self, drafts: list[int]) -> int:
-        """How many leading drafts the grammar allows."""
+    def cut(self, drafts: list[int]) -> tuple[int, bool]:
+        """How many leading drafts the grammar allows, and whether the draft after them is cut for its
+        value (the grammar forbids it) rather than for its place (after an EOS that ends the grammar,
+        which the target's own draw then follows, or past the drafts' end)."""
         s = self.state
         for i, tok in enumerate(drafts):
-            s = self.grammar.next(s, tok) if s is not None else None
-            if s is None or tok == self.grammar.eos_id:
-                return i + (s is not None)
-        return len(drafts)
+            s = self.grammar.next(s, tok)
+            if s is None:
+                return i, True
+            if tok == self.grammar.eos_id:
+                return i + 1, False
+        return len(drafts), False
 
     def row_masks(self, drafts: list[int]) -> torch.Tensor:
         """[k + 1, V] masks for the rows of a verify pass over [last, drafts] (drafts already cut)."""

@@ -39,6 +39,7 @@ TPOT on/off 0.95x with probes every 32-64 batches).
 """
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -56,6 +57,7 @@ from specdec.spec.proposer import EMPTY, Proposal, ProposerContext, available_me
 from specdec.spec.rejection import Verdict, verify_greedy, verify_sampling
 from specdec.sampler import argmax, warp
 
+log = logging.getLogger("specdec.engine")
 EMA = 0.3
 PROBE_INTERVAL = 32  # plain batches before the first probe
 MAX_PROBE_INTERVAL = 512
@@ -229,8 +231,31 @@ class Speculation:
         """Each adaptive row's free lookup chain (n-gram, suffix, a pairing's lookup; EMPTY where there is
         none), asked before K is chosen: a lookup costs nothing, and its chain's match length says how
         likely it is to be accepted (AdaptiveK keeps one estimate per match length)."""
-        return [s.spec.proposer.propose_lookup(s.state, c) if c > 0 and not s.spec.fixed_k else EMPTY
-                for s, c in zip(seqs, caps)]
+        found = []
+        for seq, cap in zip(seqs, caps):
+            chain = EMPTY
+            if cap > 0 and not seq.spec.fixed_k:
+                try:
+                    chain = seq.spec.proposer.propose_lookup(seq.state, cap)
+                except Exception as e:  # noqa: BLE001 (a drafter's failure is its row's, not the step's)
+                    self.drop_drafter(seq, e)
+            found.append(chain)
+        return found
+
+    @staticmethod
+    def drop_drafter(seq, error: Exception) -> None:
+        """A row whose drafter raised decodes on without one: its output is plain decoding's either way, and
+        the step's other rows go on (the exception failed the whole step, and the async engine then aborted
+        every request in flight). The drafter's state for the row is released as at its end."""
+        proposer = seq.spec.proposer
+        log.warning("drafter %s failed for request %s (%s: %s); it decodes on without drafts", proposer.name,
+                    seq.request_id, type(error).__name__, error)
+        seq.spec = replace(seq.spec, proposer=None)
+        if seq.begun:
+            try:
+                proposer.end(seq.state)
+            except Exception as e:  # noqa: BLE001 (its state may be what failed: nothing more to release)
+                log.warning("drafter %s could not release request %s: %s", proposer.name, seq.request_id, e)
 
     @staticmethod
     def _drafter(seq, cap: int, chain: Proposal | None) -> tuple[float, float, int, float] | None:
@@ -246,7 +271,8 @@ class Speculation:
         """found: the rows' lookup chains (Speculation.lookups); None: every row's drafter is priced by
         its yield and its model estimate."""
         drafting = [self._drafter(s, c, found[i] if found is not None else None)
-                    for i, (s, c) in enumerate(zip(seqs, caps)) if c > 0 and not s.spec.fixed_k]
+                    for i, (s, c) in enumerate(zip(seqs, caps))
+                    if c > 0 and not s.spec.fixed_k and s.spec.proposer is not None]
         drafting = [d for d in drafting if d is not None]
         if not drafting:
             return 0
@@ -274,7 +300,8 @@ class Speculation:
         """Up to k drafted tokens for each row (caps: each row's limit; the blocks for them are already
         allocated): its lookup chain when `found` holds one, else its model drafter's; the rows that
         share a proposer draft together (Proposer.propose_batch / propose_model_batch)."""
-        ks = [0 if c <= 0 else c if s.spec.fixed_k else min(k, c) for s, c in zip(seqs, caps)]
+        ks = [0 if c <= 0 or s.spec.proposer is None else c if s.spec.fixed_k else min(k, c)
+              for s, c in zip(seqs, caps)]
         proposals = [EMPTY] * len(seqs)
         # (id(proposer), whole) -> row indices; whole: the proposer's own choice (a pairing's lookup
         # first), else its model drafter alone (the lookup was asked already and had nothing)
@@ -296,7 +323,12 @@ class Speculation:
             proposer = seqs[rows[0]].spec.proposer
             t0 = time.perf_counter()
             states, row_ks = [seqs[i].state for i in rows], [ks[i] for i in rows]
-            drafted = (proposer.propose_batch if whole else proposer.propose_model_batch)(states, row_ks, trees)
+            try:
+                drafted = (proposer.propose_batch if whole else proposer.propose_model_batch)(states, row_ks, trees)
+            except Exception as e:  # noqa: BLE001 (its rows decode on without it; the others draft)
+                for i in rows:
+                    self.drop_drafter(seqs[i], e)
+                continue
             # a model drafter's time is costed apart (draft_cost_per_token; its one-off prompt catch-up, before
             # it has a measured cost, nowhere): not step overhead. A lookup's stays there (it costs ~0)
             if proposer.has_model_drafter:
@@ -312,9 +344,10 @@ class Speculation:
         if proposal.is_tree and (not trees or seq.grammar is not None):
             proposal = first_path(proposal)
         tokens = proposal.tokens[:k]
-        allowed = seq.grammar.cut(tokens) if seq.grammar is not None else len(tokens)
+        allowed, forbidden = seq.grammar.cut(tokens) if seq.grammar is not None else (len(tokens), False)
         seq.draft_yield = (1 - EMA) * seq.draft_yield + EMA * bool(allowed)
-        if allowed < len(tokens) and proposal.probs is not None and not seq.params.greedy:
+        if forbidden and proposal.probs is not None and not seq.params.greedy:
             # a drafted token cut for its value: the next token comes from the residual its rejection gives
+            # (one cut for its place, after an EOS that ends the grammar, is a shorter draft: p's own draw)
             return replace(proposal.first(allowed), cut_probs=proposal.probs[allowed])
         return proposal.first(allowed) if allowed else EMPTY

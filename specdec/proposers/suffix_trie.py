@@ -77,7 +77,9 @@ class SuffixTrie:
                 if len(new) == length + 1 and len(new) < self.depth:
                     new.append(child)
             best = node.children.get(node.best) if node.best is not None else None
-            if best is None or child_count >= count_of(best):
+            if best is None:  # unknown since a removal (or a first child): the most frequent, this one included
+                node.best = max(node.children, key=lambda t: count_of(node.children[t]))
+            elif child_count >= count_of(best):
                 node.best = tok
         return new
 
