@@ -79,6 +79,9 @@ def test_eagle_layouts_round_trip(target, tmp_path, fmt, kind):
         sd = load_file(str(out / "model.safetensors"))
         save_file({k: v for k, v in sd.items() if k != "t2d"}, str(out / "model.safetensors"))
         assert torch.equal(import_head(out, model.config).t2d, orig.t2d)
+        save_file({k: v for k, v in sd.items() if k != "t2d"} | {"d2t": sd["d2t"] + 10**6}, str(out / "model.safetensors"))
+        with pytest.raises(ConfigError, match="does not map"):  # a d2t past the vocabulary
+            import_head(out, model.config)
         # a head for another target (here: another draft vocabulary) is a ConfigError, not a RuntimeError
         save_file({**sd, "lm_head.weight": sd["lm_head.weight"][:200]}, str(out / "model.safetensors"))
         with pytest.raises(ConfigError, match="does not match"):

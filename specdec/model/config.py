@@ -128,7 +128,7 @@ def _positive(value) -> bool:
 
 def _check_rope(theta, scaling) -> None:
     """RoPE settings the runtime computes as transformers does, or a ConfigError naming what is off."""
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+    if not _positive(theta):
         raise ConfigError(f"rope_theta must be a positive number, got {theta!r}")
     if scaling is None:
         return
@@ -139,8 +139,7 @@ def _check_rope(theta, scaling) -> None:
              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
     if kind not in needs:
         raise ConfigError(f"rope_scaling type {kind!r} is not supported (linear and llama3 are)")
-    bad = [k for k in needs[kind] if isinstance(scaling.get(k), bool) or not isinstance(scaling.get(k), (int, float))
-           or not scaling[k] > 0]
+    bad = [k for k in needs[kind] if not _positive(scaling.get(k))]
     if bad:
         raise ConfigError(f"rope_scaling {kind}: {', '.join(bad)} must be positive numbers")
     if kind == "llama3" and not scaling["high_freq_factor"] > scaling["low_freq_factor"]:

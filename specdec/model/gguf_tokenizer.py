@@ -35,17 +35,15 @@ def tokenizer_files(get: Callable[..., Any], arch: str) -> tuple[dict, dict]:
         if pre != "smollm":  # Qwen's, Llama 3's, GPT-2's own regexes split text differently: silently wrong ids
             raise ConfigError(f"GGUF byte-level pre-tokenizer {pre!r} is not supported (SmolLM2's 'smollm' is); "
                               "load the model's Hugging Face directory instead")
-        build = lambda: _byte_level(tokens, types, get("tokenizer.ggml.merges"))  # noqa: E731
-    elif kind == "llama" and arch == "gemma3":
-        build = lambda: _sentencepiece_bpe(tokens, types, get("tokenizer.ggml.merges"),  # noqa: E731
-                                           get("tokenizer.ggml.unknown_token_id"))
-    else:
+    elif kind != "llama" or arch != "gemma3":
         raise ConfigError(f"GGUF tokenizer model {kind!r} is not supported for {arch!r} "
                           "(byte-level BPE 'gpt2' is; SentencePiece 'llama' for gemma3)")
-    if not all(isinstance(m, str) for m in get("tokenizer.ggml.merges") or ()):
+    merges = get("tokenizer.ggml.merges")
+    if not all(isinstance(m, str) for m in merges or ()):
         raise ConfigError("GGUF tokenizer: merges must be strings")
     try:
-        tok = build()
+        tok = (_byte_level(tokens, types, merges) if kind == "gpt2"
+               else _sentencepiece_bpe(tokens, types, merges, get("tokenizer.ggml.unknown_token_id")))
     except ConfigError:
         raise
     except Exception as e:  # the tokenizers library's own type, e.g. a merge of a token not in the vocabulary

@@ -105,8 +105,12 @@ def import_head(path: Path, target_config) -> "torch.nn.Module":
         if "d2t" not in sd:
             sd["d2t"], sd["t2d"] = head.d2t, head.t2d
         elif "t2d" not in sd:  # (the engines read d2t alone) draft token i is target token i + d2t[i]
-            sd["t2d"] = torch.zeros_like(head.t2d, dtype=torch.bool)
-            sd["t2d"][(torch.arange(sd["d2t"].numel()) + sd["d2t"]).clamp(0, head.t2d.numel() - 1)] = True
+            ids = torch.arange(sd["d2t"].numel()) + sd["d2t"]
+            if ids.shape != head.d2t.shape or not bool(((ids >= 0) & (ids < head.t2d.numel())).all()):
+                raise ConfigError(f"{path}: its d2t does not map {head.d2t.numel()} draft tokens into this "
+                                  "target's vocabulary")
+            head.set_vocab(ids)
+            sd["t2d"] = head.t2d
         sd["t2d"] = sd["t2d"].bool()
     try:
         missing, unexpected = head.load_state_dict(sd, strict=False)

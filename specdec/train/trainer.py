@@ -276,8 +276,8 @@ class Trainer:
     def settings(self) -> dict:
         """What a resumed run must share with the run it resumes: the head's shape and the schedule. The data
         may grow (a run resumed on more shards; the checkpoint's vocabulary wins) but keeps its held-out
-        prompts (maybe_resume checks the record), and the output, the
-        cadence of evaluations and checkpoints and the saved dtype may change."""
+        prompts (maybe_resume checks the record), and the output, the cadence of evaluations and checkpoints
+        and the saved dtype may change."""
         return {k: v for k, v in asdict(self.spec).items()
                 if k not in ("data", "max_train_seqs", "out", "eval_every", "ckpt_every", "save_dtype")}
 
