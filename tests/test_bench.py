@@ -461,3 +461,35 @@ def test_bench_serve_refuses_a_value_twice_and_counts_a_connection_error_as_a_fa
             check_args(p.parse_args([flag, value, "--out", str(tmp_path)]))
     results, seconds = asyncio.run(drive("http://127.0.0.1:9", [("hi", 4)] * 2, 2, 50.0, 0))  # nothing listens
     assert len(results) == 2 and all("error" in r for r in results) and seconds < 5
+
+
+def test_bench_serve_warms_each_concurrency_up_on_prompts_no_run_sends(tmp_path, monkeypatch):
+    """Only the first run met a concurrency's batch shapes cold (the one warm-up was a single request): now
+    each concurrency's first run follows a warm-up of that many requests at once, on prompts of their own."""
+    import argparse
+
+    import specdec.bench.serve_bench as sb
+
+    calls = []
+
+    async def fake_drive(url, work, concurrency, rate, seed):
+        calls.append((concurrency, [prompt for prompt, _ in work]))
+        spec = {"num_draft_tokens": 6, "num_accepted_draft_tokens": 3, "target_forward_passes": 4}
+        return [{"ttft": 0.1, "e2e": 0.5, "tokens": 9, "itl": [0.05] * 7, "tpot": 0.05, "spec": spec}
+                for _ in work], 0.5
+
+    monkeypatch.setattr(sb, "drive", fake_drive)
+    p = argparse.ArgumentParser()
+    sb.add_arguments(p)
+    args = p.parse_args(["--url", "http://127.0.0.1:9", "--workload", "mtbench", "--concurrency", "1,4",
+                         "--repeats", "2", "--max-output-tokens", "9", "--out", str(tmp_path)])
+    assert sb.run_serve_bench(args) == 0
+    warm = [i for i, (c, work) in enumerate(calls) if len(work) == c and c in (1, 4) and
+            (i == 0 or calls[i - 1][0] != c)]
+    assert [calls[i][0] for i in warm] == [1, 4]  # one warm-up a concurrency, before its runs
+    run_prompts = {prompt for i, (_, work) in enumerate(calls) if i not in warm for prompt in work}
+    assert len(run_prompts) == 2 * 8 + 2 * 8  # each run its own prompts
+    assert not run_prompts & {prompt for i in warm for prompt in calls[i][1]}
+    rows = json.loads((tmp_path / "serving.json").read_text())["rows"]
+    assert rows and all(r["tokens_per_pass"] == 2.0 and r["drafted_per_pass"] == 1.5 for r in rows)  # 8/4, 6/4
+    assert "2.00 / 1.50" in (tmp_path / "serving.md").read_text()

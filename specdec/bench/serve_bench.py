@@ -8,7 +8,9 @@ speculation off vs on, at a sweep of concurrencies (and request rates), with lat
 Workload (as vLLM's benchmark_serving): the first human turn of ShareGPT conversations is the prompt
 (chat template applied by the server), the first assistant turn's token count the output length
 (capped; `ignore_eos` so every request produces exactly that many), greedy. A server subprocess per
-setting is started and warmed up; then, for each concurrency (a semaphore) and --request-rate
+setting is started; before a concurrency's first run each server is warmed up with that many requests at
+once, on prompts no run sends (a first run at 4 met the batch shapes of 4 rows cold); then, for each
+concurrency (a semaphore) and --request-rate
 (Poisson arrivals; inf: all at once), the requests go in rounds of max(concurrency, 2) and the
 settings take turns per round in ABBA order, so a drift in the machine's load falls on both. Per request: TTFT, TPOT = (e2e - TTFT) / (tokens - 1), ITL =
 gaps between streamed chunks (a chunk may carry several tokens when drafts are accepted), e2e.
@@ -134,6 +136,17 @@ async def drive(url: str, work: list[tuple[str, int]], concurrency: int, rate: f
     return results, time.perf_counter() - t0
 
 
+def warm_up(urls: dict[str, str], work: list[tuple[str, int]], concurrency: int, seed: int) -> None:
+    """Each server runs `work` at `concurrency` at once, unmeasured: the batch shapes of that many rows (their
+    kernels' first calls, the cost model's first observations) are met before a measured run meets them."""
+    for url in urls.values():
+        results, _ = asyncio.run(drive(url, work, concurrency, float("inf"), seed))
+        failed = [r["error"] for r in results if "error" in r]
+        if failed:
+            print(f"warning: {len(failed)} warm-up request(s) at concurrency {concurrency} failed: {failed[0]}",
+                  file=sys.stderr)
+
+
 def paired_runs(urls: dict[str, str], work: list[tuple[str, int]], concurrency: int, rate: float,
                 seed: int) -> dict[str, dict]:
     """The work in rounds of max(concurrency, 2) requests; settings alternate per round in ABBA order, so
@@ -161,12 +174,16 @@ def summarize(results: list[dict], duration: float) -> dict:
     tokens = sum(r["tokens"] for r in ok)
     drafted = sum((r["spec"] or {}).get("num_draft_tokens", 0) for r in ok)
     accepted = sum((r["spec"] or {}).get("num_accepted_draft_tokens", 0) for r in ok)
+    passes = sum((r["spec"] or {}).get("target_forward_passes", 0) for r in ok)  # decode passes (speculating requests)
+    decoded = sum(r["tokens"] - 1 for r in ok if r["spec"])  # their tokens after the prompt pass's first
     return {"requests": len(results), "failed": len(results) - len(ok), "duration_s": round(duration, 2),
             "output_tokens": tokens, "output_tok_s": round(tokens / duration, 2),
             "requests_per_s": round(len(ok) / duration, 3),
             "ttft_ms": _pcts([r["ttft"] for r in ok]), "tpot_ms": _pcts([r["tpot"] for r in ok if r["tpot"]]),
             "itl_ms": _pcts([x for r in ok for x in r["itl"]]), "e2e_ms": _pcts([r["e2e"] for r in ok]),
             "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
+            "tokens_per_pass": round(decoded / passes, 3) if passes else None,
+            "drafted_per_pass": round(drafted / passes, 3) if passes else None,
             "errors": sorted({r["error"] for r in results if "error" in r})[:5]}  # what failed, not only how many
 
 
@@ -248,13 +265,20 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def _table(rows: list[dict]) -> str:
     head = ("| setting | conc. | rate | req | failed | out tok/s | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms | "
-            "ITL p50/p90/p99 ms | e2e p50/p90/p99 ms | accept |\n|" + "---|" * 11)
+            "ITL p50/p90/p99 ms | e2e p50/p90/p99 ms | accept | tokens / drafted a pass |\n|" + "---|" * 12)
     fmt = lambda d: "/".join("-" if d[f"p{p}"] is None else f"{d[f'p{p}']:.0f}" for p in PCTS)  # noqa: E731
     lines = [f"| {r['setting']} | {r['concurrency']} | {r['rate']} | {r['requests']} | {r['failed']} | "
              f"{r['output_tok_s']:.1f} | "
              f"{fmt(r['ttft_ms'])} | {fmt(r['tpot_ms'])} | {fmt(r['itl_ms'])} | {fmt(r['e2e_ms'])} | "
-             f"{'-' if r['acceptance_rate'] is None else r['acceptance_rate']} |" for r in rows]
+             f"{'-' if r['acceptance_rate'] is None else r['acceptance_rate']} | {_per_pass(r)} |" for r in rows]
     return "\n".join([head, *lines])
+
+
+def _per_pass(row: dict) -> str:
+    """Tokens and drafted tokens a decode pass of the speculating requests ('-' for none; rows before S47 lack them)."""
+    if row.get("tokens_per_pass") is None:
+        return "-"
+    return f"{row['tokens_per_pass']:.2f} / {row['drafted_per_pass']:.2f}"
 
 
 def tpot_ratios(rows: list[dict]) -> list[dict]:
@@ -319,9 +343,13 @@ def run_serve_bench(args) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below: stop the servers
     tok = Tokenizer(resolve_model(args.model, progress=False).directory)
     repeats = args.repeats
-    n_max = sum(args.num_prompts or max(8, 2 * c) for c in concs) * len(rates) * repeats + 1  # + the warm-up's
-    work_all = (mtbench_workload(n_max, args.max_output_tokens, args.seed) if args.workload == "mtbench"
-                else sharegpt_workload(tok, n_max, args.max_prompt_tokens, args.max_output_tokens, args.seed))
+    n_max = sum(args.num_prompts or max(8, 2 * c) for c in concs) * len(rates) * repeats
+    if args.workload == "mtbench":  # the warm-ups on second turns: the first ones are the runs' (80, cycled)
+        work_all = mtbench_workload(n_max, args.max_output_tokens, args.seed)
+        warm_work = mtbench_workload(max(concs), args.max_output_tokens, args.seed, turn=1)
+    else:  # the warm-ups on the prompts after every run's
+        work_all = sharegpt_workload(tok, n_max + max(concs), args.max_prompt_tokens, args.max_output_tokens, args.seed)
+        work_all, warm_work = work_all[:n_max], work_all[n_max:]
     reused = n_max - len({prompt for prompt, _ in work_all})  # MT-bench has 80 first turns: cycled past them
     if reused:
         print(f"note: {reused} of the {n_max} requests reuse an earlier run's prompt (the {args.workload} workload "
@@ -332,11 +360,11 @@ def run_serve_bench(args) -> int:
     try:
         for setting in settings:
             servers[setting] = (None, args.url) if args.url else start_server(args, speculative=setting == "on")
-            # warm-up, on a prompt no run sends
-            asyncio.run(drive(servers[setting][1], work_all[-1:], 1, float("inf"), args.seed))
         urls = {name: url for name, (_, url) in servers.items()}
         offset = 0  # each run its own prompts: a replay would find them in both servers' prefix caches (and
         for c, rate, repeat in itertools.product(concs, rates, range(repeats)):  # suffix's trie): not cold
+            if rate == rates[0] and repeat == 0:
+                warm_up(urls, warm_work[:c], c, args.seed)
             size = args.num_prompts or max(8, 2 * c)
             work, offset = work_all[offset:offset + size], offset + size
             for setting, res in paired_runs(urls, work, c, rate, args.seed).items():
@@ -364,7 +392,7 @@ def run_serve_bench(args) -> int:
                                                            indent=1))
     report = _table(rows) + ("\n\n" + _ratio_table(ratios) if ratios else "")
     if reused:
-        report += (f"\n\n{reused} of the {n_max} requests (the warm-up's included) reuse an earlier run's prompt: "
+        report += (f"\n\n{reused} of the {n_max} measured requests reuse an earlier run's prompt: "
                    f"the {args.workload} workload holds fewer prompts than the runs ask for.")
     (args.out / f"{args.name}.md").write_text(report + "\n")
     print(report)

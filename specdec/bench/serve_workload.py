@@ -17,12 +17,12 @@ def sharegpt_head(limit: int = 4000) -> list[dict]:
         return list(islice(iter_json_array(path), limit))
 
 
-def mtbench_workload(n: int, max_output: int, seed: int) -> list[tuple[str, int]]:
+def mtbench_workload(n: int, max_output: int, seed: int, turn: int = 0) -> list[tuple[str, int]]:
     """(prompt, output tokens): MT-bench first turns in a seeded order, cycled to n (each its own run's
-    until the 80 run out)."""
+    until the 80 run out); turn=1: the second turns, alone (the serving bench's warm-ups: prompts no run sends)."""
     from specdec.bench.prompts import mtbench_questions
 
-    prompts = [q["turns"][0] for q in mtbench_questions()]
+    prompts = [q["turns"][turn] for q in mtbench_questions() if len(q["turns"]) > turn]
     random.Random(seed).shuffle(prompts)
     return [(prompts[i % len(prompts)], max_output) for i in range(n)]
 
