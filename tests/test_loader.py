@@ -368,3 +368,33 @@ def test_an_index_names_the_shards_read(tiny_dir, tmp_path):
     (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "../elsewhere.safetensors"}}))
     with pytest.raises(ConfigError, match="not in"):
         load_model(d)
+
+
+def test_a_conversion_finished_meanwhile_by_another_process_is_kept(tmp_path, monkeypatch):
+    """Two processes converting one GGUF at once: the second to finish deleted the first one's directory
+    (which that process may be loading) and, had the first replaced it in between, failed on the rename.
+    Now a finished conversion stays, and the second's copy goes."""
+    import gguf
+    import numpy as np
+
+    import specdec.model.gguf as gguf_mod
+
+    path = tmp_path / "m.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
+    writer.close()
+    out = tmp_path / "cache" / "m"
+
+    def tensors_while_another_process_finishes(*a, **k):
+        out.mkdir(parents=True)
+        for name in ("config.json", "model.safetensors", "theirs"):
+            (out / name).write_text("{}")
+        return {"model.embed_tokens.weight": torch.zeros(4, 8)}
+
+    monkeypatch.setattr(gguf_mod, "_hf_config", lambda *a: {"tie_word_embeddings": False})
+    monkeypatch.setattr(gguf_mod, "tokenizer_files", lambda *a: ({}, {}))
+    monkeypatch.setattr(gguf_mod, "_tensors", tensors_while_another_process_finishes)
+    assert gguf_mod.convert_gguf(path, out, progress=False) == out
+    assert (out / "theirs").exists()  # the other process's conversion, untouched
+    assert [p.name for p in out.parent.iterdir()] == ["m"]  # no temporary directory left

@@ -174,6 +174,11 @@ def _tensors(reader, cfg: dict, arch: str, progress: bool) -> dict[str, torch.Te
     return out
 
 
+def converted(out_dir: Path) -> bool:
+    """Whether out_dir holds a finished conversion (convert_gguf moves one there whole)."""
+    return (out_dir / "config.json").exists() and (out_dir / "model.safetensors").exists()
+
+
 def convert_gguf(path: Path, out_dir: Path, progress: bool = True) -> Path:
     """Convert `path` into `out_dir` (atomically). Returns out_dir."""
     import gguf
@@ -204,9 +209,13 @@ def convert_gguf(path: Path, out_dir: Path, progress: bool = True) -> Path:
         (tmp / "tokenizer.json").write_text(json.dumps(tok_json))
         (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
         (tmp / "source.json").write_text(json.dumps({"gguf": str(path), "size": os.path.getsize(path)}))
-        if out_dir.exists():
+        if out_dir.exists() and not converted(out_dir):  # a half-written one (before conversions were atomic)
             shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
+        try:
+            os.replace(tmp, out_dir)
+        except OSError:  # another process converted the same file meanwhile (and may be loading it): its copy is ours
+            if not converted(out_dir):
+                raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

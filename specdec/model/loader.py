@@ -43,11 +43,10 @@ def _gguf_cache_dir(path: Path) -> Path:
 
 
 def _from_gguf(path: Path, progress: bool) -> Path:
+    from specdec.model.gguf import convert_gguf, converted
+
     out = _gguf_cache_dir(path)
-    if (out / "config.json").exists() and (out / "model.safetensors").exists():
-        return out
-    from specdec.model.gguf import convert_gguf
-    return convert_gguf(path, out, progress=progress)
+    return out if converted(out) else convert_gguf(path, out, progress=progress)
 
 
 def _from_hub_cache(repo_id: str) -> Path | None:
