@@ -398,3 +398,16 @@ def test_a_conversion_finished_meanwhile_by_another_process_is_kept(tmp_path, mo
     assert gguf_mod.convert_gguf(path, out, progress=False) == out
     assert (out / "theirs").exists()  # the other process's conversion, untouched
     assert [p.name for p in out.parent.iterdir()] == ["m"]  # no temporary directory left
+
+
+def test_the_model_config_stops_where_the_tokenizer_does(tiny_dir, tmp_path):
+    """ModelConfig.eos_token_id (what the trainer keeps in every draft vocabulary) read config.json alone; the
+    tokenizer read generation_config.json too, where some models list their end of turn only: one reading now."""
+    from specdec.model.loader import read_config
+
+    d = tmp_path / "m"
+    shutil.copytree(tiny_dir("llama"), d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [cfg["eos_token_id"], 7, True]}))
+    assert read_config(d).eos_token_id == (cfg["eos_token_id"], 7)
+    assert set(read_config(d).eos_token_id) <= Tokenizer(d).eos_token_ids

@@ -4,9 +4,10 @@ a ConfigError, not a wrong model."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from specdec.config import ConfigError
+from specdec.config import ConfigError, read_json_object
 
 SUPPORTED_ARCHS = {
     "LlamaForCausalLM": "llama",
@@ -71,8 +72,7 @@ class ModelConfig:
         model_type = SUPPORTED_ARCHS[arch]
         heads = cfg["num_attention_heads"]
         rope = cfg.get("rope_parameters") or {}  # transformers >= 5 folds theta and scaling in here
-        eos = cfg.get("eos_token_id")
-        eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        eos = tuple(token_ids(cfg.get("eos_token_id")))
         fields = dict(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -195,3 +195,19 @@ def _gemma3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         "tie_word_embeddings": cfg.get("tie_word_embeddings", True),
         "max_position_embeddings": cfg.get("max_position_embeddings", 131_072),
     }
+
+
+def token_ids(value) -> list[int]:
+    """An eos_token_id field (an id or a list of ids) as a list; anything else: none."""
+    values = value if isinstance(value, list) else [value]
+    return [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+
+
+def end_token_ids(directory: Path, config: dict) -> list[int]:
+    """The ids generation stops at, as transformers' generate reads them: config.json's eos_token_id (`config`)
+    and generation_config.json's beside it (some models list their end of turn only there)."""
+    ids = token_ids(config.get("eos_token_id"))
+    generation = directory / "generation_config.json"
+    if generation.is_file():
+        ids += token_ids(read_json_object(generation).get("eos_token_id"))
+    return list(dict.fromkeys(ids))

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from specdec.config import ConfigError, read_json_object
-from specdec.model.config import ModelConfig
+from specdec.model.config import ModelConfig, end_token_ids
 from specdec.model.aliases import ALIASES, DEFAULT_MODEL, alias_file  # noqa: F401 (DEFAULT_MODEL: re-exported)
 from specdec.model.llama import LlamaModel
 from specdec.model.memory import move_to_huge_pages
@@ -95,8 +95,8 @@ def resolve_model(model: str, progress: bool = True) -> ModelSource:
 
 def read_config(directory: Path) -> ModelConfig:
     raw = read_json_object(directory / "config.json")
-    try:
-        return ModelConfig.from_hf(raw)
+    try:  # the end ids as the tokenizer reads them, generation_config.json's too (the trainer's draft vocabulary keeps them)
+        return ModelConfig.from_hf({**raw, "eos_token_id": end_token_ids(directory, raw)})
     except ConfigError as e:
         raise ConfigError(f"{directory / 'config.json'}: {e}") from None
     except KeyError as e:

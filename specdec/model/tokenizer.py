@@ -8,6 +8,7 @@ from tokenizers import Tokenizer as FastTokenizer
 
 from specdec.config import ConfigError, read_json_object
 from specdec.model.chat_template import render_chat
+from specdec.model.config import end_token_ids
 
 
 def valid_unicode(text: str) -> bool:
@@ -34,10 +35,7 @@ class Tokenizer:
         self.chat_template: str | None = _chat_template(directory, self.config.get("chat_template"))
         self.bos_token = _token_str(self.config.get("bos_token"))
         self.eos_token = _token_str(self.config.get("eos_token"))
-        eos_ids = _token_ids(model_cfg.get("eos_token_id"))
-        generation = directory / "generation_config.json"
-        if generation.is_file():  # transformers' generate stops there too; some models list end of turn only there
-            eos_ids += _token_ids(read_json_object(generation).get("eos_token_id"))
+        eos_ids = end_token_ids(directory, model_cfg)  # (what the model's config, ModelConfig, stops at too)
         if self.eos_token is not None and self._tok.token_to_id(self.eos_token) is not None:
             eos_ids.append(self._tok.token_to_id(self.eos_token))
         self.eos_token_ids: frozenset[int] = frozenset(eos_ids)
@@ -93,12 +91,6 @@ class Tokenizer:
             raise ConfigError("this model has no chat template; use generate() with a plain prompt")
         return render_chat(template, messages, add_generation_prompt=add_generation_prompt,
                            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
-
-
-def _token_ids(value) -> list[int]:
-    """An eos_token_id field (an id or a list of ids) as a list; anything else: none."""
-    values = value if isinstance(value, list) else [value]
-    return [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
 
 
 def _chat_template(directory: Path, template) -> str | None:
