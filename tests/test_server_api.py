@@ -515,3 +515,26 @@ def test_metrics_count_a_requests_prompt_once_and_time_from_its_arrival(server):
     assert r.status_code == 200, r.text
     server.wait_idle()
     assert seconds_of_ttft() - before >= 0.5
+
+
+def test_a_messages_name_reaches_the_chat_template():
+    """OpenAI's messages[].name (a participant's name) was dropped before the template; vLLM passes it on.
+    A name that is not a string is a 400 naming the field."""
+    from types import SimpleNamespace
+
+    import pydantic
+
+    from specdec.serve.protocol import ChatRequest
+    from specdec.serve.responses import ResponseBuilder
+
+    seen = []
+    tok = SimpleNamespace(encode_chat=lambda messages, add_generation_prompt: seen.extend(messages) or [1, 2, 3])
+    state = SimpleNamespace(tokenizer=tok, max_model_len=64,
+                            engine=SimpleNamespace(engine=SimpleNamespace(model=SimpleNamespace(
+                                config=SimpleNamespace(vocab_size=10)))))
+    body = ChatRequest.model_validate({"messages": [{"role": "system", "content": "Be brief."},
+                                                    {"role": "user", "content": "Hi", "name": "ada"}]})
+    assert ResponseBuilder(state).chat_prompt(body) == [1, 2, 3]
+    assert seen == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi", "name": "ada"}]
+    with pytest.raises(pydantic.ValidationError, match="name"):  # (the server answers it as a 400: pydantic_error)
+        ChatRequest.model_validate({"messages": [{"role": "user", "content": "Hi", "name": 7}]})

@@ -197,6 +197,11 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None  # the participant's name: to the chat template, as vLLM passes it (it was dropped)
+
+    def for_template(self) -> dict:
+        """The message as the chat template reads it."""
+        return {"role": self.role, "content": self.text(), **({"name": self.name} if self.name is not None else {})}
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):

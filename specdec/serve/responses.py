@@ -65,7 +65,7 @@ class ResponseBuilder:
         return [self._check_ids(self.tok.encode(x) if isinstance(x, str) else list(x), "prompt") for x in p]
 
     def chat_prompt(self, body) -> list[int]:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = [m.for_template() for m in body.messages]
         try:
             ids = self.tok.encode_chat(messages, add_generation_prompt=body.add_generation_prompt)
         except ConfigError as e:
