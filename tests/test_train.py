@@ -82,6 +82,16 @@ def test_decode_passes_start_each_chain_where_the_last_ended():
     assert _decode_passes(hit, [False] * 9) == (0, 0)
 
 
+def test_default_aux_layers_stay_within_the_model():
+    """EAGLE-3's low/mid/high layers (vLLM's choice) for SmolLM2's 30 layers, and for targets of 1-3 layers,
+    where they were negative (-3 for 1 layer: a list index from the end)."""
+    from specdec.train.data import default_aux_layers
+
+    assert default_aux_layers(30) == (1, 14, 26)
+    for layers in (1, 2, 3, 4, 8):
+        assert all(0 <= layer < layers for layer in default_aux_layers(layers)), layers
+
+
 def test_resume_on_more_data_keeps_the_checkpoint_vocabulary(dataset, tmp_path):
     """A run resumed with other shards ranks another top-Vd token set; the checkpoint's must win,
     or the head's rows, the loss's target distribution and the exported d2t map disagree."""
@@ -491,6 +501,14 @@ def test_training_without_train_sequences_and_a_rerun_with_other_settings_are_re
         check_resumable(data, spec, "another-model")
     with pytest.raises(ConfigError, match="holds regenerated answers"):  # teacher-forced data into it
         check_resumable(data, {"num": 4}, model, kind="teacher_forced")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    check_resumable(bad, spec, model)  # no meta.json: a new directory (or a run stopped before writing one)
+    for text, why in (("[]", "not a JSON object"), ('"spec"', "not a JSON object"), ("7", "not a JSON object"),
+                      ('{"spec": ', "cannot read")):
+        (bad / "meta.json").write_text(text)
+        with pytest.raises(ConfigError, match=why):
+            check_resumable(bad, spec, model)
 
 
 def test_copies_of_the_benchmarks_conversations_are_never_training_data():

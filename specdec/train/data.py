@@ -240,8 +240,9 @@ def assemble_sequences(prompts: list[list[int]], tokens: list[torch.Tensor], fea
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
     """EAGLE-3's low/mid/high layers as vLLM picks them (inputs of layers 2, L//2, L-3), in our
-    convention (outputs of layers 1, L//2-1, L-4)."""
-    return (1, num_layers // 2 - 1, num_layers - 4)
+    convention (outputs of layers 1, L//2-1, L-4), each within the model's layers (a target of fewer than
+    4 layers got negative ones, which a list index took from the end and a trained head's loader refused)."""
+    return tuple(min(max(layer, 0), num_layers - 1) for layer in (1, num_layers // 2 - 1, num_layers - 4))
 
 
 def data_meta(model: str, src: Path, cfg, aux: tuple[int, ...], online: bool, **extra) -> dict:
@@ -261,10 +262,15 @@ def check_resumable(out: Path, spec: DataSpec | dict, model: str, kind: str = "s
     other kind (`kind`: "spec", regenerated answers; "teacher_forced", ShareGPT's own): resuming skips the
     shards that exist, so a new seed or split would mix two selections (the old held-out prompts could land
     in the new train shards), and another model's shards would pass the trainer's shape checks."""
-    try:
-        meta = json.loads((out / "meta.json").read_text())
-    except (OSError, ValueError):
+    path = out / "meta.json"
+    if not path.exists():
         return
+    try:  # unreadable, or not an object: which selection its shards hold is unknown (a list or a string was
+        meta = json.loads(path.read_text())  # read as the other kind's data, a number raised a TypeError)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read {path} ({type(e).__name__}); give a new --out") from None
+    if not isinstance(meta, dict):
+        raise ConfigError(f"{path} is not a JSON object; give a new --out")
     if kind not in meta:
         other = "teacher-forced data" if kind == "spec" else "regenerated answers"
         raise ConfigError(f"{out} holds {other}; give a new --out")
