@@ -39,6 +39,20 @@ def test_greedy_equivalence(tiny, tmp_path, kind, shape):
     assert r.metrics.num_drafts > 0
 
 
+def test_tree_metrics_count_positions_by_depth(tiny, tmp_path):
+    """An EAGLE-2 tree of 8 nodes 3 deep: acceptance by position has at most 3 entries (it had one a node)."""
+    from specdec.llm import LLM
+    d, plain = tiny
+    head = random_head(plain.model, "eagle3", tmp_path / "head", draft_vocab=512)
+    spec = LLM(str(d), dtype="float32", progress=False, speculative_config={"method": "eagle3", "model": str(head),
+                                                                            "num_speculative_tokens": 8, **SHAPES[1]})
+    r = spec.generate_one(plain.tokenizer.encode("Hello there, 1 2 3 4 5 6 7 8"),
+                          SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    m = r.metrics
+    assert m.num_draft_tokens > 3 * m.num_drafts  # trees wider than their depth were drafted
+    assert len(m.drafted_per_pos) <= 3 and m.drafted_per_pos[0] == m.num_drafts  # (7 positions before)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_confidence_threshold_stops_chains_after_an_unsure_token(tiny, tmp_path, temperature):
     """draft_confidence_threshold, as for the other drafters: a chain stops after a token the head drafted

@@ -34,3 +34,20 @@ def test_n_samples_report_each_and_their_sum(tiny_dir):
     assert out.metrics["target_forward_passes"] == sum(m["target_forward_passes"] for m in per)
     for key in ("num_draft_tokens", "num_accepted_tokens"):
         assert out.metrics["speculative"][key] == sum(m["speculative"][key] for m in per)
+
+
+def test_a_tree_counts_positions_by_depth_not_by_node():
+    """A 9-node tree 3 deep counted positions 0-8 as drafted, positions 3-8 never accepted (no path is
+    that deep): acceptance by position read as falling to 0 after the tree's depth. Now a tree's pass
+    drafts its depth's positions; the acceptance rate stays accepted over drafted nodes."""
+    from specdec.spec.proposer import Proposal
+
+    tree = Proposal(list(range(9)), parents=[-1, -1, -1, 0, 0, 1, 3, 3, 4])  # depths 1,1,1,2,2,2,3,3,3
+    chain = Proposal([5, 6, 7])
+    assert tree.depth == 3 and chain.depth == 3 and Proposal([]).depth == 0
+    m = SpecMetrics()
+    m.record(len(tree), 2, 3, depth=tree.depth)
+    m.record(len(chain), 3, 4, depth=chain.depth)
+    assert m.drafted_per_pos == [2, 2, 2] and m.accepted_per_pos == [2, 2, 1]
+    assert m.acceptance_rate == 5 / 12 and m.mean_acceptance_length == 1 + 5 / 2
+

@@ -332,8 +332,8 @@ class Engine:
         if first:
             seq.first_token_time = time.monotonic()
         elif seq.begun:
-            seq.metrics.record(k, verdict.num_accepted, len(verdict.tokens), proposal.match_len)
-            self.totals.record(k, verdict.num_accepted, len(verdict.tokens), proposal.match_len)
+            for metrics in (seq.metrics, self.totals):
+                metrics.record(k, verdict.num_accepted, len(verdict.tokens), proposal.match_len, proposal.depth)
             seq.adaptive.update(k, verdict.num_accepted, proposal.match_len)  # a lookup's chains: by match length
         if seq.out.finish_reason is not None:
             self._finish(seq)

@@ -312,6 +312,6 @@ class SpeculativeDecoder:
                             accepted_nodes=[r - 1 for r in rows[1:]] if proposal.is_tree else None)
             draft, other = self._step_costs(t1 - t0, t3 - t2)
             adaptive.observe_step(len(proposal), draft, other, model=not proposal.lookup)
-        metrics.record(len(proposal), verdict.num_accepted, len(verdict.tokens), proposal.match_len)
+        metrics.record(len(proposal), verdict.num_accepted, len(verdict.tokens), proposal.match_len, proposal.depth)
         metrics.draft_time += t1 - t0
         metrics.verify_time += t3 - t1

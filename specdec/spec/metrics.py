@@ -26,7 +26,11 @@ class SpecMetrics:
     # match length (capped at MAX_MATCH_KEY) -> [lookup drafts, drafted tokens, accepted tokens]
     by_match_length: dict[int, list[int]] = field(default_factory=dict)
 
-    def record(self, num_drafted: int, num_accepted: int, num_emitted: int, match_len: int = 0) -> None:
+    def record(self, num_drafted: int, num_accepted: int, num_emitted: int, match_len: int = 0,
+               depth: int | None = None) -> None:
+        """One verify pass: num_drafted tokens (a tree's nodes), num_accepted of them on the emitted path.
+        By position the pass drafted `depth` positions (a tree's deepest path; None: a chain's num_drafted):
+        a tree of 9 nodes 3 deep counted positions 3-8, which no accepted path reaches."""
         self.target_passes += 1
         self.emitted_tokens += num_emitted
         if num_drafted == 0:
@@ -37,10 +41,11 @@ class SpecMetrics:
         if match_len > 0:
             row = self.by_match_length.setdefault(min(match_len, MAX_MATCH_KEY), [0, 0, 0])
             row[0], row[1], row[2] = row[0] + 1, row[1] + num_drafted, row[2] + num_accepted
-        while len(self.drafted_per_pos) < num_drafted:
+        positions = num_drafted if depth is None else depth
+        while len(self.drafted_per_pos) < positions:
             self.drafted_per_pos.append(0)
             self.accepted_per_pos.append(0)
-        for pos in range(num_drafted):
+        for pos in range(positions):
             self.drafted_per_pos[pos] += 1
             self.accepted_per_pos[pos] += pos < num_accepted
 

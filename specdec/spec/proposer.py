@@ -79,6 +79,16 @@ class Proposal:
     def is_tree(self) -> bool:
         return self.parents is not None
 
+    @property
+    def depth(self) -> int:
+        """The positions past the last token the draft reaches: a chain's length, a tree's deepest path."""
+        if self.parents is None:
+            return len(self.tokens)
+        depths: list[int] = []
+        for parent in self.parents:  # (a parent before its children)
+            depths.append(1 if parent < 0 else depths[parent] + 1)
+        return max(depths, default=0)
+
 
 @dataclass
 class TargetOutput:
