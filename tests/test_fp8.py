@@ -144,3 +144,15 @@ def test_cli_warns_in_one_line_on_a_cpu(tiny_dir, tmp_path, capsys):
     assert main(["generate", str(out), "--prompt", "hi", "--max-tokens", "2"]) == 0
     err = capsys.readouterr().err
     assert "specdec: warning:" in err and "fp8 is for GPUs" in err and "warnings.warn" not in err
+
+
+def test_quality_report_variants_say_what_they_run():
+    """'int4-awq' ran RTN under an RTN label (awq was looked for after a group only); 'fp8-g128-awq' reached
+    AWQ's int-group search; an unknown suffix was ignored."""
+    from specdec.config import ConfigError
+    from specdec.quant.evaluate import parse_variants
+
+    assert [v.name for v in parse_variants("int4-awq,int8")][1:] == ["int4-g128 awq", "int8-g128-sym rtn"]
+    for bad in ("fp8-g128-awq", "fp8-awq", "int4-g32-gptq", "int8-x"):
+        with pytest.raises(ConfigError):
+            parse_variants(bad)

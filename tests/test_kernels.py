@@ -331,3 +331,34 @@ def test_top_indices_ties_and_edge_rows_follow_torch():
     assert kernels.top_indices(x.bfloat16(), 1) is None and torch.equal(argmax(x.bfloat16()), x.bfloat16().argmax(-1))
     strided = torch.randn(4, 200)[:, ::2]  # not contiguous
     assert torch.equal(argmax(strided), strided.argmax(-1))
+
+
+def test_the_kernels_refuse_what_they_would_read_past(tmp_path):
+    """linear_bf16, the int8/int4 kernel and rms_norm handed their pointers to C without checking widths:
+    an input narrower than the weight read past its rows, a short norm weight past its end, and a strided
+    bias's temporary copy was freed before the kernel read it. Each now falls back to torch, which raises
+    or computes right."""
+    from specdec.quant.bf16 import Bf16Weight
+    from specdec.quant.qlinear import QuantizedWeight
+    from specdec.quant.schemes import QuantScheme, quantize
+
+    torch.manual_seed(0)
+    w = torch.randn(8, 64)
+    for weight in (Bf16Weight(w), QuantizedWeight(quantize(w, QuantScheme(8, 32, True))),
+                   QuantizedWeight(quantize(w, QuantScheme(4, 32, False)))):
+        with pytest.raises(RuntimeError):
+            weight.linear(torch.randn(1, 32))
+        with pytest.raises(RuntimeError):
+            weight.linear(torch.randn(1, 64), torch.randn(4))
+        assert weight.linear(torch.randn(0, 64)).shape == (0, 8)
+    bias = torch.randn(16)[::2]  # strided
+    x = torch.randn(3, 64)
+    got = kernels.linear_bf16(x, w.bfloat16(), bias)
+    if got is not None:
+        torch.testing.assert_close(got, F.linear(x, w.bfloat16().float(), bias), rtol=1e-5, atol=1e-5)
+    assert kernels.linear_bf16(torch.randn(1, 32), w.bfloat16()) is None
+    with pytest.raises(RuntimeError):
+        kernels.rms_norm(torch.randn(2, 64), torch.ones(8), 1e-6)
+    strided = torch.randn(128)[::2]
+    x = torch.randn(2, 64)
+    torch.testing.assert_close(kernels.rms_norm(x, strided, 1e-6), F.rms_norm(x, (64,), strided, 1e-6))

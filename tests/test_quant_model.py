@@ -180,3 +180,37 @@ def test_a_malformed_quantization_config_is_a_clear_error(tiny_dir, tmp_path):
         (out / "config.json").write_text(json.dumps(cfg))
         with pytest.raises(ConfigError, match="quantization_config"):
             load_model(out)
+
+
+def test_quantized_files_the_kernels_would_misread_are_refused(tiny_dir, tmp_path):
+    """Loading checked shapes but not that K is whole blocks of 32 (the kernels read bytes past a 48-wide
+    row), let a Qwen2 projection lose its bias silently, and raised a ValueError on a format_version of
+    "1.0". Saving int8 weights under the other symmetry wrote a config that did not load."""
+    from safetensors.torch import load_file
+
+    from specdec.quant.io import _stored_weight
+
+    t = {"x.qweight": torch.zeros(4, 48, dtype=torch.int8), "x.scales": torch.ones(4, 2, dtype=torch.float16)}
+    with pytest.raises(ConfigError, match="multiple of 32"):
+        _stored_weight(t, ("x",), QuantScheme(8, 32, True), 48, 4, torch.float32)
+    src = tiny_dir("qwen2")
+    out = save_quantized(quantize_model(load_model(src, torch.float32), INT4), src, tmp_path / "q", INT4, INT8, "rtn")
+    assert "model.layers.0.self_attn.k_proj.bias" in load_file(str(out / "model.safetensors"))
+    _tampered(out, lambda t: t.pop("model.layers.0.self_attn.k_proj.bias"))
+    with pytest.raises(ConfigError, match="biases stored for 2 of its 3"):
+        load_model(out)
+    _tampered(out, lambda t: [t.pop(f"model.layers.0.self_attn.{n}_proj.bias") for n in "qv"])
+    with pytest.raises(ConfigError, match="biases stored for 0 of its 3"):
+        load_model(out)
+    llama = tiny_dir("llama")
+    q = save_quantized(quantize_model(load_model(llama, torch.float32), INT4), llama, tmp_path / "l", INT4, INT8, "rtn")
+    good = json.loads((q / "config.json").read_text())
+    for version in ("1.0", None, 1.5):
+        cfg = json.loads(json.dumps(good))
+        cfg["quantization_config"]["format_version"] = version
+        (q / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(ConfigError, match="not one specdec reads"):
+            load_model(q)
+    model = quantize_model(load_model(llama, torch.float32), INT8)  # symmetric: no zero points
+    with pytest.raises(ValueError, match="zero points"):
+        save_quantized(model, llama, tmp_path / "s", QuantScheme(8, 32, False), INT8, "rtn")

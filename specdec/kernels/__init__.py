@@ -191,6 +191,13 @@ WIDE_BF16_ROWS = 4 * MAX_ROWS
 TILE_CALL_ROWS = 256
 
 
+def _cpu_matrix(weight: torch.Tensor, K: int, bias: torch.Tensor | None) -> bool:
+    """Whether weight is a contiguous [N, K] CPU matrix and bias None or a length-N CPU vector: what a kernel
+    reads from their pointers (a [N, 32] weight beside x [..., 64] read past x's rows' ends, a CUDA one segfaulted)."""
+    return (weight.dim() == 2 and weight.shape[1] == K and weight.device.type == "cpu" and weight.is_contiguous()
+            and (bias is None or (bias.device.type == "cpu" and bias.shape == weight.shape[:1])))
+
+
 def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 round_inputs: bool = False, tiles: torch.Tensor | None = None) -> torch.Tensor | None:
     """x [..., K] fp32 @ weight [N, K] bfloat16 ^T (+ bias) with fp32 sums through the C kernels: the
@@ -201,16 +208,18 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     library; over WIDE_BF16_ROWS rows without round_inputs)."""
     rows = x.numel() // x.shape[-1]
     if (x.dtype is not torch.float32 or x.device.type != "cpu" or weight.dtype is not torch.bfloat16
+            or not _cpu_matrix(weight, x.shape[-1], bias)
             or (rows > WIDE_BF16_ROWS and not round_inputs) or (bias is not None and bias.dtype is not torch.float32)
             or (torch.is_grad_enabled() and x.requires_grad) or _load() is None):
-        return None
+        return None  # (the caller's torch path, which raises where the shapes do not fit instead of reading past them)
     x = x.contiguous()
     N, K = weight.shape
     y = torch.empty(*x.shape[:-1], N, dtype=torch.float32)
     run = _lib.specdec_linear_bf16_dot if round_inputs else _lib.specdec_linear_bf16
     if round_inputs and tiles is not None:
         run, weight = _lib.specdec_linear_bf16_tiles, tiles
-    b = None if bias is None else bias.contiguous().data_ptr()
+    bias = None if bias is None else bias.contiguous()  # (held: a copy's pointer alone was freed before the call)
+    b = None if bias is None else bias.data_ptr()
     # more than MAX_ROWS rows (a wide serving batch, a recomputed chunk): MAX_ROWS at a time, so every row
     # gets the kernel's sums (batch invariance at any width); torch would widen the whole matrix per call
     # (the 135M model at 80 rows: 319 ms in bf16 against ~100 through the kernel). The tiles take any
@@ -262,7 +271,8 @@ def _row_local_f32(x: torch.Tensor) -> bool:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if not (_row_local_f32(x) and weight.dtype is torch.float32) or (torch.is_grad_enabled() and weight.requires_grad):
+    if (not (_row_local_f32(x) and weight.dtype is torch.float32) or (torch.is_grad_enabled() and weight.requires_grad)
+            or weight.shape != x.shape[-1:] or weight.device.type != "cpu" or not weight.is_contiguous()):
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     x = x.contiguous()
     y = torch.empty_like(x)

@@ -144,7 +144,7 @@ def _watched(layer, refs: list) -> None:
     for lin in (qkv, _watch(layer, "o_proj", refs), _watch(layer, "gate_up", refs), _watch(layer, "down", refs)):
         w = _watch(lin, "weight", refs)
         if not isinstance(w, torch.Tensor):
-            for name in ("qweight", "scales", "tiles", "round_inputs"):
+            for name in ("qweight", "scales", "zeros", "tiles", "round_inputs"):
                 _watch(w, name, refs)
 
 

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.cache.kept_prefix import common_prefix
+from specdec.config import ConfigError
 from specdec.kernels import MAX_ROWS
 from specdec.model.loader import load_model, resolve_model
 from specdec.model.tokenizer import Tokenizer
@@ -52,8 +53,14 @@ def parse_variants(spec: str) -> list[Variant]:
     out = [Variant("fp32", None)]
     for item in filter(None, (s.strip() for s in spec.split(","))):
         parts = item.split("-")
-        scheme = scheme_named(parts[0], int(parts[1][1:]) if len(parts) > 1 and parts[1][:1] == "g" else 128)
-        method = "awq" if "awq" in parts[2:] else "rtn"
+        grouped = len(parts) > 1 and parts[1][:1] == "g"
+        scheme = scheme_named(parts[0], int(parts[1][1:]) if grouped else 128)
+        rest = parts[2:] if grouped else parts[1:]  # ("int4-awq" ran RTN under an RTN label)
+        if any(x != "awq" for x in rest):
+            raise ConfigError(f"{item!r}: a variant is SCHEME[-gGROUP][-awq], e.g. int4-g128-awq")
+        method = "awq" if rest else "rtn"
+        if method == "awq" and not isinstance(scheme, QuantScheme):  # (fp8 reached AWQ's int-group search)
+            raise ConfigError(f"{item!r}: AWQ searches scales for int8/int4 groups, not {scheme.name}")
         out.append(Variant(f"{scheme.name} {method}", scheme, method))
     return out
 

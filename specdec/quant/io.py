@@ -32,7 +32,7 @@ from specdec.model.output_dir import new_dir
 from specdec.quant.fp8 import FP8, Fp8Scheme, Fp8Weight
 from specdec.quant.qlinear import QEmbedding, QLinear, QuantizedWeight
 from specdec.quant.qmodel import stored_as
-from specdec.quant.schemes import Packed, QuantScheme
+from specdec.quant.schemes import BLOCK, Packed, QuantScheme
 
 FORMAT_VERSION = 1
 QUANT_METHOD = "specdec"
@@ -108,9 +108,11 @@ def quantized_state_dict(model: LlamaModel) -> dict[str, torch.Tensor]:
 
 def _scheme_as(sch) -> str | None:
     """How `sch` stores a weight, in the names of qmodel.stored_as."""
-    if sch is None:
-        return None
-    return sch.name if isinstance(sch, Fp8Scheme) else f"int{sch.bits}-g{sch.group_size}"
+    if sch is None or isinstance(sch, Fp8Scheme):
+        return None if sch is None else sch.name
+    if not isinstance(sch, QuantScheme):
+        raise ValueError(f"save_quantized: {sch!r} is not an int8/int4 or fp8 scheme")
+    return f"int{sch.bits}-g{sch.group_size}"
 
 
 def save_quantized(model: LlamaModel, src: Path, out: Path, scheme: QuantScheme | Fp8Scheme,
@@ -121,6 +123,11 @@ def save_quantized(model: LlamaModel, src: Path, out: Path, scheme: QuantScheme 
         stored = stored_as(module.weight)
         if stored != _scheme_as(sch):
             raise ValueError(f"save_quantized: the model's {what} are {stored or 'not quantized'}, not {sch}")
+        w = module.weight
+        if isinstance(w, QuantizedWeight) and (w.zeros is None) != (sch.bits == 8 and sch.symmetric):
+            how = "without" if w.zeros is None else "with"
+            raise ValueError(f"save_quantized: the model's {what} are stored {how} zero points, not as {sch} "
+                             "(the saved config would not load)")
     raw = _raw_config(src)
     raw["quantization_config"] = {"quant_method": QUANT_METHOD, "format_version": FORMAT_VERSION,
                                   **scheme.to_dict(), "method": method,
@@ -174,6 +181,8 @@ def _stored_weight(t: dict, prefixes: tuple[str, ...], scheme, K: int, N: int, d
                               "scales")
         return Fp8Weight(q, s, dtype)
     bits, G = scheme.bits, scheme.group_size
+    if K % BLOCK:  # the kernels read whole blocks of 32 (K = 48: bytes past a row's end; the tail left out)
+        raise ConfigError(f"{prefixes[0]}: int{bits} weights of {K} columns, not a multiple of {BLOCK}")
     has_zeros = not (bits == 8 and scheme.symmetric)
     if any((x is not None) != has_zeros for x in parts[".zeros"]):
         raise ConfigError(f"{prefixes[0]}: int{bits} {'with' if has_zeros else 'without'} zero points expected")
@@ -200,7 +209,8 @@ def load_quantized(directory: Path, dtype: torch.dtype = torch.float32, max_len:
     qc = raw["quantization_config"]
     if not isinstance(qc, dict):
         raise ConfigError(f"{directory}/config.json: quantization_config is not an object")
-    if qc.get("quant_method") != QUANT_METHOD or int(qc.get("format_version", 0)) > FORMAT_VERSION:
+    version = qc.get("format_version", 0)
+    if qc.get("quant_method") != QUANT_METHOD or not isinstance(version, int) or version > FORMAT_VERSION:
         raise ConfigError(f"{directory}: quantization {qc.get('quant_method')!r} (version "
                           f"{qc.get('format_version')}) is not one specdec reads; make it with `specdec quantize`")
     body, head = _scheme(qc, "layers"), _scheme(qc.get("lm_head"), "lm_head")
@@ -236,7 +246,11 @@ def load_quantized(directory: Path, dtype: torch.dtype = torch.float32, max_len:
             sd[o + "q_norm.weight"], sd[o + "k_norm.weight"] = t.get(p + "self_attn.q_norm.weight"), t.get(p + "self_attn.k_norm.weight")
         for name, hf_names in PROJECTIONS.items():
             prefixes = tuple(p + n for n in hf_names)
-            bias = torch.cat([t[x + ".bias"] for x in prefixes]) if all(x + ".bias" in t for x in prefixes) else None
+            has_bias = [x + ".bias" in t for x in prefixes]
+            if any(has_bias) != all(has_bias) or any(has_bias) != (getattr(layer, name).bias is not None):
+                raise ConfigError(f"{directory}: {prefixes[0]}: biases stored for {sum(has_bias)} of its "
+                                  f"{len(prefixes)} projections; the config says {cfg.attention_bias}")  # (one lost: wrong logits)
+            bias = torch.cat([t[x + ".bias"] for x in prefixes]) if all(has_bias) else None
             N, K = getattr(layer, name).weight.shape
             if bias is not None and bias.shape != (N,):
                 raise ConfigError(f"{directory}: {prefixes[0]}'s bias is {list(bias.shape)}, not [{N}]")

@@ -85,13 +85,17 @@ class QuantizedWeight(StoredWeight):
         rows = x.numel() // x.shape[-1]
         lib = None
         if (x.device.type == "cpu" and x.dtype is torch.float32 and rows <= CHUNKED_ROWS
+                and x.shape[-1] == self.in_features and self.qweight.device.type == "cpu"
+                and (bias is None or (bias.device.type == "cpu" and bias.shape == (self.out_features,)))
                 and not (torch.is_grad_enabled() and x.requires_grad)):
-            lib = qkernel()
+            lib = qkernel()  # (else the dequantized matmul, which raises where the shapes do not fit)
         if lib is None:
             return F.linear(x, self.dequantize(x.dtype), None if bias is None else bias.to(x.dtype))
         x = x.contiguous()
         bias = None if bias is None else bias.float().contiguous()
         y = torch.empty(*x.shape[:-1], self.out_features, dtype=torch.float32)
+        if rows == 0:  # (no rows to view)
+            return y
         fn = lib.specdec_qlinear_i4 if self.bits == 4 else lib.specdec_qlinear_i8
         x2, y2 = x.view(rows, -1), y.view(rows, -1)
         for r0 in range(0, rows, QGEMV_ROWS):  # each row's result is independent of the others
