@@ -67,6 +67,9 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not -(2**63) <= self.seed <= 2**63 - self.n):  # sample i draws with seed + i
+            raise ValueError(f"seed must be an integer in [-2**63, 2**63 - n], got {self.seed!r}")
         if len(self.stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_CHARS for s in self.stop):
             raise ValueError(f"stop: at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_CHARS} "
                              "characters")
@@ -105,6 +108,8 @@ class SamplingParams:
 
 def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
     """A logit bias ({token id: bias} or (id, bias) pairs) as sorted pairs, each checked."""
+    if bias is not None and not isinstance(bias, (dict, list, tuple)):  # (a number raised a TypeError)
+        raise ValueError("logit_bias must be {token id: bias} or (token id, bias) pairs")
     items = bias.items() if isinstance(bias, dict) else (bias or ())
     if not isinstance(bias, dict) and not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in items):
         raise ValueError("logit_bias must be {token id: bias} or (token id, bias) pairs")

@@ -194,3 +194,25 @@ def test_chat_refuses_a_line_that_is_not_utf8_and_goes_on():
     err = r.stderr.decode()
     assert r.returncode == 0 and "Traceback" not in err, err
     assert "not valid UTF-8" in err and err.count(" tok/s; prompt ") == 1  # the good line was answered
+
+
+@pytest.mark.parametrize("args", [
+    ["train", "data", "--out", "/nonexistent-never-made", "--threads", "-1"],
+    ["eval-draft", str(HEAD), "--engine", "--threads", "-1"],
+    ["bench", "--threads", "-2", "--out", "/nonexistent-never-made"],
+    ["bench", "serve", "--threads", "-1", "--out", "/nonexistent-never-made"],
+])
+def test_a_negative_thread_count_is_a_usage_error(args):
+    """torch.set_num_threads(-1) raised a RuntimeError traceback (and train's 0 too, which now means all cores)."""
+    r = specdec(*args, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "must be >= 0" in r.stderr, r.stderr
+
+
+def test_a_bench_report_without_its_parts_is_one_line(tmp_path):
+    """--from-json checked that runs was an object, then the report's rendering raised a KeyError traceback."""
+    for bad in ({"runs": {"float32": {}}}, {"runs": {}}, {"runs": {"float32": {"records": []}}}):
+        path = tmp_path / "report.json"
+        path.write_text(json.dumps(bad))
+        r = specdec("bench", "--from-json", str(path), "--out", str(tmp_path / "r"), timeout=60)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert "not a bench report" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -411,3 +411,19 @@ def test_the_model_config_stops_where_the_tokenizer_does(tiny_dir, tmp_path):
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [cfg["eos_token_id"], 7, True]}))
     assert read_config(d).eos_token_id == (cfg["eos_token_id"], 7)
     assert set(read_config(d).eos_token_id) <= Tokenizer(d).eos_token_ids
+
+
+def test_a_model_directory_is_written_whole_over_an_old_one(tiny_dir, tmp_path):
+    """save_model_dir wrote into the directory in place (exist_ok): an old directory's files stayed beside
+    the new ones, and a crash mid-save left new weights beside an old config.json. Now it is written beside
+    and renamed over."""
+    from specdec.model.loader import save_model_dir
+
+    src = tiny_dir("llama")
+    out = tmp_path / "m"
+    out.mkdir()
+    (out / "stale.safetensors").write_text("old")
+    model = load_model(src, torch.float32)
+    assert save_model_dir(model, src, out, [0, 1]) == out
+    assert not (out / "stale.safetensors").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+    assert load_model(out, torch.float32).config.num_hidden_layers == 2

@@ -106,3 +106,16 @@ def test_sampling_params_bound_what_would_overflow_or_hold_text_back():
         with pytest.raises(ValueError, match=field):
             SamplingParams(**kwargs)
     assert SamplingParams(repetition_penalty=0.01, stop=["x" * 1024]).stop == ("x" * 1024,)
+
+
+def test_a_seed_outside_the_generators_64_bits_is_refused_up_front():
+    """seed 2**64 was taken, then failed in torch's generator after earlier prompts had run; with n samples
+    sample i draws with seed + i, so the last one must fit too. A logit_bias that is a number was a TypeError."""
+    for kwargs in ({"seed": 2**64}, {"seed": 2**63}, {"seed": 2**63 - 1, "n": 2}, {"seed": -(2**63) - 1},
+                   {"seed": True}):
+        with pytest.raises(ValueError, match="seed"):
+            SamplingParams(**kwargs)
+    assert SamplingParams(seed=2**63 - 2, n=2).seed == 2**63 - 2 and SamplingParams(seed=-(2**63)).seed == -(2**63)
+    for bias in (5, 1.5, "x"):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams(logit_bias=bias)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from specdec.bench.outputs import outputs_line
 from specdec.bench.systems import BASELINE
+from specdec.model.output_dir import write_atomic
 from specdec.spec.adaptive import MAX_MATCH_KEY
 from specdec.spec.metrics import match_length_table
 
@@ -376,10 +377,10 @@ def write_report(result: dict, out_dir: Path, stem: str = "report", plots: bool 
     if plots:
         from specdec.bench.plots import make_plots
         figs = {dt: make_plots(result["runs"][dt], summaries[dt], out_dir, f"{stem}-{dt}") for dt in summaries}
-    md = out_dir / f"{stem}.md"
-    md.write_text(markdown(result, summaries, figs))
-    js = out_dir / f"{stem}.json"
-    js.write_text(json.dumps(dict(result, summary=summaries), indent=1, default=str))
-    table = out_dir / f"{stem}-table.md"
-    table.write_text(compact_table(result, summaries))
+    # each file whole or not at all: `bench --from-json X/report.json --out X` rewrites the run's only raw data
+    md, js, table = out_dir / f"{stem}.md", out_dir / f"{stem}.json", out_dir / f"{stem}-table.md"
+    texts = {md: markdown(result, summaries, figs), table: compact_table(result, summaries),
+             js: json.dumps(dict(result, summary=summaries), indent=1, default=str)}
+    for path, text in texts.items():
+        write_atomic(path, text)
     return {"markdown": md, "json": js, "table": table, **{f"{dt}:{k}": out_dir / v for dt, f in figs.items() for k, v in f.items()}}

@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--threads", type=int, default=None, help="server CPU threads (default: all cores)")
+    p.add_argument("--threads", type=at_least(0), default=None, help="server CPU threads (default, 0: all cores)")
     p.add_argument("--amx", action=argparse.BooleanOptionalAction, default=True,
                    help="bf16 on an AMX CPU: the servers' passes on AMX tiles (serve's default; --no-amx: vdpbf16ps)")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",

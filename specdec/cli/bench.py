@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from specdec.cli._common import json_object
+from specdec.cli._common import at_least, json_object
 from specdec.config import KV_CACHE_DTYPES, ConfigError
 
 
@@ -30,7 +30,8 @@ def register(sub) -> None:
     p.add_argument("--model", default="smollm2-135m", help="target model (alias, HF dir, .gguf)")
     p.add_argument("--dtype", default="float32", help="comma list: float32,bfloat16 (default float32)")
     p.add_argument("--bf16", action="store_true", help="also run everything in bfloat16")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for every system (default: all cores)")
+    p.add_argument("--threads", type=at_least(0), default=None,
+                   help="CPU threads for every system (default, 0: all cores)")
     p.add_argument("--prompts-per-category", type=int, default=3)
     p.add_argument("--categories", default=None, help="comma list (default: all)")
     p.add_argument("--max-tokens", type=int, default=96, help="new tokens per prompt (EOS may stop earlier)")
@@ -140,8 +141,11 @@ def run(args) -> int:
             result = json.loads(args.from_json.read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise ConfigError(f"cannot read {args.from_json}: {e}") from None
-        if not isinstance(result, dict) or not isinstance(result.get("runs"), dict):
-            raise ConfigError(f"{args.from_json} is not a bench report's report.json (no 'runs')")
+        runs = result.get("runs") if isinstance(result, dict) else None
+        if (not isinstance(runs, dict) or not runs or not all(isinstance(result.get(k), dict) for k in ("config", "environment"))
+                or not all(isinstance(r, dict) and isinstance(r.get("records"), list) for r in runs.values())):
+            raise ConfigError(f"{args.from_json} is not a bench report's report.json (it needs config, environment "
+                              "and runs with their records)")
         result.pop("summary", None)
         args.out.mkdir(parents=True, exist_ok=True)
     else:

@@ -35,7 +35,7 @@ def register(sub) -> None:
                    help="with --engine: also decode with this method (ngram, ...) in the same run; plain decoding "
                         "always runs, interleaved prompt by prompt, for the speedups (repeatable)")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=at_least(0), default=None, help="CPU threads (default, 0: all cores)")
     p.set_defaults(func=run)
 
 

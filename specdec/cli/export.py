@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from specdec.cli._common import at_least
+from specdec.model.output_dir import write_atomic
 
 
 def register(sub) -> None:
@@ -30,7 +31,7 @@ def run(args) -> int:
     target = resolve_model(args.model, progress=False).directory
     cmd = export_head(args.head, args.format, args.out, target, args.num_speculative_tokens, args.num_steps,
                       args.eagle_topk, args.num_draft_tokens)
-    (args.out / "serve_command.sh").write_text(cmd + "\n")
+    write_atomic(args.out / "serve_command.sh", cmd + "\n")
     print(f"wrote {args.format} head to {args.out}")
     print(cmd)
     return 0

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from specdec.cli._common import at_least
+from specdec.model.output_dir import write_atomic
 
 KINDS = ("medusa", "eagle", "eagle3")
 
@@ -75,7 +76,7 @@ def _common(p) -> None:
     p.add_argument("model", nargs="?", default="smollm2-135m", help="the target model")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: the machine is shared)")
+    p.add_argument("--threads", type=at_least(0), default=1, help="CPU threads (default 1: the machine is shared; 0: all cores)")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -125,7 +126,7 @@ def run_data(args) -> int:
         if given:
             raise ConfigError(f"{', '.join(given)} do not apply to --teacher-forced data (ShareGPT's own answers)")
 
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
     from specdec.model.loader import resolve_device
     from specdec.train.data import DataSpec, build_dataset
     from specdec.train.teacher_forced import build_teacher_forced
@@ -170,7 +171,7 @@ def _heldout_of(head_dir: Path) -> tuple[str, ...]:
 def run_head(args) -> int:
     import torch
 
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
     from specdec.llm import load_target
     from specdec.train.evaluate import chain_acceptance, medusa_rank_accuracy
     from specdec.train.trainer import TrainSpec, Trainer
@@ -202,7 +203,7 @@ def run_head(args) -> int:
               "steps": trainer.total_steps, "wall_seconds_this_run": round(time.perf_counter() - t0, 1),
               **stats, "heldout": final, "hardware": _hardware(target.device)}
     path = trainer.export(report)
-    (args.out / "train_report.json").write_text(json.dumps(report, indent=2, default=str))
+    write_atomic(args.out / "train_report.json", json.dumps(report, indent=2, default=str))
     print(json.dumps({"head": str(path), **report}, indent=2, default=str))
     return 0
 
@@ -225,7 +226,7 @@ def _draft_layers(text: str | None, num_layers: int) -> list[int]:
 def run_distill(args) -> int:
     import torch
 
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
     from specdec.llm import load_target
     from specdec.model.loader import load_model, save_model_dir
     from specdec.train.distill import distill

@@ -8,6 +8,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -244,8 +246,22 @@ def load_model(directory: Path, dtype: torch.dtype = torch.float32, max_len: int
 
 
 def save_model_dir(model: LlamaModel, src: Path, out: Path, layers: list[int] | None = None) -> Path:
-    """Write `model` (or a layer subset) as a HF directory, copying tokenizer files from `src`."""
-    out.mkdir(parents=True, exist_ok=True)
+    """Write `model` (or a layer subset) as a HF directory, copying tokenizer files from `src`: written beside
+    `out`, then renamed over it (a crash mid-save left new weights beside an old or missing config.json)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        _write_model_dir(model, Path(src), tmp, layers)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _write_model_dir(model: LlamaModel, src: Path, out: Path, layers: list[int] | None) -> None:
     raw = json.loads((src / "config.json").read_text())
     if layers is not None:
         raw["num_hidden_layers"] = len(layers)
@@ -258,4 +274,3 @@ def save_model_dir(model: LlamaModel, src: Path, out: Path, layers: list[int] | 
     for name in ("tokenizer.json", "tokenizer_config.json"):
         if (src / name).exists():
             (out / name).write_text((src / name).read_text())
-    return out

@@ -6,7 +6,7 @@ model or a head, and never mixes new files with an old directory's.
     with new_dir(out) as tmp:   # write into tmp; renamed to out when the block ends without an error
         save_file(..., tmp / "model.safetensors")
 
-sync_replace(tmp, path) puts one written file in place durably (a training shard, a checkpoint): a file a
+sync_replace(tmp, path) puts one written file in place durably (write_atomic: a text file) (a training shard, a checkpoint): a file a
 resumed run trusts by its name alone must not be left empty or cut short by a crash of the machine.
 """
 from __future__ import annotations
@@ -36,6 +36,14 @@ def sync_replace(tmp: Path, path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """path's new text, whole or not at all (a report rewritten from itself, a file beside an export): written
+    beside it, then renamed over it."""
+    tmp = Path(path).with_name(Path(path).name + ".tmp")
+    tmp.write_text(text)
+    sync_replace(tmp, Path(path))
 
 
 @contextmanager
