@@ -171,7 +171,9 @@ def _write_export(head, sd: dict, dtype: torch.dtype, fmt: str, head_dir: Path, 
     if cfg.kind == "eagle" and fmt == "sglang":  # SGLang's fc has a bias, loaded where given
         sd["fc.bias"] = torch.zeros(cfg.hidden_size, dtype=dtype)
     if cfg.kind == "eagle" and cfg.draft_vocab_size and fmt == "sglang":
-        torch.save(head.draft_ids.clone(), into / "hot_token_ids.pt")  # FR-Spec style token map (SGLang reads .pt)
+        # FR-Spec style token map: SGLang's --speculative-token-map reads a .pt, so this one file is torch.save's
+        # (a pickle holding one tensor, which torch.load(weights_only=True) reads; specdec never loads it)
+        torch.save(head.draft_ids.clone(), into / "hot_token_ids.pt")
         extra_args = ["--speculative-token-map", str(out / "hot_token_ids.pt")]
     save_file({k: v.contiguous() for k, v in sd.items()}, str(into / "model.safetensors"), metadata={"format": "pt"})
     (into / "config.json").write_text(json.dumps(hf_config(cfg, dtype, fmt), indent=2))
