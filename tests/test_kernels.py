@@ -205,6 +205,23 @@ def test_fused_attention_matches_torch(T, tree, past, kv_dtype):
     assert torch.equal(v_written, cache.v[1, 0, :, past:past + T])
 
 
+@pytest.mark.parametrize("past", [37, 300])
+def test_a_nan_key_gives_nan_attention_as_torch(past):
+    """A visible NaN score was dropped (max_ps and a compare skip NaNs, and the exponential clamped it to a
+    weight of ~0): a diverging model's NaN keys went unnoticed where torch's softmax gives NaN."""
+    from specdec.kernels.attention import FusedAttention
+    T = 3
+    positions = torch.arange(past, past + T)[None]
+    rotary, cache, qkv, dims = _layer_and_inputs(T, past, max_len=past + 64)
+    cache.k[1, 0, 0, 5] = float("nan")  # layer 1, kv head 0, position 5: every query of its heads sees it
+    fused = FusedAttention.build(rotary, positions, None, cache, qkv)
+    got = fused(qkv, 1, *dims)
+    want = _torch_attention(rotary, cache, qkv, dims, positions, None)
+    assert want.isnan().any() and not want.isnan().all()
+    assert torch.equal(got.isnan(), want.isnan())
+    torch.testing.assert_close(got.nan_to_num(), want.nan_to_num(), atol=1e-5, rtol=1e-4)
+
+
 def test_fused_attention_rounds_a_bf16_caches_values_as_torch():
     """What the kernel writes into a bfloat16 cache is torch's rounding of the fp32 value, bit for bit: ties
     to even, values past bf16's largest to inf, NaN kept a NaN, subnormals and signed zeros as they are."""

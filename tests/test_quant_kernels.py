@@ -150,3 +150,20 @@ def test_torch_fallback_when_kernel_is_off(monkeypatch):
     w, x = torch.randn(20, 64), torch.randn(2, 64)
     qw = QuantizedWeight(quantize(w, QuantScheme(4, 32)))
     torch.testing.assert_close(kernels.linear(x, qw), reference(x, qw).float(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 40])
+@pytest.mark.parametrize("scheme", [QuantScheme(8, 32, True), QuantScheme(8, 64, False), QuantScheme(4, 32, False)],
+                         ids=lambda s: s.name)
+def test_a_nan_activation_gives_nan_outputs_as_torch(scheme, rows):
+    """Symmetric int8 quantized a NaN activation to 0 (fabsf and > drop NaNs, and the cast of a NaN is
+    undefined): a finite y where torch gives NaN. Now the row's NaN block gives NaN, as the group sums did
+    for the other schemes; rows without one stay finite."""
+    torch.manual_seed(0)
+    w = QuantizedWeight(quantize(torch.randn(48, 128), scheme))
+    x = torch.randn(rows, 128)
+    x[0, 70] = float("nan")
+    y = w.linear(x)
+    assert y[0].isnan().all() and not y[1:].isnan().any()
+    if rows > 1:  # the other rows are what they are without it
+        assert torch.equal(y[1:], w.linear(x[1:]))

@@ -68,21 +68,26 @@ static inline __m256 fold16(__m512 a) {
 /* s[j] = exp(s[j] * scale - max) over the visible keys j < n_keys, 0 elsewhere up to padded; returns
  * their sum, and their max in *max_out (-inf, and a sum of 0, when no key is visible). The sum runs over
  * aligned chunks of 8 (lane j % 8, then a fixed tree), so keys a row does not see, and the padding, add
- * exact zeros: a row's sum does not depend on n_keys (batch invariance). */
+ * exact zeros: a row's sum does not depend on n_keys (batch invariance). A visible NaN score makes every
+ * numerator, the max and the sum NaN, so the query's output is NaN, as torch's softmax gives it (max_ps
+ * and a compare drop NaNs: a diverging model's NaN keys read as weight 0 and went unnoticed). */
 static float softmax_numerators(float *s, const uint8_t *vis, int64_t n_keys, int64_t padded, float scale,
                                 float *max_out) {
     float mx = -INFINITY, l = 0.f;
     int64_t j = 0;
+    int nan_seen = 0;
 #ifdef __AVX2__
     const __m256 neg_inf = _mm256_set1_ps(-INFINITY), vscale = _mm256_set1_ps(scale);
-    __m256 vmx = neg_inf;
+    __m256 vmx = neg_inf, vnan = _mm256_setzero_ps();
     for (; j + 8 <= n_keys; j += 8) {
         __m256i seen = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(vis + j)));
         __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(seen, _mm256_setzero_si256()));
         __m256 v = _mm256_blendv_ps(neg_inf, _mm256_mul_ps(_mm256_loadu_ps(s + j), vscale), keep);
         _mm256_storeu_ps(s + j, v);
         vmx = _mm256_max_ps(vmx, v);
+        vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
     }
+    nan_seen = _mm256_movemask_ps(vnan) != 0;
     float lanes[8];
     _mm256_storeu_ps(lanes, vmx);
     for (int i = 0; i < 8; i++) mx = lanes[i] > mx ? lanes[i] : mx;
@@ -90,6 +95,12 @@ static float softmax_numerators(float *s, const uint8_t *vis, int64_t n_keys, in
     for (; j < n_keys; j++) {
         s[j] = vis[j] ? s[j] * scale : -INFINITY;
         if (s[j] > mx) mx = s[j];
+        nan_seen |= s[j] != s[j];
+    }
+    if (nan_seen) {
+        for (j = 0; j < padded; j++) s[j] = NAN;
+        *max_out = NAN;
+        return NAN;
     }
     *max_out = mx;
     if (mx == -INFINITY) return 0.f; /* nothing visible here: the caller skips these keys */

@@ -53,11 +53,16 @@ static void quantize_row(const int KIND, const float *x, int64_t K, int64_t G, i
     for (int64_t b = 0; b < K / QBLOCK; b++) {
         const float *xb = x + b * QBLOCK;
         float amax = 0.f;
-        for (int i = 0; i < QBLOCK; i++) amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
-        const float db = amax / 127.f, inv = db > 0.f ? 1.f / db : 0.f;
+        int finite = 1; /* a NaN or inf: the block's scale NaN, its bytes 0 (a NaN's cast is undefined; fabsf
+                         * and > dropped it, and symmetric int8, which has no group sums, gave a finite y) */
+        for (int i = 0; i < QBLOCK; i++) {
+            amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
+            finite &= isfinite(xb[i]) != 0;
+        }
+        const float db = finite ? amax / 127.f : NAN, inv = finite && db > 0.f ? 1.f / db : 0.f;
         d[b] = db;
         for (int i = 0; i < QBLOCK; i++) {
-            const int8_t v = (int8_t)nearbyintf(xb[i] * inv);
+            const int8_t v = finite ? (int8_t)nearbyintf(xb[i] * inv) : 0;
             if (paired) xq[pair_pos(b, i, K / QBLOCK)] = v;
             else xq[b * QBLOCK + (KIND == I4 ? i : 4 * (i % 8) + i / 8)] = v; /* int8: column 8c + i at byte 4i + c */
         }

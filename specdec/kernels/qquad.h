@@ -41,12 +41,16 @@ static void quantize_row_quad(const float *x, int64_t K, int8_t *xq, float *d16,
     for (int64_t b = 0; b < nb; b++) {
         const float *xb = x + b * QBLOCK;
         float amax = 0.f, sum = 0.f;
-        for (int i = 0; i < QBLOCK; i++) amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
+        int finite = 1; /* as quantize_row: a NaN or inf makes the block's scale NaN and its bytes 0 */
+        for (int i = 0; i < QBLOCK; i++) {
+            amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
+            finite &= isfinite(xb[i]) != 0;
+        }
         for (int i = 0; i < QBLOCK; i++) sum += xb[i];
-        const float db = amax / 127.f, inv = db > 0.f ? 1.f / db : 0.f;
+        const float db = finite ? amax / 127.f : NAN, inv = finite && db > 0.f ? 1.f / db : 0.f;
         const int64_t quad = b / 4, j = b % 4;
         for (int i = 0; i < QBLOCK; i++)
-            xq[quad * 128 + (i < 16 ? 0 : 64) + j * 16 + i % 16] = (int8_t)nearbyintf(xb[i] * inv);
+            xq[quad * 128 + (i < 16 ? 0 : 64) + j * 16 + i % 16] = finite ? (int8_t)nearbyintf(xb[i] * inv) : 0;
         for (int l = 0; l < 4; l++) d16[quad * 16 + j * 4 + l] = db;
         S16[quad * 16 + j * 4] = sum;
     }
