@@ -395,3 +395,21 @@ def test_no_pass_is_priced_above_a_longer_one():
     cost.seconds[7] = 3 * cost.seconds[8]  # a stalled 7-token pass
     assert cost.relative(7) == cost.relative(8) < cost.relative(9)
     assert cost.relative(3) == pytest.approx(cost.seconds[3] / cost.seconds[1])
+
+
+def test_probes_wait_for_something_to_measure_and_carry_across_requests():
+    """A lookup alone with no chain this step: a probe drafted nothing and still doubled the wait (400 such
+    steps: probes at 16, 49, 115, ...). A drafter whose best case is under the 2% margin that choosing a k
+    needs is hopeless (it was only under 1.0). A request that ended on a probe hands that on (it was dropped)."""
+    from specdec.spec.adaptive import MAX_PROBE_INTERVAL
+    lookup = AdaptiveK(8, _cost(), probe_interval=16)
+    choices = [lookup.choose(draft_cost_rel=0.0, lookup_match=0, model=False) for _ in range(400)]
+    assert all(c.k == 0 for c in choices) and lookup.probes.interval == 16
+    marginal = AdaptiveK(8, _cost(), probe_interval=16)
+    marginal.expected_speedup = lambda *a, **k: 1.01  # never chosen (the margin is 2%)
+    for _ in range(3):
+        assert marginal.choose(draft_cost_rel=0.1).k == 0
+    assert marginal.probes.interval == MAX_PROBE_INTERVAL
+    ended_on_a_probe = AdaptiveK(8, _cost(), probe_interval=16)
+    ended_on_a_probe.probes.probed = True
+    assert AdaptiveK(8, _cost(), previous=ended_on_a_probe).probes.probed

@@ -264,7 +264,8 @@ class AdaptiveK:
             # the wait goes on counting where the previous request left it: restarted per request, a wait
             # longer than a request (up to 128 steps against 64-token answers) never ended, and a drafter
             # switched off once (a stall of the machine inflating its measured cost, run S16) stayed off
-            self.probes.interval, self.probes.plain_steps = previous.probes.interval, previous.probes.plain_steps
+            probes = previous.probes  # (probed too: a request that ended on a fruitless probe still doubles the wait)
+            self.probes.interval, self.probes.plain_steps, self.probes.probed = probes.interval, probes.plain_steps, probes.probed
 
     @property
     def acceptance(self) -> float:
@@ -352,6 +353,9 @@ class AdaptiveK:
         return tokens * (base + self.overhead.plain) / spec
 
     def _best(self, draft_cost_rel: float, match_len: int, k_max: int) -> tuple[int, float]:
+        """(k, expected speedup): k grows while each longer draft beats the best so far by 2%, so k is the
+        shortest within 2% of a longer one's gain (not the plain argmax: a longer draft for a noise-level
+        gain only adds variance); 0 when no k beats plain decoding by 2%."""
         best_k, best = 0, 1.0
         for k in range(1, k_max + 1):
             s = self.expected_speedup(k, draft_cost_rel, match_len)
@@ -383,8 +387,11 @@ class AdaptiveK:
         model_off = model and (choice.k == 0 or choice.lookup)
         # a model drafter too dear to pay even at full acceptance (an int4 copy drafting for a bf16 target
         # on a CPU whose single-token pass streams fast: 7.4 vs 9.3 ms) is probed at the longest interval
+        # (below _best's 2% margin, not 1.0: a best case of 1.00-1.02 can never be chosen either)
         hopeless = model_off and all(
-            self.expected_speedup(k, draft_cost_rel, acceptance=0.99) < 1.0 for k in range(1, self.k_max + 1))
+            self.expected_speedup(k, draft_cost_rel, acceptance=0.99) < 1.02 for k in range(1, self.k_max + 1))
+        if not model and lookup_match <= 0:  # a lookup alone with no chain this step: nothing a probe could
+            return choice  # measure (it drafted nothing and still doubled the wait)
         if self.probes.should_probe(choice.k > 0 and not model_off, hopeless):
             return Choice(1, not model)  # probe: re-measure acceptance and cost
         return choice
