@@ -427,3 +427,21 @@ def test_a_model_directory_is_written_whole_over_an_old_one(tiny_dir, tmp_path):
     assert save_model_dir(model, src, out, [0, 1]) == out
     assert not (out / "stale.safetensors").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["m"]
     assert load_model(out, torch.float32).config.num_hidden_layers == 2
+
+
+def test_config_defaults_and_activations_as_transformers_reads_them():
+    """Read as transformers' configs default them: a Mistral config without sliding_window has 4096 (null:
+    none), so the context is capped at it (it had no window and attended past it); a Qwen3 config without
+    head_dim has 128 (not hidden / heads). A Llama-family hidden_act other than SiLU is refused (it was
+    run as SiLU)."""
+    base = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=32768)
+    mistral = ModelConfig.from_hf({**base, "architectures": ["MistralForCausalLM"]})
+    assert mistral.sliding_window == 4096 and mistral.context_limit == 4096
+    assert ModelConfig.from_hf({**base, "architectures": ["MistralForCausalLM"], "sliding_window": None}).sliding_window is None
+    assert ModelConfig.from_hf({**base, "architectures": ["Qwen3ForCausalLM"]}).head_dim == 128
+    assert ModelConfig.from_hf({**base, "architectures": ["LlamaForCausalLM"]}).head_dim == 16
+    for act in ("silu", "swish"):
+        ModelConfig.from_hf({**base, "architectures": ["LlamaForCausalLM"], "hidden_act": act})
+    with pytest.raises(ConfigError, match="hidden_act"):
+        ModelConfig.from_hf({**base, "architectures": ["Qwen2ForCausalLM"], "hidden_act": "gelu"})

@@ -80,7 +80,8 @@ class ModelConfig:
             num_hidden_layers=cfg["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            # (transformers' Qwen3Config defaults head_dim to 128, not hidden_size / heads)
+            head_dim=cfg.get("head_dim") or (128 if model_type == "qwen3" else cfg["hidden_size"] // heads),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=cfg.get("rope_theta", rope.get("rope_theta", 10000.0)),
             rope_scaling=cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None),
@@ -92,16 +93,20 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos,
         )
+        if model_type != "gemma3" and cfg.get("hidden_act", "silu") not in ("silu", "swish"):  # (the MLP is SiLU's)
+            raise ConfigError(f"{model_type}: hidden_act {cfg.get('hidden_act')!r} is not supported (silu only)")
         if model_type != "qwen2" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
             # transformers' Llama puts attention_bias on o_proj too, mlp_bias on the MLP: not in this runtime
             raise ConfigError(f"{model_type}: attention_bias / mlp_bias models are not supported")
         _check_rope(fields["rope_theta"], fields["rope_scaling"])
         if model_type == "gemma3":
             fields.update(_gemma3_fields(cfg))
-        elif cfg.get("sliding_window") and (model_type == "mistral" or cfg.get("use_sliding_window")):
-            # every layer attends within the window (Mistral 7B v0.1: 4096); the loader caps the context
-            # there, where the window hides nothing and full attention is the same computation
-            fields["sliding_window"] = int(cfg["sliding_window"])
+        elif (window := cfg.get("sliding_window", 4096 if model_type == "mistral" else None)) and (
+                model_type == "mistral" or cfg.get("use_sliding_window")):
+            # every layer attends within the window (Mistral 7B v0.1: 4096, transformers' default where the key
+            # is missing; null: none); the loader caps the context there, where the window hides nothing
+            # and full attention is the same computation
+            fields["sliding_window"] = int(window)
         return cls(**fields)
 
     @property

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from specdec.cache.kv_cache import KVCache, kv_dtype
 from specdec.config import ConfigError
 from specdec.model.config import ModelConfig
-from specdec.kernels import linear
+from specdec.kernels import linear, rms_norm
 from specdec.model.layers import RMSNorm, Rotary, apply_rotary, rounded_linear, sdpa
 from specdec.model.llama import ForwardOutput
 from specdec.model.row_attention import RowAttention
@@ -35,20 +35,28 @@ from specdec.model.row_attention import RowAttention
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm, its weight stored as 1 + w: x normalized and scaled in fp32 and rounded once, as
+    transformers' Gemma3RMSNorm ((x * w).to(dtype), where Llama's rounds the normalized x first)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
 class Gemma3Layer(torch.nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q, kv, H, eps = self.n_heads * self.head_dim, self.n_kv * self.head_dim, cfg.hidden_size, cfg.rms_norm_eps
-        self.input_norm = RMSNorm(H, eps)
+        self.input_norm = GemmaRMSNorm(H, eps)
         self.qkv = torch.nn.Linear(H, q + 2 * kv, bias=False)
-        self.q_norm, self.k_norm = RMSNorm(self.head_dim, eps), RMSNorm(self.head_dim, eps)
+        self.q_norm, self.k_norm = GemmaRMSNorm(self.head_dim, eps), GemmaRMSNorm(self.head_dim, eps)
         self.o_proj = torch.nn.Linear(q, H, bias=False)
-        self.post_attn_norm = RMSNorm(H, eps)
-        self.pre_ffn_norm = RMSNorm(H, eps)
+        self.post_attn_norm = GemmaRMSNorm(H, eps)
+        self.pre_ffn_norm = GemmaRMSNorm(H, eps)
         self.gate_up = torch.nn.Linear(H, 2 * cfg.intermediate_size, bias=False)
         self.down = torch.nn.Linear(cfg.intermediate_size, H, bias=False)
-        self.post_ffn_norm = RMSNorm(H, eps)
+        self.post_ffn_norm = GemmaRMSNorm(H, eps)
         self.split = (q, kv, kv)
         self.scale = float(cfg.query_pre_attn_scalar or self.head_dim) ** -0.5
 
@@ -85,7 +93,7 @@ class Gemma3Model(torch.nn.Module):
         self.embed = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_scale = cfg.hidden_size ** 0.5
         self.layers = torch.nn.ModuleList(Gemma3Layer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
