@@ -493,3 +493,28 @@ def test_bench_serve_warms_each_concurrency_up_on_prompts_no_run_sends(tmp_path,
     rows = json.loads((tmp_path / "serving.json").read_text())["rows"]
     assert rows and all(r["tokens_per_pass"] == 2.0 and r["drafted_per_pass"] == 1.5 for r in rows)  # 8/4, 6/4
     assert "2.00 / 1.50" in (tmp_path / "serving.md").read_text()
+
+
+def test_advise_at_a_batch_says_what_it_measured_and_leaves_trees_out(tiny_dir, tmp_path):
+    """At a batch of N the check against plain decoding runs one request at a time: the reason says so (it
+    read as measured at N). A tree drafter was priced as full trees, which the engine cuts to their first
+    path above one row: it is left out, with the reason."""
+    import torch
+
+    from specdec.bench.advise import MethodEstimate, _reason, advise
+    from specdec.model.tokenizer import Tokenizer
+
+    model = tiny_dir("llama")
+    prompts = [Tokenizer(model).encode("one two three one two three one two three")] * 2
+    threads = torch.get_num_threads()
+    try:
+        adv = advise(str(model), prompts, dtype="float32", threads=1, batch_size=2, max_tokens=8, k_max=3,
+                     methods=("recycle",), verify=False)
+    finally:
+        torch.set_num_threads(threads)
+    assert not adv.candidates and [s["method"] for s in adv.skipped] == ["recycle"]
+    assert "first path" in adv.skipped[0]["reason"]
+    best = MethodEstimate("ngram", {}, 3, 1.4, 1.8, 0.5, 0.01, None, [])
+    rec = {"method": "ngram", "expected_speedup": 1.4, "measured": {"fixed": 1.3}, "measured_speedup": 1.3}
+    assert "one request at a time" in _reason("latency-bound", 1.1, 4, 3, best, rec, 2)
+    assert "one request at a time" not in _reason("latency-bound", 1.1, 1, 3, best, rec, 2)

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from specdec.bench.costs import CostCurve, measure_cost_curve
 from specdec.bench.systems import SpecdecSystem
 from specdec.config import ConfigError
+from specdec.engine.speculation import TREE_MAX_ROWS
 
 MIN_GAIN = 1.05
 
@@ -149,7 +150,9 @@ def _reason(regime: str, ratio: float, batch: int, k_max: int, best: MethodEstim
         meas = rec.get("measured") or {}
         parts.append(f"expected speedup {rec['expected_speedup']:.2f}x at k={best.best_k}" + "".join(
             f", measured {v:.2f}x {'at that k' if name == 'fixed' else 'with adaptive k'}" for name, v in meas.items())
-            + (" against plain decoding on the same prompts" if meas else ""))
+            + (" against plain decoding on the same prompts" if meas else "")
+            + (f" (measured one request at a time: the check does not run a batch of {batch})" if meas and batch > 1
+               else ""))
         if rec.get("adaptive"):
             parts.append("adaptive k measured faster than the best fixed k: leave num_speculative_tokens unset")
     return "; ".join(parts) + "."
@@ -254,6 +257,10 @@ def advise(model: str, prompts: list[list[int]], dtype: str = "auto", threads: i
             skipped.append({"method": system.method, "reason": str(e).splitlines()[0] if str(e) else type(e).__name__})
             continue
         draft_rel = stats["draft_s"] / stats["draft_tokens"] / c1 if stats["draft_tokens"] else 0.0
+        if stats["tree"] and batch_size > TREE_MAX_ROWS:  # (its full trees' tokens and pass priced a pass it never runs)
+            skipped.append({"method": system.method, "reason": f"a tree drafter: at {batch_size} rows the serving "
+                            f"engine verifies each tree's first path alone (over {TREE_MAX_ROWS}); not estimated"})
+            continue
         if stats["tree"]:
             steps = max(stats["steps"], 1)
             tokens = 1.0 + stats["acc_tokens"] / steps
