@@ -518,3 +518,22 @@ def test_advise_at_a_batch_says_what_it_measured_and_leaves_trees_out(tiny_dir, 
     rec = {"method": "ngram", "expected_speedup": 1.4, "measured": {"fixed": 1.3}, "measured_speedup": 1.3}
     assert "one request at a time" in _reason("latency-bound", 1.1, 4, 3, best, rec, 2)
     assert "one request at a time" not in _reason("latency-bound", 1.1, 1, 3, best, rec, 2)
+
+
+def test_bench_serve_passes_the_prefill_budget_to_both_servers():
+    """--max-num-batched-tokens reaches both settings' `specdec serve` (and the serve parser takes what the
+    bench writes); unset, serve's own default stands."""
+    import argparse
+
+    from specdec.bench.serve_bench import add_arguments, server_argv
+    from specdec.cli import build_parser
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--max-num-batched-tokens", "1024", "--speculative-method", "eagle3+ngram"])
+    off, on = server_argv(args, False, 8000), server_argv(args, True, 8000)
+    for argv in (off, on):
+        assert argv[argv.index("--max-num-batched-tokens") + 1] == "1024"
+        assert build_parser().parse_args(argv).max_num_batched_tokens == 1024
+    assert "--speculative-lookup" in on and "--speculative-method" not in off
+    assert "--max-num-batched-tokens" not in server_argv(p.parse_args([]), True, 8000)

@@ -30,19 +30,16 @@ import platform
 import random
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from specdec.bench.serve_report import plot, report_tables, summarize, tpot_ratios
 from specdec.bench.serve_workload import mtbench_workload, sharegpt_workload
 from specdec.cli._common import at_least, json_object
 from specdec.config import KV_CACHE_DTYPES, ConfigError, check_method_name, split_method
-
-PCTS = (50, 90, 99)
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m")
@@ -73,6 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompt-tokens", type=at_least(1), default=256)
     p.add_argument("--max-output-tokens", type=at_least(1), default=64)
     p.add_argument("--max-num-seqs", type=at_least(1), default=16)
+    p.add_argument("--max-num-batched-tokens", type=at_least(1), default=None,
+                   help="both servers' prompt tokens per step (serve's flag; default: serve's, 256)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--url", default=None, help="drive a running server instead (one setting, named 'server')")
     p.add_argument("--out", type=Path, default=Path("bench-out/serving"))
@@ -162,46 +161,21 @@ def paired_runs(urls: dict[str, str], work: list[tuple[str, int]], concurrency: 
     return {name: summarize(results, seconds) for name, (results, seconds) in got.items()}
 
 
-def _pcts(xs: list[float]) -> dict:
-    if not xs:
-        return {f"p{p}": None for p in PCTS}
-    xs = sorted(xs)
-    return {f"p{p}": round(xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))] * 1000, 2) for p in PCTS}
-
-
-def summarize(results: list[dict], duration: float) -> dict:
-    ok = [r for r in results if "error" not in r]
-    tokens = sum(r["tokens"] for r in ok)
-    drafted = sum((r["spec"] or {}).get("num_draft_tokens", 0) for r in ok)
-    accepted = sum((r["spec"] or {}).get("num_accepted_draft_tokens", 0) for r in ok)
-    passes = sum((r["spec"] or {}).get("target_forward_passes", 0) for r in ok)  # decode passes (speculating requests)
-    decoded = sum(r["tokens"] - 1 for r in ok if r["spec"])  # their tokens after the prompt pass's first
-    return {"requests": len(results), "failed": len(results) - len(ok), "duration_s": round(duration, 2),
-            "output_tokens": tokens, "output_tok_s": round(tokens / duration, 2),
-            "requests_per_s": round(len(ok) / duration, 3),
-            "ttft_ms": _pcts([r["ttft"] for r in ok]), "tpot_ms": _pcts([r["tpot"] for r in ok if r["tpot"]]),
-            "itl_ms": _pcts([x for r in ok for x in r["itl"]]), "e2e_ms": _pcts([r["e2e"] for r in ok]),
-            "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
-            "tokens_per_pass": round(decoded / passes, 3) if passes else None,
-            "drafted_per_pass": round(drafted / passes, 3) if passes else None,
-            "errors": sorted({r["error"] for r in results if "error" in r})[:5]}  # what failed, not only how many
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def start_server(args, speculative: bool) -> tuple[subprocess.Popen, str]:
-    import httpx
-
-    port = _free_port()
+def server_argv(args, speculative: bool, port: int) -> list[str]:
+    """`specdec serve`'s arguments for one setting of the benchmark (both settings alike but speculation)."""
     argv = ["serve", args.model, "--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--port",
             str(port), "--max-num-seqs", str(args.max_num_seqs), "--max-queued-requests", "1024",
             "--no-grammar-warm-up"]  # no grammar here: its background compile would share the first run's cores
     if args.threads:
         argv += ["--threads", str(args.threads)]
+    if args.max_num_batched_tokens:
+        argv += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     argv += ["--amx" if args.amx else "--no-amx", "--kv-cache-dtype", args.kv_cache_dtype]
     if speculative:
         method, lookup = split_method(args.speculative_method)  # "qdraft+ngram": qdraft with an n-gram lookup
@@ -210,6 +184,14 @@ def start_server(args, speculative: bool) -> tuple[subprocess.Popen, str]:
             argv += ["--num-speculative-tokens", str(args.num_speculative_tokens)]
         if args.speculative_config:
             argv += ["--speculative-config", args.speculative_config]
+    return argv
+
+
+def start_server(args, speculative: bool) -> tuple[subprocess.Popen, str]:
+    import httpx
+
+    port = _free_port()
+    argv = server_argv(args, speculative, port)
     code = "import sys; from specdec.cli import main; sys.exit(main())"
     # stderr into a file, read when the server fails: a pipe read only then filled up (64 KiB of logged
     # errors) and froze the server's engine thread in its logging call
@@ -238,68 +220,6 @@ def stop_server(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-
-
-def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    for setting in sorted({r["setting"] for r in rows}):
-        rs = sorted((r for r in rows if r["setting"] == setting and r["rate"] == "inf" and not r.get("repeat")),
-                    key=lambda r: r["concurrency"])  # the first repeat
-        c = [r["concurrency"] for r in rs]
-        a.plot(c, [r["tpot_ms"]["p50"] for r in rs], "o-", label=f"speculation {setting}")
-        b.plot(c, [r["output_tok_s"] for r in rs], "o-", label=f"speculation {setting}")
-    for ax, title in ((a, "TPOT p50 (ms, lower is better)"), (b, "output tokens/s (higher is better)")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrency")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def _table(rows: list[dict]) -> str:
-    head = ("| setting | conc. | rate | req | failed | out tok/s | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms | "
-            "ITL p50/p90/p99 ms | e2e p50/p90/p99 ms | accept | tokens / drafted a pass |\n|" + "---|" * 12)
-    fmt = lambda d: "/".join("-" if d[f"p{p}"] is None else f"{d[f'p{p}']:.0f}" for p in PCTS)  # noqa: E731
-    lines = [f"| {r['setting']} | {r['concurrency']} | {r['rate']} | {r['requests']} | {r['failed']} | "
-             f"{r['output_tok_s']:.1f} | "
-             f"{fmt(r['ttft_ms'])} | {fmt(r['tpot_ms'])} | {fmt(r['itl_ms'])} | {fmt(r['e2e_ms'])} | "
-             f"{'-' if r['acceptance_rate'] is None else r['acceptance_rate']} | {_per_pass(r)} |" for r in rows]
-    return "\n".join([head, *lines])
-
-
-def _per_pass(row: dict) -> str:
-    """Tokens and drafted tokens a decode pass of the speculating requests ('-' for none; rows before S47 lack them)."""
-    if row.get("tokens_per_pass") is None:
-        return "-"
-    return f"{row['tokens_per_pass']:.2f} / {row['drafted_per_pass']:.2f}"
-
-
-def tpot_ratios(rows: list[dict]) -> list[dict]:
-    """Per concurrency and rate: off / on TPOT p50 of each repeat that both settings ran with no request failed
-    (percentiles over the survivors of one side only would compare other requests), their median and range."""
-    by_run: dict[tuple, dict[str, float]] = {}
-    for r in rows:
-        if r["tpot_ms"]["p50"] is not None and not r.get("failed"):
-            by_run.setdefault((r["concurrency"], r["rate"], r.get("repeat", 0)), {})[r["setting"]] = r["tpot_ms"]["p50"]
-    out: dict[tuple, list[float]] = {}
-    for (c, rate, _), tpot in by_run.items():  # in the order the runs ran
-        if "off" in tpot and "on" in tpot:
-            out.setdefault((c, rate), []).append(round(tpot["off"] / tpot["on"], 3))
-    return [{"concurrency": c, "rate": rate, "ratios": xs, "median": statistics.median(xs), "min": min(xs),
-             "max": max(xs)} for (c, rate), xs in out.items()]
-
-
-def _ratio_table(ratios: list[dict]) -> str:
-    lines = [f"| {r['concurrency']} | {r['rate']} | {len(r['ratios'])} | **{r['median']:.3f}x** | "
-             f"{r['min']:.3f}-{r['max']:.3f}x | {', '.join(f'{x:.3f}' for x in r['ratios'])} |" for r in ratios]
-    return "\n".join(["| conc. | rate | runs | TPOT off / on, median | range | each run |", "|" + "---|" * 6, *lines])
 
 
 def _numbers(text: str, kind, flag: str) -> list:
@@ -386,11 +306,12 @@ def run_serve_bench(args) -> int:
             "method": args.speculative_method, "k": args.num_speculative_tokens or "adaptive",
             "speculative_config": json.loads(args.speculative_config) if args.speculative_config else None,
             "load_avg_start_end": [round(load_start, 2), round(os.getloadavg()[0], 2)],
-            "max_num_seqs": args.max_num_seqs, "workload": args.workload, "requests_reusing_a_prompt": reused}
+            "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens or "serve's default",
+            "workload": args.workload, "requests_reusing_a_prompt": reused}
     ratios = tpot_ratios(rows)
     (args.out / f"{args.name}.json").write_text(json.dumps({"meta": meta, "rows": rows, "tpot_ratios": ratios},
                                                            indent=1))
-    report = _table(rows) + ("\n\n" + _ratio_table(ratios) if ratios else "")
+    report = report_tables(rows, ratios)
     if reused:
         report += (f"\n\n{reused} of the {n_max} measured requests reuse an earlier run's prompt: "
                    f"the {args.workload} workload holds fewer prompts than the runs ask for.")
