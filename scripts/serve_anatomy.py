@@ -50,7 +50,7 @@ def one_round(eng: Engine, work, tag: str, tree_max_rows: int) -> tuple[float, l
         t0 = time.perf_counter()
         outs = eng.step()
         t1 = time.perf_counter()
-        first_tokens = any(o.num_output_tokens == len(o.token_ids) for o in outs if o.token_ids)
+        first_tokens = any(o.request_id not in first for o in outs if o.token_ids)  # (num_output_tokens: set at the end)
         if len(eng.forwards) == 1 and outs and not first_tokens:  # a decode step (no prompt pass in it)
             steps.append({"step": t1 - t0, "forward": eng.forwards[0], "draft": eng.spec.propose_seconds,
                           "tokens": sum(len(o.token_ids) for o in outs), "rows": len(outs)})

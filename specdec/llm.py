@@ -207,4 +207,4 @@ def _combined_metrics(runs: list) -> dict:
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
     from dataclasses import replace
-    return replace(params, seed=seed)
+    return replace(params, seed=seed, n=1)  # (one sample: its seed's range is checked as one)

@@ -210,7 +210,8 @@ def test_a_negative_thread_count_is_a_usage_error(args):
 
 def test_a_bench_report_without_its_parts_is_one_line(tmp_path):
     """--from-json checked that runs was an object, then the report's rendering raised a KeyError traceback."""
-    for bad in ({"runs": {"float32": {}}}, {"runs": {}}, {"runs": {"float32": {"records": []}}}):
+    for bad in ({"runs": {"float32": {}}}, {"runs": {}}, {"runs": {"float32": {"records": []}}},
+                {"config": {}, "environment": {}, "runs": {"float32": {"records": []}}}):
         path = tmp_path / "report.json"
         path.write_text(json.dumps(bad))
         r = specdec("bench", "--from-json", str(path), "--out", str(tmp_path / "r"), timeout=60)

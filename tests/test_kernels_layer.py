@@ -192,3 +192,20 @@ def test_stacked_segments_keep_the_requested_hidden_states(tiny_dir, monkeypatch
     for i in (0, 2):
         assert torch.equal(got.layer_hidden[i], want.layer_hidden[i])
     assert torch.equal(got.logits, want.logits)
+
+
+def test_a_layers_description_follows_its_zero_points(tiny_dir):
+    """The C description of a layer holds its packed weights' zero-point pointers; replacing them alone (a
+    buffer swap) kept the old pointer, which _watched did not watch."""
+    from specdec.kernels.layer import _layer_weights
+    from specdec.model.loader import load_model
+    from specdec.quant.qmodel import quantize_model
+    from specdec.quant.schemes import QuantScheme
+
+    model = quantize_model(load_model(tiny_dir("llama"), torch.float32), QuantScheme(4, 32, False))
+    layer = model.layers[0]
+    first = _layer_weights(layer)
+    assert first is not None and _layer_weights(layer) is first  # kept while nothing changes
+    w = layer.qkv.weight
+    w.zeros = w.zeros.clone()
+    assert _layer_weights(layer) is not first

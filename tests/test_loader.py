@@ -426,6 +426,10 @@ def test_a_model_directory_is_written_whole_over_an_old_one(tiny_dir, tmp_path):
     model = load_model(src, torch.float32)
     assert save_model_dir(model, src, out, [0, 1]) == out
     assert not (out / "stale.safetensors").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+    import os
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~umask  # (a mkdtemp directory stayed 0700: private)
     assert load_model(out, torch.float32).config.num_hidden_layers == 2
 
 

@@ -95,7 +95,7 @@ def test_norms_round_bf16_activations_as_transformers():
     ref.weight.data, ours.weight.data = w.clone(), w.clone()
     with torch.no_grad():
         assert torch.equal(ours(x), ref(x))
-        g = 0.1 * torch.randn(576)  # Gemma's w, stored as 1 + w in fp32 (as the CPU loads it)
+        g = 0.1 * torch.randn(576)  # Gemma's w, stored as 1 + w, in fp32 here: the rounding rule alone
         gref, gours = Gemma3RMSNorm(576, eps=1e-6), GemmaRMSNorm(576, 1e-6)
         gref.weight.data, gours.weight.data = g.clone(), 1 + g
         assert torch.equal(gours(x), gref(x)) and gours(x).dtype is torch.bfloat16

@@ -116,6 +116,8 @@ def test_a_seed_outside_the_generators_64_bits_is_refused_up_front():
         with pytest.raises(ValueError, match="seed"):
             SamplingParams(**kwargs)
     assert SamplingParams(seed=2**63 - 2, n=2).seed == 2**63 - 2 and SamplingParams(seed=-(2**63)).seed == -(2**63)
+    from specdec.llm import _with_seed  # sample i's own params (seed + i) pass the same check (they kept n = 2)
+    assert _with_seed(SamplingParams(seed=2**63 - 2, n=2), 2**63 - 1).seed == 2**63 - 1
     for bias in (5, 1.5, "x"):
         with pytest.raises(ValueError, match="logit_bias"):
             SamplingParams(logit_bias=bias)

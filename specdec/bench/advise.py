@@ -258,8 +258,9 @@ def advise(model: str, prompts: list[list[int]], dtype: str = "auto", threads: i
             continue
         draft_rel = stats["draft_s"] / stats["draft_tokens"] / c1 if stats["draft_tokens"] else 0.0
         if stats["tree"] and batch_size > TREE_MAX_ROWS:  # (its full trees' tokens and pass priced a pass it never runs)
-            skipped.append({"method": system.method, "reason": f"a tree drafter: at {batch_size} rows the serving "
-                            f"engine verifies each tree's first path alone (over {TREE_MAX_ROWS}); not estimated"})
+            skipped.append({"method": system.method, "reason": f"a tree drafter: the serving engine verifies trees "
+                            f"at up to {TREE_MAX_ROWS} row(s), and at {batch_size} each tree's first path alone; "
+                            "not estimated"})
             continue
         if stats["tree"]:
             steps = max(stats["steps"], 1)

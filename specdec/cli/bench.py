@@ -152,7 +152,12 @@ def run(args) -> int:
         cfg = config_from_args(args)
         args.out.mkdir(parents=True, exist_ok=True)  # a directory it cannot write fails now, not after the run
         result = run_benchmark(cfg, log=lambda *a: print(*a, file=sys.stderr, flush=True))
-    paths = write_report(result, args.out, args.name, plots=not args.no_plots)
+    try:
+        paths = write_report(result, args.out, args.name, plots=not args.no_plots)
+    except (KeyError, TypeError) as e:
+        if args.from_json is None:
+            raise
+        raise ConfigError(f"{args.from_json} is not a bench report's report.json (no {e})") from None
     summaries = {dt: summarize_run(run) for dt, run in result["runs"].items()}
     print_summary(summaries)
     print(f"\nreport: {paths['markdown']}  (raw data: {paths['json']})", file=sys.stderr)

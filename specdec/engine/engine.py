@@ -191,7 +191,7 @@ class Engine:
         arrival = req.arrival_time if req.arrival_time is not None else time.monotonic()
         seqs = []
         for i in range(p.n):
-            params = p if p.n == 1 or p.seed is None else replace(p, seed=p.seed + i)
+            params = p if p.n == 1 or p.seed is None else replace(p, seed=p.seed + i, n=1)  # (sample i alone)
             gen = None if params.greedy else make_generator(params.seed)
             grammar = GrammarState(req.grammar, req.grammar.initial()) if req.grammar is not None else None
             seqs.append(Sequence.create(next(self._ids), req.request_id, i, req.prompt_ids, params, self.tokenizer,

@@ -19,8 +19,8 @@ ones. The rule (documented in docs/benchmarks/serving.md):
     rate(K)  = (B + sum_b y_b (E_b(min(K, cap_b)) - 1))            (cap_b: a chain's length at most)
                / ((1 - P0) (c(R(K)) + sum_b min(K, cap_b) draft_cost_b + B o_spec) + P0 (c(B) + B o_plain))
     R(K)     = B + sum_b y_b min(K, cap_b) packed (BatchCost.rows), else B (K+1)
-    K        = grown from 0 while each longer K beats the best rate so far by 2% (the shortest K within 2% of a
-               longer one's: a noise-level gain does not lengthen the pass)
+    K        = over 1..k_max, a longer K taken only where it beats the best rate so far (from rate(0)) by 2%
+               (a noise-level gain does not lengthen the pass)
 
 c(N) is profiled at start (N = 1, 2, 4, ..., 64); each decode pass rescales the curve (BatchCost).
 o_spec, o_plain: measured seconds per row of a decode step outside the target forward (verification,

@@ -9,7 +9,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,8 +96,11 @@ def resolve_model(model: str, progress: bool = True) -> ModelSource:
 
 def read_config(directory: Path) -> ModelConfig:
     raw = read_json_object(directory / "config.json")
-    try:  # the end ids as the tokenizer reads them, generation_config.json's too (the trainer's draft vocabulary keeps them)
-        return ModelConfig.from_hf({**raw, "eos_token_id": end_token_ids(directory, raw)})
+    # the end ids as the tokenizer reads them, generation_config.json's too (the trainer's draft vocabulary keeps
+    # them); read before the try below, whose errors name config.json
+    eos = end_token_ids(directory, raw)
+    try:
+        return ModelConfig.from_hf({**raw, "eos_token_id": eos})
     except ConfigError as e:
         raise ConfigError(f"{directory / 'config.json'}: {e}") from None
     except KeyError as e:
@@ -250,7 +252,9 @@ def save_model_dir(model: LlamaModel, src: Path, out: Path, layers: list[int] | 
     `out`, then renamed over it (a crash mid-save left new weights beside an old or missing config.json)."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")  # (mkdir: the umask's mode; mkdtemp's was 0700)
+    shutil.rmtree(tmp, ignore_errors=True)  # a leftover of this process id's earlier failed save
+    tmp.mkdir()
     try:
         _write_model_dir(model, Path(src), tmp, layers)
         if out.exists():

@@ -248,8 +248,9 @@ def load_quantized(directory: Path, dtype: torch.dtype = torch.float32, max_len:
             prefixes = tuple(p + n for n in hf_names)
             has_bias = [x + ".bias" in t for x in prefixes]
             if any(has_bias) != all(has_bias) or any(has_bias) != (getattr(layer, name).bias is not None):
+                wants = "a bias for each" if getattr(layer, name).bias is not None else "none"
                 raise ConfigError(f"{directory}: {prefixes[0]}: biases stored for {sum(has_bias)} of its "
-                                  f"{len(prefixes)} projections; the config says {cfg.attention_bias}")  # (one lost: wrong logits)
+                                  f"{len(prefixes)} projections; this model has {wants}")  # (one lost: wrong logits)
             bias = torch.cat([t[x + ".bias"] for x in prefixes]) if all(has_bias) else None
             N, K = getattr(layer, name).weight.shape
             if bias is not None and bias.shape != (N,):

@@ -353,9 +353,9 @@ class AdaptiveK:
         return tokens * (base + self.overhead.plain) / spec
 
     def _best(self, draft_cost_rel: float, match_len: int, k_max: int) -> tuple[int, float]:
-        """(k, expected speedup): k grows while each longer draft beats the best so far by 2%, so k is the
-        shortest within 2% of a longer one's gain (not the plain argmax: a longer draft for a noise-level
-        gain only adds variance); 0 when no k beats plain decoding by 2%."""
+        """(k, expected speedup): k from 1 to k_max, a longer k taken only where it beats the best so far by
+        2% (not the plain argmax: a longer draft for a noise-level gain only adds variance); 0 when no k beats
+        plain decoding by 2%."""
         best_k, best = 0, 1.0
         for k in range(1, k_max + 1):
             s = self.expected_speedup(k, draft_cost_rel, match_len)
