@@ -41,6 +41,7 @@ from specdec.bench.serve_workload import mtbench_workload, sharegpt_workload
 from specdec.cli._common import at_least, json_object
 from specdec.config import KV_CACHE_DTYPES, ConfigError, check_method_name, split_method
 
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="float32")

@@ -158,10 +158,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     # what the kernel reads as given (a contiguous [N, K] fp32 CPU matrix, a length-N fp32 bias); anything
     # else is torch's, which raises where the shapes do not fit instead of reading past them
     if (x.dtype is not torch.float32 or weight.dtype is not torch.float32 or x.device.type != "cpu"
-            or weight.device.type != "cpu" or weight.dim() != 2 or not weight.is_contiguous()
-            or x.shape[-1] != weight.shape[1]
-            or (bias is not None and (bias.dtype is not torch.float32 or bias.device.type != "cpu"
-                                      or not bias.is_contiguous() or bias.shape != weight.shape[:1]))
+            or not _cpu_matrix(weight, x.shape[-1], bias)
+            or (bias is not None and (bias.dtype is not torch.float32 or not bias.is_contiguous()))
             or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return F.linear(x, weight, bias)
     lib = _load()

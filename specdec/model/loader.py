@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from specdec.model.config import ModelConfig, end_token_ids
 from specdec.model.aliases import ALIASES, DEFAULT_MODEL, alias_file  # noqa: F401 (DEFAULT_MODEL: re-exported)
 from specdec.model.llama import LlamaModel
 from specdec.model.memory import move_to_huge_pages
+from specdec.model.output_dir import new_dir
 from specdec.model.registry import architecture
 
 CONVERTER_VERSION = "2"  # bump whenever a conversion's output changes (2: GGUF tokenizers, S44)
@@ -250,19 +250,9 @@ def load_model(directory: Path, dtype: torch.dtype = torch.float32, max_len: int
 def save_model_dir(model: LlamaModel, src: Path, out: Path, layers: list[int] | None = None) -> Path:
     """Write `model` (or a layer subset) as a HF directory, copying tokenizer files from `src`: written beside
     `out`, then renamed over it (a crash mid-save left new weights beside an old or missing config.json)."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")  # (mkdir: the umask's mode; mkdtemp's was 0700)
-    shutil.rmtree(tmp, ignore_errors=True)  # a leftover of this process id's earlier failed save
-    tmp.mkdir()
-    try:
+    with new_dir(out, replace=True) as tmp:
         _write_model_dir(model, Path(src), tmp, layers)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return Path(out)
 
 
 def _write_model_dir(model: LlamaModel, src: Path, out: Path, layers: list[int] | None) -> None:

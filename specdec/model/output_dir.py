@@ -6,8 +6,11 @@ model or a head, and never mixes new files with an old directory's.
     with new_dir(out) as tmp:   # write into tmp; renamed to out when the block ends without an error
         save_file(..., tmp / "model.safetensors")
 
-sync_replace(tmp, path) puts one written file in place durably (write_atomic: a text file) (a training shard, a checkpoint): a file a
+new_dir(out, replace=True) replaces whatever `out` holds instead (a draft model saved again).
+
+sync_replace(tmp, path) puts one written file in place durably (a training shard, a checkpoint): a file a
 resumed run trusts by its name alone must not be left empty or cut short by a crash of the machine.
+write_atomic(path, text) does it for a text file.
 """
 from __future__ import annotations
 
@@ -47,9 +50,10 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 @contextmanager
-def new_dir(out: Path) -> Iterator[Path]:
+def new_dir(out: Path, replace: bool = False) -> Iterator[Path]:
     out = Path(out)
-    check_new_dir(out)
+    if not replace:
+        check_new_dir(out)
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)  # a leftover of an earlier failed write
     partial.mkdir(parents=True)
@@ -59,5 +63,5 @@ def new_dir(out: Path) -> Iterator[Path]:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     if out.exists():
-        out.rmdir()  # empty (checked above)
+        shutil.rmtree(out) if replace else out.rmdir()  # (without replace: empty, checked above)
     os.replace(partial, out)

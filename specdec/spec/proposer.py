@@ -82,12 +82,17 @@ class Proposal:
     @property
     def depth(self) -> int:
         """The positions past the last token the draft reaches: a chain's length, a tree's deepest path."""
-        if self.parents is None:
-            return len(self.tokens)
-        depths: list[int] = []
-        for parent in self.parents:  # (a parent before its children)
-            depths.append(1 if parent < 0 else depths[parent] + 1)
-        return max(depths, default=0)
+        return len(self.tokens) if self.parents is None else max(node_depths(self.parents), default=0)
+
+
+def node_depths(parents: list[int]) -> list[int]:
+    """Each node's depth past the last token (1: a child of it), parents before their children (else a ValueError)."""
+    depths: list[int] = []
+    for j, parent in enumerate(parents):
+        if not -1 <= parent < j:
+            raise ValueError(f"node {j} has parent {parent}: parents must come before their children")
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    return depths
 
 
 @dataclass

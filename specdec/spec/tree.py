@@ -25,18 +25,13 @@ import torch
 
 from specdec.sampler import argmax, sample, warp
 from specdec.sampling_params import SamplingParams
-from specdec.spec.proposer import Proposal
+from specdec.spec.proposer import Proposal, node_depths
 from specdec.spec.rejection import Verdict
 
 
 def tree_positions(parents: list[int]) -> torch.Tensor:
     """[T] depth of each row (T = 1 + len(parents)); add the prefix length for positions."""
-    depth = [0]
-    for j, par in enumerate(parents):
-        if not -1 <= par < j:
-            raise ValueError(f"node {j} has parent {par}: parents must come before their children")
-        depth.append(depth[par + 1] + 1)
-    return torch.tensor(depth, dtype=torch.long)
+    return torch.tensor([0] + node_depths(parents), dtype=torch.long)
 
 
 def tree_mask(parents: list[int]) -> torch.Tensor:
