@@ -407,11 +407,11 @@ def test_auto_draft_from_a_bf16_target(tiny_dir, tmp_path, monkeypatch):
     source's weights (a bf16 target's packed weights cannot be saved as a model directory)."""
     import torch
 
-    from specdec.bench.harness import auto_draft_dir
+    from specdec.train.make_draft import cached_draft_dir
     from specdec.model.loader import load_model
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
     target = load_model(tiny_dir("llama"), torch.bfloat16)
-    out = auto_draft_dir(tiny_dir("llama"), target, 1)
+    out = cached_draft_dir(tiny_dir("llama"), target, 1)
     draft, source = load_model(out, torch.float32), load_model(tiny_dir("llama"), torch.float32)
     kept = json.loads((out / "specdec_draft.json").read_text())["layers"]
     assert draft.config.num_hidden_layers == len(kept) == 1

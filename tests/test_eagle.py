@@ -322,7 +322,7 @@ def test_incremental_draft_matches_training_unroll(tiny, tmp_path, kind):
     """The proposer's catch-up + chain drafting (KV cache, positions) == eagle_unroll's steps."""
     from specdec.llm import LLM
     from specdec.spec.proposer import RequestState, TargetOutput
-    from specdec.train.trainer import eagle_unroll
+    from specdec.train.unroll import eagle_unroll
 
     d, plain = tiny
     target = plain.model

@@ -26,6 +26,7 @@ from specdec.bench.costs import PeakRSS, rss_mb
 from specdec.bench.systems import BASELINE, Generated, SpecdecSystem, System
 from specdec.cache.kv_cache import kv_cache_dtype_named
 from specdec.config import ConfigError, check_method_name, split_method
+from specdec.train.make_draft import cached_draft_dir, draft_dir_layers
 
 
 
@@ -218,35 +219,6 @@ class BenchConfig:
         return {"temperature": self.temperature, "repetition_penalty": self.repetition_penalty}
 
 
-def auto_draft_dir(source_dir: Path, target, layers: int) -> Path:
-    """A layer-truncated copy of the target (`specdec make-draft`'s default layer choice when that
-    module is present, else the first layers), made once into the cache."""
-    from specdec.model.loader import cache_root, save_model_dir
-
-    total = target.config.num_hidden_layers
-    n = max(1, min(layers, total - 1))
-    try:
-        from specdec.train.make_draft import draft_layers
-        kept, how = draft_layers(total, n), "first-last"
-    except ImportError:
-        kept, how = list(range(n)), "first"
-    st = next(iter(sorted(source_dir.glob("*.safetensors"))), source_dir / "config.json").stat()
-    key = hashlib.sha1(f"{source_dir.resolve()}|{st.st_size}|{st.st_mtime_ns}|{kept}".encode()).hexdigest()[:10]
-    out = cache_root() / "bench" / "drafts" / f"{source_dir.name}-{how}{n}-{key}"
-    if not (out / "tokenizer.json").exists():  # written last by save_model_dir
-        if not isinstance(target.layers[0].qkv.weight, torch.Tensor):  # packed (bf16, int8/int4): from the source
-            from specdec.model.loader import load_model
-            target = load_model(source_dir, torch.float32)
-        save_model_dir(target, source_dir, out, layers=kept)
-        (out / "specdec_draft.json").write_text(json.dumps({"target": str(source_dir), "layers": kept}))
-    return out
-
-
-def _draft_layers(draft_dir: Path) -> list[int] | None:
-    meta = draft_dir / "specdec_draft.json"
-    return json.loads(meta.read_text()).get("layers") if meta.exists() else None
-
-
 def _cached_loader(dtype, max_len, amx: bool = False, kv_cache_dtype: str = "auto"):
     from specdec.model.loader import load_model, resolve_model
     from specdec.model.tokenizer import Tokenizer
@@ -332,11 +304,11 @@ def run_dtype(cfg: BenchConfig, dtype_name: str, prompts: list | None, log=print
               "target_rss_mb": target_rss, "load_seconds": round(load_seconds, 3), "amx_tiles": amx_tiles > 0}
     draft_dir = None
     if cfg.draft_model == "auto":
-        draft_dir = auto_draft_dir(source.directory, target, cfg.draft_layers)
+        draft_dir = cached_draft_dir(source.directory, target, cfg.draft_layers)
     elif cfg.draft_model:
         draft_dir = resolve_model(cfg.draft_model, progress=False).directory
     result["draft_model"] = None if draft_dir is None else {"dir": str(draft_dir), "auto": cfg.draft_model == "auto",
-                                                             "layers": _draft_layers(draft_dir)}
+                                                             "layers": draft_dir_layers(draft_dir)}
     load_aux = _cached_loader(dtype, max_len, cfg.amx, cfg.kv_cache_dtype)
     ours, skipped = our_systems(cfg, target, tokenizer, source.directory, draft_dir, load_aux)
     peers, peer_skips = ([], []) if cfg.peers == () else make_peers(

@@ -17,7 +17,7 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -27,6 +27,7 @@ from specdec.config import ConfigError, check_minimums
 from specdec.engine.block_manager import BlockManager
 from specdec.engine.grammar import GrammarState
 from specdec.engine.model_runner import ModelRunner, Row, pack_rows
+from specdec.engine.request import EngineRequest, EngineStats, SeqOutput
 from specdec.engine.scheduler import Scheduler, SchedulerConfig
 from specdec.engine.sequence import Sequence, SpecChoice
 from specdec.engine.speculation import Speculation, profile_sizes, verify_rows
@@ -35,7 +36,6 @@ from specdec.model.llama import ForwardOutput
 from specdec.penalties import apply_penalties, check_token_ids
 from specdec.quant.bf16 import exact_prompt_passes
 from specdec.sampler import argmax, make_generator, prompt_logprobs_of, sample, warp
-from specdec.sampling_params import SamplingParams
 from specdec.spec.adaptive import PRIOR_ACCEPTANCE, AdaptiveK
 from specdec.spec.metrics import SpecMetrics
 from specdec.spec.proposer import TargetOutput
@@ -59,55 +59,6 @@ class EngineConfig:
         check_minimums(self, {"max_num_seqs": 1, "max_num_batched_tokens": 1, "block_size": 1, "num_kv_blocks": 1})
         if not self.kv_cache_memory_gb > 0:
             raise ConfigError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
-
-
-@dataclass
-class EngineRequest:
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    speculative: dict | None = None  # {"method": name | None, "num_speculative_tokens": k}; None: server default
-    cache_salt: str | None = None
-    grammar: object = None  # specdec.engine.grammar.Grammar
-    arrival_time: float | None = None  # time.monotonic() when the server received it (None: when added here)
-
-
-@dataclass
-class SeqOutput:
-    """What one step added to one choice (text held back while it could still end in a stop string)."""
-
-    request_id: str
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[dict] | None
-    pieces: list[tuple[str, bool]]  # the text cut at token starts, with "came from the drafter" flags
-    finished: bool = False
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
-    prompt_logprobs: list | None = None  # with the choice's first output, if asked (None first)
-    metrics: SpecMetrics | None = None
-    method: str | None = None
-    ttft: float | None = None
-    e2e: float | None = None
-    error: str | None = None  # the request failed in this step (what its row raised); it is aborted
-    error_status: int = 500  # 400 where its own parameters made it fail (a ValueError: nothing to sample)
-
-
-@dataclass
-class EngineStats:
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_usage: float = 0.0
-    num_used_blocks: int = 0
-    num_preemptions: int = 0
-    prefix_queries: int = 0
-    prefix_hits: int = 0
-    spec: SpecMetrics = field(default_factory=SpecMetrics)
-    last_k: int = 0
 
 
 def _choice(proposer, k: int | None = None) -> SpecChoice:

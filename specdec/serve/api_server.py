@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException
 
 from specdec.config import ConfigError
 from specdec.engine.async_engine import AsyncEngine
-from specdec.engine.engine import EngineRequest
+from specdec.engine.request import EngineRequest
 from specdec.engine.grammar import CompilerBusy, GrammarCompiler
 from specdec.serve.metrics import ServerMetrics
 from specdec.serve.protocol import APIError, ChatRequest, CompletionRequest, pydantic_error

@@ -15,7 +15,7 @@ import time
 from contextlib import aclosing
 
 from specdec.config import ConfigError
-from specdec.engine.engine import EngineRequest, SeqOutput
+from specdec.engine.request import EngineRequest, SeqOutput
 from specdec.serve.protocol import APIError
 from specdec.spec.metrics import SpecMetrics, match_length_table
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from specdec.train.features import Shard
-from specdec.train.trainer import _pad, _shift, _to, eagle_unroll
+from specdec.train.unroll import eagle_unroll, pad_batch, shift, to_device
 
 
 @torch.no_grad()
@@ -23,12 +23,12 @@ def chain_acceptance(head, target, seqs: list[Shard.Sequence], depth: int, aux_l
     embed, lm_head_d = target.embed.weight, target.lm_head.weight[draft_ids]
     hits_by_pos, starts, decoded, passes = [0] * depth, 0, 0, 0
     for i in range(0, len(seqs), batch_size):
-        tokens, mask, hidden, aux = _to(_pad(seqs[i:i + batch_size], 10 ** 6, aux_layers), embed.device)
+        tokens, mask, hidden, aux = to_device(pad_batch(seqs[i:i + batch_size], 10 ** 6, aux_layers), embed.device)
         M = hidden.shape[1]
         if head.cfg.kind == "medusa":
             preds = [draft_ids[(head.blocks[j](hidden) @ lm_head_d.t()).argmax(-1)] for j in range(depth)]
             # head j at position p predicts x_{p+j+2}: shift so that preds[j][p + j] is the guess
-            preds = [_shift(pr[:, None, :, None], j)[:, 0, :, 0] for j, pr in enumerate(preds)]
+            preds = [shift(pr[:, None, :, None], j)[:, 0, :, 0] for j, pr in enumerate(preds)]
         else:
             logits, _ = eagle_unroll(head, embed, lm_head_d, tokens, hidden, aux, depth)
             preds = [draft_ids[lg.argmax(-1)] for lg in logits]  # step j at position q guesses x_{q+2}
@@ -70,7 +70,7 @@ def medusa_rank_accuracy(head, target, seqs: list[Shard.Sequence], ranks: int = 
     K, lm_head_d = head.cfg.medusa_num_heads, target.lm_head.weight[head.draft_ids]
     hits, totals = torch.zeros(K, ranks, device=lm_head_d.device), torch.zeros(K, device=lm_head_d.device)
     for s in seqs:
-        tokens, mask, hidden, _ = _to(_pad([s], 10 ** 6, ()), lm_head_d.device)
+        tokens, mask, hidden, _ = to_device(pad_batch([s], 10 ** 6, ()), lm_head_d.device)
         M = hidden.shape[1]
         for i in range(K):
             n = M - 1 - i

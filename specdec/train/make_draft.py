@@ -55,3 +55,33 @@ def make_draft(target: str, num_layers: int, out: Path, strategy: str = "first-l
         (partial / "specdec_draft.json").write_text(json.dumps(
             {"target": source.origin, "layers": layers, "strategy": strategy}, indent=2))
     return out, layers
+
+
+def cached_draft_dir(source_dir: Path, target, layers: int) -> Path:
+    """A layer-truncated copy of `target` (read from `source_dir`) keeping `layers` layers, first-last, made
+    once into the cache (`specdec bench --draft-model auto`); a packed target (bf16, int8/int4) is re-read
+    in fp32 from the source to be saved."""
+    import hashlib
+
+    import torch
+
+    from specdec.model.loader import cache_root, load_model, save_model_dir
+
+    total = target.config.num_hidden_layers
+    n = max(1, min(layers, total - 1))
+    kept = draft_layers(total, n)
+    st = next(iter(sorted(source_dir.glob("*.safetensors"))), source_dir / "config.json").stat()
+    key = hashlib.sha1(f"{source_dir.resolve()}|{st.st_size}|{st.st_mtime_ns}|{kept}".encode()).hexdigest()[:10]
+    out = cache_root() / "bench" / "drafts" / f"{source_dir.name}-first-last{n}-{key}"
+    if not (out / "tokenizer.json").exists():  # written last by save_model_dir
+        if not isinstance(target.layers[0].qkv.weight, torch.Tensor):
+            target = load_model(source_dir, torch.float32)
+        save_model_dir(target, source_dir, out, layers=kept)
+        (out / "specdec_draft.json").write_text(json.dumps({"target": str(source_dir), "layers": kept}))
+    return out
+
+
+def draft_dir_layers(draft_dir: Path) -> list[int] | None:
+    """The target layers a draft made here kept (its specdec_draft.json), None for any other model."""
+    meta = Path(draft_dir) / "specdec_draft.json"
+    return json.loads(meta.read_text()).get("layers") if meta.exists() else None
