@@ -89,11 +89,40 @@ def _open(browser, url: str) -> str:
     return browser.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
 
 
+def _submit(browser, session) -> None:
+    """Press Send once the page's script runs (under its Content-Security-Policy: a wrong hash stops it)."""
+    state = _wait(browser, session, "JSON.stringify(typeof send)", lambda s: s == "function")
+    assert state == "function", "the page's script did not run"
+    browser.call("Runtime.evaluate", session, expression="document.getElementById('form').requestSubmit()")
+
+
+def test_page_headers_allow_only_its_own_script(server):
+    """/ runs its one inline script by hash, connects only to its server and cannot be framed elsewhere."""
+    import base64
+    import hashlib
+    import re
+    import urllib.request
+
+    with urllib.request.urlopen(f"{server.url}/") as resp:
+        html, headers = resp.read().decode(), resp.headers
+    (script,) = re.findall(r"<script>(.*?)</script>", html, re.S)
+    digest = base64.b64encode(hashlib.sha256(script.encode()).digest()).decode()
+    csp = headers["Content-Security-Policy"]
+    assert f"script-src 'sha256-{digest}'" in csp and "'unsafe-inline'" not in csp.split("script-src")[1].split(";")[0]
+    assert "frame-ancestors 'none'" in csp and "connect-src 'self'" in csp
+    assert headers["X-Content-Type-Options"] == "nosniff"
+
+
 def test_page_streams_a_reply_and_colours_drafted_tokens(server, tmp_path):
+    """?q= fills the box and sends nothing by itself (a link to the page cannot start a generation)."""
     query = urllib.parse.urlencode({"q": "sky tree sky tree sky tree sky tree", "maxTokens": "40"})
     browser = DevTools(tmp_path)
     try:
         session = _open(browser, f"{server.url}/?{query}")
+        waiting = _wait(browser, session, "JSON.stringify({box: document.getElementById('input').value, "
+                        "users: document.querySelectorAll('.msg.user').length})", lambda s: s.get("box"))
+        assert waiting == {"box": "sky tree sky tree sky tree sky tree", "users": 0}, waiting
+        _submit(browser, session)
         probe = ("JSON.stringify({done: document.body.dataset.done || '', "
                  "drafted: document.querySelectorAll('.msg.assistant span.draft').length, "
                  "pieces: document.querySelectorAll('.msg.assistant > span').length, "
@@ -112,11 +141,15 @@ def test_page_sends_one_turn_at_a_time_and_clear_aborts_it(server, tmp_path):
     conversation (a late reply once landed first in the cleared history: a template needing alternating
     roles then refused every turn)."""
     browser = DevTools(tmp_path)
-    probe = ("JSON.stringify({done: document.body.dataset.done || '', history: history.map(m => m.role), "
+    probe = ("JSON.stringify({done: document.body.dataset.done || '', history: turns.map(m => m.role), "
              "users: document.querySelectorAll('.msg.user').length, box: document.getElementById('input').value})")
     try:
         session = _open(browser, f"{server.url}/?maxTokens=30")
         _wait(browser, session, "JSON.stringify(typeof send)", lambda s: s == "function")
+        browser.call("Runtime.evaluate", session, expression=(  # Send usable while a turn streams: a bug
+            "window.sendUsableMidTurn = false; new MutationObserver(() => {"
+            " if (!document.getElementById('send').disabled && inflight) window.sendUsableMidTurn = true; })"
+            ".observe(document.getElementById('send'), {attributes: true})"))
         browser.call("Runtime.evaluate", session, expression=(
             "send('sky tree sky tree'); document.getElementById('input').value = 'second';"
             "document.getElementById('form').requestSubmit()"))
@@ -128,5 +161,26 @@ def test_page_sends_one_turn_at_a_time_and_clear_aborts_it(server, tmp_path):
             "send('moon river')"))
         state = _wait(browser, session, probe, lambda s: s["done"])
         assert state["done"] == "1" and state["history"] == ["user", "assistant"] and state["users"] == 1, state
+        usable = browser.call("Runtime.evaluate", session, expression="window.sendUsableMidTurn", returnByValue=True)
+        assert usable["result"]["value"] is False  # the aborted turn's late end left Send to the turn after it
     finally:
         browser.close()
+
+
+def test_page_error_returns_the_message_to_the_box(server, tmp_path):
+    """A refused turn (max_tokens beyond the context: 400) shows the error, leaves the conversation as it
+    was (no unanswered user message in it or on screen) and puts the text back for a retry."""
+    browser = DevTools(tmp_path)
+    probe = ("JSON.stringify({done: document.body.dataset.done || '', history: turns.map(m => m.role), "
+             "users: document.querySelectorAll('.msg.user').length, box: document.getElementById('input').value, "
+             "error: (document.querySelector('.msg.error') || {}).textContent || '', "
+             "sendDisabled: document.getElementById('send').disabled})")
+    try:
+        session = _open(browser, f"{server.url}/?maxTokens=100000&q=hello")
+        _submit(browser, session)
+        state = _wait(browser, session, probe, lambda s: s["done"])
+    finally:
+        browser.close()
+    assert state["done"] == "error" and state["error"].startswith("400"), state
+    assert state["history"] == [] and state["users"] == 0 and state["box"] == "hello", state
+    assert state["sendDisabled"] is False

@@ -13,7 +13,10 @@ request, and SIGTERM stops new work (503) while in-flight requests finish.
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
 import hmac
+import re
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -27,13 +30,25 @@ from starlette.exceptions import HTTPException
 
 from specdec.config import ConfigError
 from specdec.engine.async_engine import AsyncEngine
-from specdec.engine.request import EngineRequest
 from specdec.engine.grammar import CompilerBusy, GrammarCompiler
+from specdec.engine.request import EngineRequest
 from specdec.serve.metrics import ServerMetrics
 from specdec.serve.protocol import APIError, ChatRequest, CompletionRequest, pydantic_error
 from specdec.serve.responses import ResponseBuilder
 
 STATIC = Path(__file__).with_name("static")
+
+
+def chat_page() -> tuple[str, dict[str, str]]:
+    """The page at / and its headers: a Content-Security-Policy that runs only the page's own script (by its
+    hash), connects only to this server and lets no other site frame it."""
+    html = (STATIC / "index.html").read_text(encoding="utf-8")
+    scripts = re.findall(r"<script>(.*?)</script>", html, re.S)
+    hashes = " ".join("'sha256-%s'" % base64.b64encode(hashlib.sha256(s.encode()).digest()).decode() for s in scripts)
+    csp = (f"default-src 'none'; script-src {hashes}; style-src 'unsafe-inline'; connect-src 'self'; "
+           "img-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+    return html, {"Content-Security-Policy": csp, "X-Content-Type-Options": "nosniff",
+                  "Referrer-Policy": "no-referrer"}
 # prompt logprobs a request may ask for (prompt tokens x (prompt_logprobs + 1) x n), each decoded into the
 # answer on the event loop: one prompt of the whole context at 20 fits; 64 sequences of 8k tokens (11M
 # entries, a body of hundreds of MB) did not
@@ -185,9 +200,11 @@ def build_app(st: ServerState) -> FastAPI:
         return {"object": "list", "data": [{"id": st.model_name, "object": "model", "created": int(st.started),
                                             "owned_by": "specdec", "max_model_len": st.max_model_len}]}
 
+    page, page_headers = chat_page()
+
     @app.get("/", response_class=HTMLResponse)
     async def index():
-        return HTMLResponse((STATIC / "index.html").read_text())
+        return HTMLResponse(page, headers=page_headers)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
