@@ -175,3 +175,98 @@ def test_an_upstream_layout_head_serves_as_the_speculative_model(target, tmp_pat
     prompt = "the cat sat on the mat the cat sat"
     want = LLM(str(d), **kw).generate(prompt, params)[0].outputs[0].token_ids
     assert spec.generate(prompt, params)[0].outputs[0].token_ids == want
+
+
+def _same_weights(a, b) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(v, sb[k]) for k, v in sa.items())
+
+
+EXPORTS = [("eagle", "vllm", 0), ("eagle", "sglang", 0), ("eagle", "sglang", 300), ("eagle3", "vllm", 300),
+           ("eagle3", "sglang", 300), ("medusa", "vllm", 0), ("medusa", "vllm", 128)]
+
+
+@pytest.mark.parametrize("kind,fmt,draft_vocab", EXPORTS)
+def test_every_export_loads_back_as_written(target, tmp_path, kind, fmt, draft_vocab):
+    """An export directory, as `specdec export` writes it (config with its specdec section) and as upstream
+    tools see it (without), loads back into specdec as the head it came from: same weights, same draft
+    vocabulary (EAGLE-1's through SGLang's hot_token_ids.pt). Our EAGLE-1 and Medusa exports once failed
+    to load back at all (their upstream keys against our strict loader)."""
+    from specdec.proposers.head_io import load_head
+    d, model = target
+    src = random_head(model, kind, tmp_path / "head", draft_vocab=draft_vocab, seed=3)
+    export_head(src, fmt, tmp_path / "out", d)
+    orig = load_head(src)
+    assert _same_weights(load_head(tmp_path / "out"), orig)
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    cfg.pop("specdec")
+    (tmp_path / "out" / "config.json").write_text(json.dumps(cfg))
+    back = load_head(tmp_path / "out", target_config=model.config)
+    assert _same_weights(back, orig) and back.cfg.draft_vocab_size == draft_vocab
+    if (kind, draft_vocab) == ("eagle", 300):
+        assert torch.equal(torch.load(tmp_path / "out" / "hot_token_ids.pt", weights_only=True), orig.draft_ids)
+
+
+def test_a_reduced_eagle1_exports_to_vllm_as_the_full_vocabulary_head_vllm_runs(target, tmp_path):
+    """vLLM's EAGLE-1 drafts over the target's whole LM head: the export says so (config, a comment above
+    the serve command) and loads back as that full-vocabulary head; it once claimed the trained 300."""
+    from specdec.proposers.head_io import load_head
+    d, model = target
+    src = random_head(model, "eagle", tmp_path / "head", draft_vocab=300)
+    cmd = export_head(src, "vllm", tmp_path / "out", d)
+    assert cmd.startswith("# vLLM's EAGLE-1 drafts over the whole vocabulary") and "\nvllm serve " in cmd
+    assert not (tmp_path / "out" / "hot_token_ids.pt").exists()
+    back, orig = load_head(tmp_path / "out"), load_head(src)
+    assert back.cfg.draft_vocab_size == 0 and back.draft_ids.numel() == model.config.vocab_size
+    assert all(torch.equal(v, back.state_dict()[k]) for k, v in orig.state_dict().items() if k not in ("d2t", "t2d"))
+
+
+def test_upstream_checkpoints_specdec_cannot_hold_are_refused(target, tmp_path):
+    """A Medusa checkpoint with LM heads of its own, or any reduced vocabulary without the map naming its
+    tokens, is a ConfigError (they loaded as the shared LM head / the first ids of the vocabulary)."""
+    d, model = target
+    src = random_head(model, "medusa", tmp_path / "m", draft_vocab=128)
+    export_head(src, "vllm", tmp_path / "out", d)
+    out = tmp_path / "out"
+    cfg, sd = json.loads((out / "config.json").read_text()), load_file(str(out / "model.safetensors"))
+    cfg.pop("specdec")
+    (out / "config.json").write_text(json.dumps({**cfg, "original_lm_head": False}))
+    with pytest.raises(ConfigError, match="LM heads of their own"):
+        import_head(out, model.config)
+    (out / "config.json").write_text(json.dumps(cfg))
+    save_file({k: v for k, v in sd.items() if k != "token_map"}, str(out / "model.safetensors"))
+    with pytest.raises(ConfigError, match="without the token_map"):
+        import_head(out, model.config)
+    e3 = random_head(model, "eagle3", tmp_path / "e3", draft_vocab=300)
+    export_head(e3, "sglang", tmp_path / "e3-out", d)
+    sd = load_file(str(tmp_path / "e3-out" / "model.safetensors"))
+    save_file({k: v for k, v in sd.items() if k not in ("d2t", "t2d")}, str(tmp_path / "e3-out" / "model.safetensors"))
+    with pytest.raises(ConfigError, match="without the map"):
+        import_head(tmp_path / "e3-out", model.config)
+    e1 = random_head(model, "eagle", tmp_path / "e1", draft_vocab=300)
+    export_head(e1, "sglang", tmp_path / "e1-out", d)
+    torch.save(torch.tensor([0.5, 1.5]), tmp_path / "e1-out" / "hot_token_ids.pt")
+    with pytest.raises(ConfigError, match="token ids"):
+        import_head(tmp_path / "e1-out", model.config)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_eagle1_and_medusa_exports_serve_as_the_speculative_model(target, tmp_path, kind):
+    """Our EAGLE-1 (SGLang layout, draft vocabulary in hot_token_ids.pt) and Medusa (vLLM layout) exports,
+    upstream-style (no specdec section), run as the proposer's model; greedy output equals plain."""
+    from specdec.llm import LLM
+    from specdec.sampling_params import SamplingParams
+
+    d, model = target
+    src = random_head(model, kind, tmp_path / "head", draft_vocab=300 if kind == "eagle" else 128)
+    export_head(src, "sglang" if kind == "eagle" else "vllm", tmp_path / "out", d)
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    cfg.pop("specdec")
+    (tmp_path / "out" / "config.json").write_text(json.dumps(cfg))
+    kw = dict(dtype="float32", max_model_len=256, progress=False, num_threads=1)
+    spec = LLM(str(d), speculative_config={"method": kind, "model": str(tmp_path / "out"),
+                                           "num_speculative_tokens": 3}, **kw)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompt = "the cat sat on the mat the cat sat"
+    want = LLM(str(d), **kw).generate(prompt, params)[0].outputs[0].token_ids
+    assert spec.generate(prompt, params)[0].outputs[0].token_ids == want

@@ -53,6 +53,8 @@ def load_head(path: Path, dtype: torch.dtype = torch.float32, target_config=None
     except (TypeError, AttributeError) as e:
         raise ConfigError(f"{path}/config.json: invalid 'specdec' section ({e})") from None
     head = make_head(cfg)
+    from specdec.train.export import own_layout  # an export of ours (upstream keys) loads back as written
+    sd = own_layout(head, sd, path, raw)
     try:
         missing, unexpected = head.load_state_dict(
             {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}, strict=False)

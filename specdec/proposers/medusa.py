@@ -48,7 +48,7 @@ class MedusaProposer(Proposer):
         super().__init__(ctx)
         cfg = ctx.config
         path = Path(cfg.model) if cfg.model else default_head("medusa", ctx.target.config)
-        self.head = load_head(path, ctx.dtype)
+        self.head = load_head(path, ctx.dtype, ctx.target.config)  # (an upstream Medusa directory too)
         check_head_fits(self.head, ctx.target.config, path, "medusa")
         self.lm_head = ctx.target.lm_head.weight
         K = self.head.cfg.medusa_num_heads

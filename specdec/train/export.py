@@ -8,7 +8,9 @@ SGLang llama_eagle.py / llama_eagle3.py); the two engines differ in places, so t
            prefixes "Eagle"), ["LlamaForCausalLMEagle"] for SGLang (which maps nothing); fc.weight [H, 2H]
            over [embed; hidden] (SGLang's fc has a bias: a zero fc.bias is written for it, else its loader
            leaves the bias at its random init); layers.0.self_attn.{q,k,v,o}_proj,
-           layers.0.mlp.{gate,up,down}_proj, layers.0.post_attention_layernorm (no input norm).
+           layers.0.mlp.{gate,up,down}_proj, layers.0.post_attention_layernorm (no input norm). A draft
+           vocabulary goes to SGLang as hot_token_ids.pt (its --speculative-token-map); vLLM's EAGLE-1 has
+           none and drafts over the whole vocabulary, which the exported config then says.
   EAGLE-3  architectures ["LlamaForCausalLMEagle3"], draft_vocab_size, and the target layers whose outputs
            the head reads, in each engine's own key and convention: vLLM reads the top-level
            eagle_aux_hidden_state_layer_ids as the INPUTS of those layers (our output layer + 1); SGLang
@@ -21,12 +23,15 @@ SGLang llama_eagle.py / llama_eagle3.py); the two engines differ in places, so t
            lm_heads.0.weight (the target LM head, shared), token_map [truncated_vocab_size] (vLLM only;
            SGLang serves no Medusa).
 The embedding (and EAGLE-1's LM head) are left out: both engines share the target's when absent.
+Every export loads back into specdec as written (own_layout), and so do upstream heads (import_head).
 """
 from __future__ import annotations
 
 import json
+import pickle  # (its error type only: torch.load's weights_only unpickler raises it on a damaged file)
 import shlex
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -87,31 +92,13 @@ def import_head(path: Path, target_config) -> "torch.nn.Module":
         L = target_config.num_hidden_layers
         aux = (1, L // 2 - 1, L - 4)  # vLLM's default (2, L//2, L-3), as outputs of the layer before
     vocab = raw.get("vocab_size", target_config.vocab_size)
-    dv = raw.get("draft_vocab_size") if kind == "eagle3" else raw.get("truncated_vocab_size")
+    hot = _hot_token_ids(path, vocab) if kind == "eagle" else None
+    dv = {"eagle3": raw.get("draft_vocab_size"), "medusa": raw.get("truncated_vocab_size"),
+          "eagle": None if hot is None else hot.numel()}[kind]
     cfg = HeadConfig.for_target(kind, target_config, 0 if dv in (None, vocab) else dv,
                                 raw.get("num_heads", raw.get("medusa_num_heads", 0)), aux)
     head = make_head(cfg)
-    if kind == "medusa":
-        sd = {k.replace("medusa_heads.", ""): v for k, v in sd.items() if not k.startswith("lm_head")}
-        sd = {k: v for k, v in sd.items() if not k.startswith("lm_heads.")}
-        if "token_map" not in sd:
-            sd["token_map"] = head.token_map
-    else:
-        bias = sd.pop("fc.bias", None)
-        if bias is not None and bool(bias.any()):
-            raise ConfigError(f"{path}: its fc has a nonzero bias, which specdec's EAGLE heads do not have")
-        sd = {k: v for k, v in sd.items() if not k.startswith(("embed_tokens.", "layers.0.input_layernorm"))
-              and not (kind == "eagle" and k.startswith("lm_head"))}
-        if "d2t" not in sd:
-            sd["d2t"], sd["t2d"] = head.d2t, head.t2d
-        elif "t2d" not in sd:  # (the engines read d2t alone) draft token i is target token i + d2t[i]
-            ids = torch.arange(sd["d2t"].numel()) + sd["d2t"]
-            if ids.shape != head.d2t.shape or not bool(((ids >= 0) & (ids < head.t2d.numel())).all()):
-                raise ConfigError(f"{path}: its d2t does not map {head.d2t.numel()} draft tokens into this "
-                                  "target's vocabulary")
-            head.set_vocab(ids)
-            sd["t2d"] = head.t2d
-        sd["t2d"] = sd["t2d"].bool()
+    sd = own_layout(head, sd, path, raw)
     try:
         missing, unexpected = head.load_state_dict(sd, strict=False)
     except RuntimeError as e:  # a tensor shaped unlike this target's head (another hidden size, draft vocabulary)
@@ -122,6 +109,68 @@ def import_head(path: Path, target_config) -> "torch.nn.Module":
         raise ConfigError(f"{path}: the checkpoint does not match a {kind} head for this target (missing "
                           f"{missing[:3]}, unexpected {unexpected[:3]})")
     return head.eval()
+
+
+def own_layout(head, sd: dict, path: Path, raw: dict) -> dict:
+    """`sd`, a checkpoint in an upstream layout (vLLM's or SGLang's: upstream heads and our exports), as
+    `head`'s own state dict: the target's shared tensors and SGLang's zero fc bias dropped, the vocabulary
+    maps a full vocabulary leaves out filled in (an EAGLE-1 draft vocabulary from SGLang's hot_token_ids.pt).
+    A ConfigError for what specdec's heads cannot hold. Our own layout passes through unchanged."""
+    cfg = head.cfg
+    if cfg.kind == "medusa":
+        sd = {k.replace("medusa_heads.", ""): v for k, v in sd.items()}
+        if raw.get("original_lm_head") is False and any(k.startswith("lm_head") for k in sd):
+            raise ConfigError(f"{path}: its Medusa heads have LM heads of their own (original_lm_head false); "
+                              "specdec's Medusa heads share the target's")
+        sd = {k: v for k, v in sd.items() if not k.startswith("lm_head")}
+        if "token_map" not in sd:
+            if cfg.draft_vocab_size:
+                raise ConfigError(f"{path}: a truncated vocabulary of {cfg.draft_vocab_size} tokens without the "
+                                  "token_map that names them")
+            sd["token_map"] = head.token_map
+        return sd
+    sd = dict(sd)
+    bias = sd.pop("fc.bias", None)
+    if bias is not None and bool(bias.any()):
+        raise ConfigError(f"{path}: its fc has a nonzero bias, which specdec's EAGLE heads do not have")
+    sd = {k: v for k, v in sd.items() if not k.startswith(("embed_tokens.", "layers.0.input_layernorm"))
+          and not (cfg.kind == "eagle" and k.startswith("lm_head"))}
+    if "d2t" not in sd:
+        hot = _hot_token_ids(path, cfg.vocab_size) if cfg.kind == "eagle" and cfg.draft_vocab_size else None
+        if hot is not None and hot.numel() == cfg.draft_vocab_size:
+            head.set_vocab(hot)
+        elif cfg.draft_vocab_size:
+            raise ConfigError(f"{path}: a draft vocabulary of {cfg.draft_vocab_size} tokens without the map that "
+                              "names them (d2t, or SGLang's hot_token_ids.pt for EAGLE-1)")
+        sd["d2t"], sd["t2d"] = head.d2t, head.t2d
+    elif "t2d" not in sd:  # (the engines read d2t alone) draft token i is target token i + d2t[i]
+        ids = torch.arange(sd["d2t"].numel()) + sd["d2t"]
+        if ids.shape != head.d2t.shape or not bool(((ids >= 0) & (ids < head.t2d.numel())).all()):
+            raise ConfigError(f"{path}: its d2t does not map {head.d2t.numel()} draft tokens into this "
+                              "target's vocabulary")
+        head.set_vocab(ids)
+        sd["t2d"] = head.t2d
+    sd["t2d"] = sd["t2d"].bool()
+    return sd
+
+
+def _hot_token_ids(path: Path, vocab_size: int) -> torch.Tensor | None:
+    """SGLang's EAGLE-1 draft vocabulary (--speculative-token-map, hot_token_ids.pt beside the head), as
+    ascending distinct target ids; None where the file is absent. torch.load with weights_only=True: a
+    tensor, never code."""
+    f = path / "hot_token_ids.pt"
+    if not f.exists():
+        return None
+    try:
+        ids = torch.load(f, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, ValueError, pickle.UnpicklingError) as e:
+        raise ConfigError(f"cannot read {f}: {str(e).splitlines()[0][:160]}") from None
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.is_floating_point() or ids.numel() == 0:
+        raise ConfigError(f"{f}: not a 1-D tensor of token ids")
+    ids = ids.long().unique()  # (sorted; FR-Spec's files are ordered by frequency)
+    if not bool(((ids >= 0) & (ids < vocab_size)).all()):
+        raise ConfigError(f"{f}: token ids outside this target's vocabulary of {vocab_size}")
+    return ids
 
 
 def _aux_layers(raw: dict) -> tuple[int, ...]:
@@ -153,17 +202,19 @@ def export_head(head_dir: Path, fmt: str, out: Path, target_dir: Path, num_specu
         raise ConfigError(f"{head_dir}/config.json: torch_dtype {name!r} is not one of "
                           f"{', '.join(_DTYPE_NAMES.values())}")
     with new_dir(out) as partial:
-        extra_args = _write_export(head, sd, dtype, fmt, head_dir, partial, out, target_dir)
-    return serve_command(fmt, cfg.kind, str(target_dir), str(out), num_speculative_tokens, num_steps, eagle_topk,
-                         num_draft_tokens, extra_args)
+        extra_args, notes = _write_export(head, sd, dtype, fmt, head_dir, partial, out, target_dir)
+    command = serve_command(fmt, cfg.kind, str(target_dir), str(out), num_speculative_tokens, num_steps,
+                            eagle_topk, num_draft_tokens, extra_args)
+    return "".join(f"# {n}\n" for n in notes) + command
 
 
 def _write_export(head, sd: dict, dtype: torch.dtype, fmt: str, head_dir: Path, into: Path, out: Path,
-                  target_dir: Path) -> list[str]:
+                  target_dir: Path) -> tuple[list[str], list[str]]:
     """The export's files, written into `into` (to be renamed to `out`); returns the serve command's extra
-    arguments."""
+    arguments and what its user should know (comment lines above the command)."""
     cfg = head.cfg
     extra_args: list[str] = []
+    notes: list[str] = []
     if cfg.kind == "eagle":  # upstream EAGLE-1 checkpoints have no vocabulary maps
         sd = {k: v for k, v in sd.items() if k not in ("d2t", "t2d")}
     if cfg.kind == "medusa":  # vLLM slices the shared LM head down to token_map itself
@@ -175,12 +226,19 @@ def _write_export(head, sd: dict, dtype: torch.dtype, fmt: str, head_dir: Path, 
         # (a pickle holding one tensor, which torch.load(weights_only=True) reads; specdec never loads it)
         torch.save(head.draft_ids.clone(), into / "hot_token_ids.pt")
         extra_args = ["--speculative-token-map", str(out / "hot_token_ids.pt")]
+    if cfg.kind == "eagle" and cfg.draft_vocab_size and fmt == "vllm":
+        # vLLM's EAGLE-1 has no draft vocabulary: it drafts over the target's whole LM head; the config says
+        # so, and specdec loads this directory back as that full-vocabulary head
+        cfg = replace(cfg, draft_vocab_size=0)
+        notes.append(f"vLLM's EAGLE-1 drafts over the whole vocabulary: this head was trained on "
+                     f"{head.cfg.draft_vocab_size} tokens, so its acceptance there is unmeasured "
+                     "(--format sglang keeps the draft vocabulary)")
     save_file({k: v.contiguous() for k, v in sd.items()}, str(into / "model.safetensors"), metadata={"format": "pt"})
     (into / "config.json").write_text(json.dumps(hf_config(cfg, dtype, fmt), indent=2))
     for name in ("README.md",):
         if (head_dir / name).exists():
             shutil.copy(head_dir / name, into / name)
-    return extra_args
+    return extra_args, notes
 
 
 def serve_command(fmt: str, kind: str, target: str, head: str, k: int, num_steps: int, topk: int,
