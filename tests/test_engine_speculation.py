@@ -200,3 +200,17 @@ def test_features_rest_after_plain_steps_and_wake_before_a_probe():
     assert probes.resting(REST_AFTER, WAKE_BEFORE)
     probes.should_probe(True)
     assert not probes.resting(REST_AFTER, WAKE_BEFORE)
+
+
+def test_k_prices_the_rows_that_draft_a_fixed_length():
+    """A row with a fixed num_speculative_tokens drafts its 14 tokens at any K: the pass already stands at
+    16 rows, where the CPU curve turns compute-bound, so a weak drafter's (10%) tokens no longer ride free.
+    The choice once left the fixed row out (a 2-row pass, flat) and drafted anyway."""
+    spec = cpu_like_speculation()
+    spec.cost.packs = True  # (padded, the adaptive row's tokens would ride in the fixed row's padding)
+    seqs, caps = rows(2, acceptance=0.1)
+    fixed = SimpleNamespace(proposer=SimpleNamespace(draft_cost_per_token=0.0), fixed_k=True)
+    seqs[0] = SimpleNamespace(adaptive=SimpleNamespace(acceptance=0.3), draft_yield=1.0, spec=fixed)
+    assert spec.choose_k(seqs, [14, 8]) == 0
+    seqs[0].spec = SimpleNamespace(proposer=None, fixed_k=False)  # the same row not drafting: K pays again
+    assert spec.choose_k(seqs, [14, 8]) >= 1

@@ -29,7 +29,8 @@ its one-off catch-up on a prompt, which made o_spec ~1 s and kept qdraft off for
 that drafted and steps that did not: a drafter that is
 accepted but whose steps cost more than they save backs off (the n-gram drafter at concurrency 1
 was 9% slower than plain before this term).
-A request with a fixed num_speculative_tokens drafts exactly that many. After PROBE_INTERVAL decode
+A request with a fixed num_speculative_tokens drafts exactly that many; its draft is in every rate(K)'s
+sums (the pass it widens is the one the other rows' K adds to). After PROBE_INTERVAL decode
 batches in a row with K = 0 the whole batch drafts one token once, so the acceptance estimates stay
 current (probing row by row would pad nearly every pass of a large batch); each probe after which
 K stays 0 doubles the wait, up to MAX_PROBE_INTERVAL (at 16 rows a qdraft probe costs 16 int4 drafts
@@ -270,30 +271,44 @@ class Speculation:
 
     def choose_k(self, seqs, caps: list[int], found: list[Proposal] | None = None) -> int:
         """found: the rows' lookup chains (Speculation.lookups); None: every row's drafter is priced by
-        its yield and its model estimate."""
-        drafting = [self._drafter(s, c, found[i] if found is not None else None)
-                    for i, (s, c) in enumerate(zip(seqs, caps))
-                    if c > 0 and not s.spec.fixed_k and s.spec.proposer is not None]
-        drafting = [d for d in drafting if d is not None]
-        if not drafting:
+        its yield and its model estimate. Rows with a fixed num_speculative_tokens draft their own length
+        at every K: they are priced in every pass (the pass they widen is the one K's rows join)."""
+        adaptive, fixed = [], []
+        for i, (s, c) in enumerate(zip(seqs, caps)):
+            if c > 0 and s.spec.proposer is not None:
+                if s.spec.fixed_k:
+                    fixed.append(self._drafter(s, c, None))  # (propose asks its own proposer: no lookup chain)
+                else:
+                    adaptive.append(self._drafter(s, c, found[i] if found is not None else None))
+        adaptive, fixed = [d for d in adaptive if d is not None], [d for d in fixed if d is not None]
+        if not adaptive:
             return 0
         B = len(seqs)
-        p_none = math.prod(1.0 - y for y, _, _, _ in drafting)  # no row drafts: a plain pass
         plain = self.cost.estimate(B) + B * self.overhead.plain
-        best_k, best = 0, B / plain
-        best_if_all_accepted = 0.0  # the best rate if every draft were accepted
-        for K in range(1, max(c for _, _, c, _ in drafting) + 1):
-            gain = B + sum(y * (expected_tokens(a, min(K, c)) - 1) for y, a, c, _ in drafting)
-            draft = sum(min(K, c) * d for _, _, c, d in drafting)
-            real = B + sum(y * min(K, c) for y, _, c, _ in drafting)  # expected real tokens of the pass
-            verify = self.cost.estimate(self.cost.rows(B, K, real))
+
+        def rates(K: int) -> tuple[float, float]:
+            """(tokens a second, tokens a second if every draft were kept) of a pass where K's rows draft
+            min(K, cap) and the fixed rows their own length."""
+            drafts = [(y, a, n, d) for y, a, n, d in [(y, a, min(K, c), d) for y, a, c, d in adaptive] + fixed
+                      if n > 0]
+            p_none = math.prod(1.0 - y for y, _, _, _ in drafts)  # no row drafts: a plain pass
+            gain = B + sum(y * (expected_tokens(a, n) - 1) for y, a, n, _ in drafts)
+            draft = sum(n * d for _, _, n, d in drafts)
+            real = B + sum(y * n for y, _, n, _ in drafts)  # expected real tokens of the pass
+            verify = self.cost.estimate(self.cost.rows(B, max((n for _, _, n, _ in drafts), default=0), real))
             cost = (1 - p_none) * (verify + draft + B * self.overhead.spec) + p_none * plain
-            rate = gain / cost
-            if rate > best * 1.02:
+            return gain / cost, real / cost
+
+        best, base_if_all_accepted = rates(0)
+        best_k, best_if_all_accepted = 0, 0.0  # the best rate of K >= 1 if every draft were accepted
+        for K in range(1, max(c for _, _, c, _ in adaptive) + 1):
+            rate, if_all_accepted = rates(K)
+            if rate > best * 1.02:  # a noise-level gain does not lengthen the pass
                 best_k, best = K, rate
-            best_if_all_accepted = max(best_if_all_accepted, real / cost)  # real: every drafted token kept
+            best_if_all_accepted = max(best_if_all_accepted, if_all_accepted)
         # hopeless: the drafts' cost alone rules speculation out, so a probe (acceptance) would change nothing
-        if self.probes.should_probe(best_k > 0, hopeless=best_if_all_accepted <= 1.02 * B / plain):
+        hopeless = best_if_all_accepted <= 1.02 * base_if_all_accepted
+        if self.probes.should_probe(best_k > 0, hopeless=hopeless):
             return 1  # probe, the whole batch at once: re-measure acceptance
         return best_k
 
