@@ -193,7 +193,7 @@ def test_fused_attention_matches_torch(T, tree, past, kv_dtype):
     if tree:
         block_mask, positions = _tree(T, past)
     rotary, cache, qkv, dims = _layer_and_inputs(T, past, max_len=past + 64, kv_dtype=kv_dtype)
-    fused = FusedAttention.build(rotary, positions, block_mask, cache, qkv)
+    fused = FusedAttention.build(rotary, positions, block_mask, cache, qkv, dims[0])
     assert fused is not None and fused.kv_bf16 == (kv_dtype is torch.bfloat16)
     got = fused(qkv, 1, *dims)
     k_written, v_written = cache.k[1, 0, :, past:past + T].clone(), cache.v[1, 0, :, past:past + T].clone()
@@ -214,7 +214,7 @@ def test_a_nan_key_gives_nan_attention_as_torch(past):
     positions = torch.arange(past, past + T)[None]
     rotary, cache, qkv, dims = _layer_and_inputs(T, past, max_len=past + 64)
     cache.k[1, 0, 0, 5] = float("nan")  # layer 1, kv head 0, position 5: every query of its heads sees it
-    fused = FusedAttention.build(rotary, positions, None, cache, qkv)
+    fused = FusedAttention.build(rotary, positions, None, cache, qkv, dims[0])
     got = fused(qkv, 1, *dims)
     want = _torch_attention(rotary, cache, qkv, dims, positions, None)
     assert want.isnan().any() and not want.isnan().all()
@@ -235,7 +235,7 @@ def test_fused_attention_rounds_a_bf16_caches_values_as_torch():
     v = qkv[0, :, (Hq + Hkv) * D:]  # the new tokens' values: [T, Hkv D], a view into qkv
     v[0, :len(special)] = special
     positions = torch.arange(past, past + T)[None]
-    FusedAttention.build(rotary, positions, None, cache, qkv)(qkv, 1, Hq, Hkv, D)
+    FusedAttention.build(rotary, positions, None, cache, qkv, Hq)(qkv, 1, Hq, Hkv, D)
     written = cache.v[1, 0, :, past:past + T].transpose(0, 1).reshape(T, Hkv * D)  # [T, Hkv D]
     want = v.to(torch.bfloat16)
     assert torch.equal(written.view(torch.int16)[~want.isnan()], want.view(torch.int16)[~want.isnan()])
@@ -257,7 +257,7 @@ def test_fused_attention_matches_torch_for_head_layouts(dims, T, past, kv_dtype)
     from specdec.kernels.attention import FusedAttention
     positions = torch.arange(past, past + T)[None]
     rotary, cache, qkv, dims = _layer_and_inputs(T, past, dims=dims, max_len=512, kv_dtype=kv_dtype)
-    got = FusedAttention.build(rotary, positions, None, cache, qkv)(qkv, 1, *dims)
+    got = FusedAttention.build(rotary, positions, None, cache, qkv, dims[0])(qkv, 1, *dims)
     want = _torch_attention(rotary, cache, qkv, dims, positions, None)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
@@ -273,11 +273,11 @@ def test_fused_attention_is_batch_invariant(dims, past, T, kv_dtype):
     from specdec.kernels.attention import FusedAttention
     rotary, cache, qkv, dims = _layer_and_inputs(T, past, dims=dims, max_len=past + 64, kv_dtype=kv_dtype)
     positions = torch.arange(past, past + T)[None]
-    block = FusedAttention.build(rotary, positions, None, cache, qkv)(qkv, 1, *dims)
+    block = FusedAttention.build(rotary, positions, None, cache, qkv, dims[0])(qkv, 1, *dims)
     rows = []
     for t in range(T):
         cache.length = past + t
-        one = FusedAttention.build(rotary, positions[:, t:t + 1], None, cache, qkv[:, t:t + 1])
+        one = FusedAttention.build(rotary, positions[:, t:t + 1], None, cache, qkv[:, t:t + 1], dims[0])
         rows.append(one(qkv[:, t:t + 1], 1, *dims))
     assert torch.equal(block, torch.cat(rows, dim=1))
 
@@ -290,11 +290,15 @@ def test_fused_attention_leaves_to_torch_what_would_keep_too_many_partials(monke
     rotary, cache, qkv, dims = _layer_and_inputs(T, past, max_len=512)
     x = torch.zeros(1, T, dims[0] * dims[2])  # the hidden state the model passes: Hq x D wide
     positions = torch.arange(past, past + T)[None]
-    assert attention.FusedAttention.build(rotary, positions, None, cache, x) is not None
+    assert attention.FusedAttention.build(rotary, positions, None, cache, x, dims[0]) is not None
     need = T * dims[0] * 3 * (dims[2] + 2) * 4  # 304 keys: three splits
     monkeypatch.setattr(attention, "MAX_PARTIALS_BYTES", need - 1)
-    assert attention.FusedAttention.build(rotary, positions, None, cache, x) is None
+    assert attention.FusedAttention.build(rotary, positions, None, cache, x, dims[0]) is None
     assert attention.partials_fit(T, dims[0], dims[2], 128)  # one split keeps no partials
+    # the model's head count, not hidden / head_dim: 9 heads of 64 over a 192-wide hidden state (as Gemma 3
+    # 270M: 4 heads of 256 over 640) keep 3x the partials the hidden width suggests
+    narrow = torch.zeros(1, T, 3 * dims[2])
+    assert attention.FusedAttention.build(rotary, positions, None, cache, narrow, dims[0]) is None
 
 
 def test_prune_builds_keeps_the_newest_and_other_kernels(tmp_path):

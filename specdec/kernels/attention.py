@@ -79,8 +79,10 @@ def _kernel_applies(rotary, positions: torch.Tensor, x: torch.Tensor, kv_dtype: 
 class FusedAttention:
     """What the fused kernel needs for one forward pass; built once, used by every layer."""
 
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, block_mask, cache: KVCache):
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, block_mask, cache: KVCache,
+                 n_heads: int):
         self.cos, self.sin = cos, sin  # [max_pos, D] fp32 tables
+        self.n_heads = n_heads  # the model's query heads (the partials a wider call keeps)
         self.positions = positions[0].to(torch.int64).contiguous()  # [T]
         self.mask = None if block_mask is None else block_mask.to(torch.uint8).contiguous()  # [T, T]
         self.cache = cache
@@ -94,7 +96,8 @@ class FusedAttention:
         self.layer_shapes = {}  # layer.c's descriptions of this pass (specdec.kernels.layer), made once
 
     @classmethod
-    def build(cls, rotary, positions: torch.Tensor, block_mask, cache, x: torch.Tensor) -> "FusedAttention | None":
+    def build(cls, rotary, positions: torch.Tensor, block_mask, cache, x: torch.Tensor,
+              n_heads: int) -> "FusedAttention | None":
         B, T = positions.shape
         D = rotary.cos.shape[1]
         if block_mask is not None and tuple(block_mask.shape) != (T, T):
@@ -102,9 +105,9 @@ class FusedAttention:
         if (type(cache) is not KVCache or B != 1 or cache.length + T > cache.max_len
                 or (T > MAX_ROWS and block_mask is not None)
                 or not _kernel_applies(rotary, positions, x, cache.k.dtype)
-                or not partials_fit(min(T, MAX_ROWS), x.shape[-1] // D, D, cache.length + T)):
+                or not partials_fit(min(T, MAX_ROWS), n_heads, D, cache.length + T)):
             return None
-        return cls(rotary.cos, rotary.sin, positions, block_mask, cache)
+        return cls(rotary.cos, rotary.sin, positions, block_mask, cache, n_heads)
 
     def __call__(self, qkv: torch.Tensor, layer: int, n_heads: int, n_kv: int, head_dim: int) -> torch.Tensor:
         """qkv [1, T, (Hq + 2 Hkv) D] -> attention output [1, T, Hq D]; writes this layer's k/v.
@@ -133,9 +136,9 @@ class FusedAttention:
 class PagedAttention:
     """The engine's batched pass (BatchKV: B left-padded rows over the paged pool), one C call per layer."""
 
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, cache: BatchKV):
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, cache: BatchKV, n_heads: int):
         B, T = positions.shape
-        self.cos, self.sin = cos, sin
+        self.cos, self.sin, self.n_heads = cos, sin, n_heads
         self.positions = positions.to(torch.int64).contiguous()  # [B, T]
         self.cache = cache
         self.kv_bf16 = int(cache.pool.k.dtype is torch.bfloat16)
@@ -153,14 +156,14 @@ class PagedAttention:
         self.layer_shapes = {}  # layer.c's descriptions of this pass (specdec.kernels.layer), made once
 
     @classmethod
-    def build(cls, rotary, positions: torch.Tensor, cache, x: torch.Tensor) -> "PagedAttention | None":
+    def build(cls, rotary, positions: torch.Tensor, cache, x: torch.Tensor, n_heads: int) -> "PagedAttention | None":
         B, T = positions.shape
         D = rotary.cos.shape[1]
         if (type(cache) is not BatchKV or B > PAGED_ROWS
                 or not _kernel_applies(rotary, positions, x, cache.pool.k.dtype)
-                or not partials_fit(min(B * T, PAGED_ROWS), x.shape[-1] // D, D, cache.gather.shape[1])):
+                or not partials_fit(min(B * T, PAGED_ROWS), n_heads, D, cache.gather.shape[1])):
             return None
-        return cls(rotary.cos, rotary.sin, positions, cache)
+        return cls(rotary.cos, rotary.sin, positions, cache, n_heads)
 
     def __call__(self, qkv: torch.Tensor, layer: int, n_heads: int, n_kv: int, head_dim: int) -> torch.Tensor:
         """qkv [B, T, (Hq + 2 Hkv) D] -> attention output [B, T, Hq D]; writes this layer's new k/v.
@@ -199,8 +202,9 @@ class PagedAttention:
         return out
 
 
-def fused_attention(rotary, positions: torch.Tensor, block_mask, cache, x: torch.Tensor):
-    """The C attention for this pass (static or paged cache), or None: the caller's torch path."""
+def fused_attention(rotary, positions: torch.Tensor, block_mask, cache, x: torch.Tensor, n_heads: int):
+    """The C attention for this pass (static or paged cache) of a model with n_heads query heads, or None:
+    the caller's torch path."""
     if type(cache) is BatchKV:
-        return PagedAttention.build(rotary, positions, cache, x)
-    return FusedAttention.build(rotary, positions, block_mask, cache, x)
+        return PagedAttention.build(rotary, positions, cache, x, n_heads)
+    return FusedAttention.build(rotary, positions, block_mask, cache, x, n_heads)

@@ -259,7 +259,7 @@ def _rows_fit(x: torch.Tensor, fused, descs: list, packed: bool) -> bool:
     D = fused.cos.shape[1]
     return (rows <= TILE_CALL_ROWS and fused.tail_path is None
             and all(lin.kind == LIN_BF16_TILES for d in descs for lin in (d.qkv, d.o_proj, d.gate_up, d.down))
-            and partials_fit(rows, x.shape[-1] // D, D, keys))
+            and partials_fit(rows, fused.n_heads, D, keys))
 
 
 def _layer_shape(fused, T: int, H: int, Hq: int, Hkv: int, D: int, eps: float) -> _LayerShape:

@@ -172,7 +172,8 @@ class LlamaModel(torch.nn.Module):
         x = self.embed(input_ids) if input_embeds is None else input_embeds  # [B, T, H]
         T = x.shape[1]
         matmul_dtype = self.prefill_matmul_dtype if prefill else None
-        fused = None if self.config.qk_norm else fused_attention(self.rotary, positions, block_mask, cache, x)
+        fused = None if self.config.qk_norm else fused_attention(self.rotary, positions, block_mask, cache, x,
+                                                                  self.config.num_attention_heads)
         if fused is None:
             cos, sin = self.rotary(positions, x.dtype)
             # a prompt into an empty cache is plain causal: None lets SDPA skip the masked half
