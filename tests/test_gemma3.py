@@ -403,3 +403,25 @@ def test_verify_rows_equal_single_token_passes(gemma_dir, tiny_dir, arch, monkey
     monkeypatch.setattr(row_attention.RowAttention, "build", classmethod(lambda cls, *a: None))
     assert any(not torch.equal(_verify_rows(model, prompt, tokens, p), _single_token_rows(model, prompt, tokens, p))
                for p in cases)
+
+
+def test_half_precision_keeps_the_norms_one_plus_w_in_fp32(gemma_dir, tmp_path):
+    """At a half-precision model dtype (the GPU's path; fp16 here runs it on the CPU) Gemma's norms keep
+    1 + w in fp32, as transformers' Gemma3RMSNorm computes it from the stored w: rounded to the model dtype,
+    w's low bits were lost (1 + w in bf16 keeps 8 bits), and each norm's output moved with them."""
+    from safetensors.torch import load_file, save_file
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    d = tmp_path / "half"
+    shutil.copytree(gemma_dir(), d)
+    stored = {k: v.half() for k, v in load_file(str(d / "model.safetensors")).items()}  # as checkpoints ship
+    save_file(stored, str(d / "model.safetensors"), metadata={"format": "pt"})
+    model = load_model(d, torch.float16)
+    norm, w = model.layers[1].pre_ffn_norm, stored["model.layers.1.pre_feedforward_layernorm.weight"]
+    assert norm.weight.dtype is torch.float32 and torch.equal(norm.weight, 1.0 + w.float())
+    assert model.layers[0].qkv.weight.dtype is torch.float16
+    ref = Gemma3RMSNorm(w.numel(), eps=GEMMA["rms_norm_eps"]).half()
+    ref.weight.data = w.clone()
+    x = (3 * torch.randn(16, w.numel())).half()
+    with torch.no_grad():
+        assert torch.equal(norm(x), ref(x)) and norm(x).dtype is torch.float16

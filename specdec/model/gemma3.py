@@ -36,11 +36,18 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 class GemmaRMSNorm(RMSNorm):
-    """Gemma's RMSNorm, its weight stored as 1 + w: x normalized and scaled in fp32 and rounded once, as
-    transformers' Gemma3RMSNorm ((x * w).to(dtype), where Llama's rounds the normalized x first)."""
+    """Gemma's RMSNorm, its weight stored as 1 + w and kept in fp32 at any model dtype (keeps_fp32: the
+    loader does not round it; 1 + w in bf16 loses w's low bits where transformers' Gemma3RMSNorm adds the 1
+    in fp32): x normalized and scaled in fp32 and rounded once, as Gemma3RMSNorm does ((x * w).to(dtype),
+    where Llama's rounds the normalized x first)."""
+
+    keeps_fp32 = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        if x.dtype is torch.float32:
+            return rms_norm(x, self.weight, self.eps)
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()).type_as(x)
 
 
 class Gemma3Layer(torch.nn.Module):

@@ -181,6 +181,13 @@ def read_safetensors_dir(directory: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def in_model_dtypes(model: torch.nn.Module, sd: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """sd cast to `dtype`, but for the parameters of modules that keep fp32 (`keeps_fp32`: Gemma's norms)."""
+    fp32 = {f"{name}.{p}" if name else p for name, m in model.named_modules() if getattr(m, "keeps_fp32", False)
+            for p, _ in m.named_parameters(recurse=False)}
+    return {k: v.to(torch.float32 if k in fp32 else dtype) for k, v in sd.items()}
+
+
 def check_shapes(model: torch.nn.Module, sd: dict[str, torch.Tensor], directory) -> None:
     """A ConfigError unless every weight has the shape the config gives (a vocab_size that is not the
     embedding's rows, q/k/v of other widths were a RuntimeError from load_state_dict)."""
@@ -231,7 +238,7 @@ def load_model(directory: Path, dtype: torch.dtype = torch.float32, max_len: int
     except RuntimeError as e:  # q/k/v or gate/up of shapes that do not join (from_hf concatenates them)
         raise ConfigError(f"{directory}: weights of inconsistent shapes ({str(e).splitlines()[0][:160]})") from None
     check_shapes(model, sd, directory)
-    model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=False, assign=True)
+    model.load_state_dict(in_model_dtypes(model, sd, dtype), strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
     arch.init_rotary(model, max_len)
