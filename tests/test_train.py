@@ -237,6 +237,44 @@ def test_distill_reports_before_after(dataset, tmp_path):
     assert set(rep) >= {"before", "after", "train_tokens"} and rep["after"]["tau"] >= 1.0
 
 
+def test_distill_resumes_to_the_same_weights(dataset, tmp_path, monkeypatch):
+    """A distillation cut short (here after 3 steps) resumes from its checkpoint on a rerun and ends with the
+    weights and report of one that ran through; a rerun with other settings is refused."""
+    from specdec.config import ConfigError
+    from specdec.model.loader import load_model, save_model_dir
+    from specdec.train import distill as distill_module
+    from specdec.train.distill import distill
+
+    d, data = dataset
+    target = load_model(d, torch.float32, 512)
+    save_model_dir(target, d, tmp_path / "draft", [0, 3])
+    kw = dict(epochs=1, draft_vocab_size=100, progress=False, ckpt_every=2)
+    whole = load_model(tmp_path / "draft", torch.float32, 512)
+    want = distill(target, whole, [str(data)], tmp_path / "whole", **kw)
+
+    real, calls = distill_module.with_features, []
+
+    def cut(*a, **k):
+        calls.append(1)
+        if len(calls) > 3:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+    monkeypatch.setattr(distill_module, "with_features", cut)
+    with pytest.raises(KeyboardInterrupt):
+        distill(target, load_model(tmp_path / "draft", torch.float32, 512), [str(data)], tmp_path / "cut", **kw)
+    rerun = []
+    monkeypatch.setattr(distill_module, "with_features", lambda *a, **k: rerun.append(1) or real(*a, **k))
+    resumed = load_model(tmp_path / "draft", torch.float32, 512)
+    got = distill(target, resumed, [str(data)], tmp_path / "cut", **kw)
+    assert len(rerun) == want["sequences"] - 2  # from the checkpoint after step 2 (step 4 was cut), not from 0
+    assert got["before"] == want["before"] and got["after"] == want["after"]
+    assert got["train_tokens"] == want["train_tokens"]
+    assert all(torch.equal(v, whole.state_dict()[k]) for k, v in resumed.state_dict().items())
+    with pytest.raises(ConfigError, match="other settings"):
+        distill(target, load_model(tmp_path / "draft", torch.float32, 512), [str(data)], tmp_path / "cut",
+                **{**kw, "draft_vocab_size": 90})
+
+
 def test_cli_train_and_eval(dataset, tmp_path, capsys):
     from specdec.cli import main
 

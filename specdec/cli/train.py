@@ -1,6 +1,6 @@
 """`specdec train`: data for learned drafters and the training of Medusa / EAGLE / EAGLE-3 heads and
-of distilled draft models. Every stage is seeded; data and head training are resumable (rerun the same
-command; a data rerun with other selection settings is refused), draft-model distillation starts over.
+of distilled draft models. Every stage is seeded and resumable: rerun the same command (a rerun with other
+settings is refused).
 
     specdec train data smollm2-135m --out runs/data --num-prompts 960 --max-new-tokens 128
     specdec train data smollm2-135m --out runs/data_tf --teacher-forced 1024

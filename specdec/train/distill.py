@@ -5,12 +5,14 @@ target-generated data, with KL(target || draft) over the frequent-token draft vo
 
 Only the decoder layers and the final norm train (the embedding is tied to the LM head and stays
 frozen). Acceptance before/after is the greedy chain acceptance on held-out target outputs: from
-every assistant position, how many consecutive draft argmax tokens equal the target's tokens.
+every assistant position, how many consecutive draft argmax tokens equal the target's tokens. Resumable:
+a rerun of the same command continues from the last checkpoint (out/checkpoint.pt).
 """
 from __future__ import annotations
 
 import json
 import math
+import pickle  # (its error type only: torch.load's weights_only unpickler raises it on a damaged file)
 import random
 import time
 from pathlib import Path
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 
 from specdec.config import ConfigError
 from specdec.model.layers import apply_rotary
+from specdec.model.output_dir import sync_replace, write_atomic
 from specdec.train.features import Shard, token_counts, train_and_heldout, with_features
 
 
@@ -70,7 +73,11 @@ def chain_acceptance_draft(draft, seqs: list[Shard.Sequence], depth: int) -> dic
 
 def distill(target, draft, data_dirs: list[str], out: Path, epochs: float = 1.0, lr: float = 1e-4,
             draft_vocab_size: int = 8192, max_len: int = 384, seed: int = 0, depth: int = 5,
-            progress: bool = True) -> dict:
+            progress: bool = True, ckpt_every: int = 50) -> dict:
+    """Fine-tune `draft` in place; returns the report (acceptance before and after, tokens, seconds), also
+    written to out/distill_report.json. A checkpoint (the trained tensors, the optimiser, the step) every
+    `ckpt_every` steps and at the end: a rerun of the same command resumes where it stopped and ends with
+    the same weights (one with other settings or data is refused)."""
     from tqdm import tqdm
 
     torch.manual_seed(seed)
@@ -86,14 +93,20 @@ def distill(target, draft, data_dirs: list[str], out: Path, epochs: float = 1.0,
     params = [p for L in draft.layers for p in L.parameters()] + list(draft.norm.parameters())
     for p in params:
         p.requires_grad_(True)
-    before = chain_acceptance_draft(draft, held, depth)
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    settings = {"epochs": epochs, "lr": lr, "draft_vocab_size": draft_vocab_size, "max_len": max_len, "seed": seed,
+                "depth": depth, "train_sequences": len(train), "draft_layers": draft.config.num_hidden_layers}
+    out.mkdir(parents=True, exist_ok=True)
+    run = _resume(out / "checkpoint.pt", settings, draft, opt)
+    if run is None:
+        run = {"step": 0, "seen": 0, "seconds": 0.0, "before": chain_acceptance_draft(draft, held, depth)}
     total = max(1, int(epochs * len(train)))
     order = [i % len(train) for i in range(total)]
     random.Random(seed).shuffle(order)
-    t0, seen = time.perf_counter(), 0
-    for step, i in enumerate(tqdm(order, desc="distill draft", disable=not progress)):
-        s = with_features(target, [train[i]], (), max_len)[0]  # online shards: one target pass
+    t0 = time.perf_counter()
+    for step in tqdm(range(run["step"], total), desc="distill draft", disable=not progress, initial=run["step"],
+                     total=total):
+        s = with_features(target, [train[order[step]]], (), max_len)[0]  # online shards: one target pass
         n = min(len(s.tokens), max_len)
         for g in opt.param_groups:
             g["lr"] = lr * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / total))
@@ -106,12 +119,49 @@ def distill(target, draft, data_dirs: list[str], out: Path, epochs: float = 1.0,
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        seen += n
+        run["step"], run["seen"] = step + 1, run["seen"] + n
+        if run["step"] % ckpt_every == 0 or run["step"] == total:
+            _checkpoint(out / "checkpoint.pt", settings, draft, opt, run, time.perf_counter() - t0)
     for p in draft.parameters():
         p.requires_grad_(False)
     after = chain_acceptance_draft(draft, held, depth)
-    report = {"before": before, "after": after, "train_tokens": seen, "seconds": round(time.perf_counter() - t0, 1),
+    seconds = run["seconds"] + time.perf_counter() - t0  # (the runs before a resume included)
+    report = {"before": run["before"], "after": after, "train_tokens": run["seen"], "seconds": round(seconds, 1),
               "sequences": len(train), "epochs": epochs}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "distill_report.json").write_text(json.dumps(report, indent=2))
+    write_atomic(out / "distill_report.json", json.dumps(report, indent=2))
     return report
+
+
+def _trained(draft) -> dict[str, torch.Tensor]:
+    """The tensors distillation trains: the decoder layers and the final norm."""
+    return {k: v for k, v in draft.state_dict().items() if k.startswith(("layers.", "norm."))}
+
+
+def _checkpoint(path: Path, settings: dict, draft, opt, run: dict, seconds_this_run: float) -> None:
+    state = {"draft": _trained(draft), "opt": opt.state_dict(), "settings": json.dumps(settings),
+             "run": json.dumps({**run, "seconds": run["seconds"] + seconds_this_run}),
+             "rng": torch.get_rng_state()}
+    torch.save(state, path.with_suffix(".tmp"))
+    sync_replace(path.with_suffix(".tmp"), path)
+
+
+def _resume(path: Path, settings: dict, draft, opt) -> dict | None:
+    """The run a checkpoint holds, its tensors and optimiser restored into draft and opt; None: no checkpoint."""
+    if not path.exists():
+        return None
+    try:
+        state = torch.load(path, weights_only=True, map_location="cpu")
+        saved = json.loads(state["settings"])
+    except (RuntimeError, OSError, EOFError, KeyError, ValueError, pickle.UnpicklingError) as e:
+        why = (str(e).splitlines() or [type(e).__name__])[0][:120]
+        raise ConfigError(f"{path} cannot be read ({why}); delete it to start over") from None
+    changed = sorted(k for k in settings if saved.get(k) != json.loads(json.dumps(settings))[k])
+    if changed:
+        raise ConfigError(f"{path.parent} holds a distillation with other settings or data ({', '.join(changed)}: "
+                          f"{', '.join(repr(saved.get(k)) for k in changed)}); rerun it with those, or use a new --out")
+    missing, unexpected = draft.load_state_dict(state["draft"], strict=False)
+    if unexpected or set(_trained(draft)) & set(missing):
+        raise ConfigError(f"{path}: its tensors are not this draft's; use a new --out")
+    opt.load_state_dict(state["opt"])
+    torch.set_rng_state(state["rng"])
+    return json.loads(state["run"])
