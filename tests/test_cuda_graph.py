@@ -4,7 +4,7 @@ static pass runs uncaptured; the capture itself is tested only where a GPU exist
 import pytest
 import torch
 
-from specdec.model.cuda_graph import MIN_KEYS, TOKEN_BUCKETS, GraphedModel, bucket_of, key_span
+from specdec.model.cuda_graph import MIN_KEYS, TOKEN_BUCKETS, CapturedCalls, GraphedModel, bucket_of, key_span
 from specdec.model.loader import load_model
 from specdec.spec.tree import tree_mask, tree_positions
 
@@ -242,3 +242,85 @@ def test_graphed_head_on_a_short_prompt_and_at_the_end_of_its_rotary_table():
     want = plain.generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids
     out = llm.generate({"prompt_token_ids": ids}, params)[0].outputs[0]
     assert out.token_ids == want and proposer.graphed.stats()["replays"] > 0
+
+
+def test_a_failed_capture_runs_its_shape_eagerly_and_keeps_the_others(monkeypatch):
+    """A capture that fails (out of memory for one wide key span, say) sends that shape to the eager path
+    for good and leaves every other key's graph in use (one failure turned every graph off); the failure is
+    still reported. The capture is emulated on the CPU: its warm-up run, then success or failure."""
+    calls = CapturedCalls(torch.device("cpu"))
+    calls.enabled, captures = True, []
+
+    def capture(entry, fn):
+        captures.append(1)
+        fn(*entry.bufs)  # the warm-up's side effects are the call's own
+        return "RuntimeError: CUDA out of memory" if len(captures) == 2 else None
+    monkeypatch.setattr(calls, "_capture", capture)
+
+    def call(key, value):
+        return calls(key, lambda: (torch.zeros(1),), lambda bufs: bufs[0].fill_(value), lambda x: x * 2)
+
+    with pytest.warns(UserWarning, match="running this shape eagerly"):
+        assert float(call("a", 1)[0]) == 2 and call("b", 1) is None
+    assert float(call("a", 3)[0]) == 6 and call("b", 3) is None and float(call("c", 4)[0]) == 8
+    assert len(captures) == 3 and calls.disabled == "RuntimeError: CUDA out of memory"
+
+
+def test_requests_equal_eager_when_a_capture_fails(monkeypatch):
+    """Whole requests through the wrapper with the second shape's capture failing: greedy outputs equal the
+    eager model's (the failed shape's passes run eagerly on the same cache, after the warm-up's writes)."""
+    from specdec import LLM, SamplingParams
+
+    method = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}
+    params = SamplingParams(temperature=0.0, max_tokens=32)
+    prompt = [{"role": "user", "content": "Repeat after me: one two three one two three one two three."}]
+    want = LLM("smollm2-135m", dtype="float32", progress=False, speculative_config=method,
+               enable_prefix_caching=False).chat(prompt, params)[0].outputs[0].token_ids
+    llm, graphed, _ = _graphed_llm(method)
+    graphed.calls.enabled, captures = True, []
+
+    def capture(entry, fn):
+        captures.append(1)
+        fn(*entry.bufs)
+        return "RuntimeError: CUDA out of memory" if len(captures) == 2 else None
+    monkeypatch.setattr(graphed.calls, "_capture", capture)
+    with pytest.warns(UserWarning, match="running this shape eagerly"):
+        assert llm.chat(prompt, params)[0].outputs[0].token_ids == want
+    assert len(graphed.calls.failed) == 1 and graphed.stats()["replays"] > 0
+    assert graphed.stats()["eager_passes"] > 1  # the prompt's, and the failed shape's passes
+
+
+def test_capture_runs_on_the_models_device(monkeypatch):
+    """The capture goes on a stream of the model's device with that device current: given no stream, torch
+    captures on a stream of the current device, and a model on another GPU (cuda:1) ran outside the capture,
+    leaving an empty graph whose replays returned stale outputs. torch.cuda is faked: no GPU here."""
+    import contextlib
+    from types import SimpleNamespace
+
+    seen = {}
+
+    class Stream:
+        def __init__(self, device):
+            self.device = device
+
+        def wait_stream(self, other):
+            pass
+
+    @contextlib.contextmanager
+    def current(name, value):
+        seen.setdefault(name, []).append(value)
+        yield
+
+    def graph(g, pool=None, stream=None):
+        seen["capture_stream"] = stream
+        return current("captured_in", stream)
+
+    fake = SimpleNamespace(Stream=Stream, current_stream=lambda d=None: Stream(d), CUDAGraph=lambda: SimpleNamespace(
+        pool=lambda: "pool"), graph=graph, stream=lambda s: current("stream", s),
+        device=lambda d: current("device", d))
+    monkeypatch.setattr(torch, "cuda", fake)
+    calls = CapturedCalls(torch.device("cuda", 1))
+    entry = SimpleNamespace(bufs=(), out=None, graph=None)
+    assert calls._capture(entry, lambda: "out") is None and entry.out == "out"
+    assert seen["device"] == [torch.device("cuda", 1)]
+    assert seen["capture_stream"].device == torch.device("cuda", 1)

@@ -79,20 +79,29 @@ class CapturedCalls:
     buffers (alloc), fills them with this call's inputs (fill), captures fn(*buffers) after a warm-up run
     and replays it; later calls fill and replay. The warm-up runs on this call's real inputs, so side
     effects it has (a KV cache write) are the call's own. Without CUDA (or enabled=False) fn runs on the
-    buffers uncaptured: the same bookkeeping, testable on a CPU. A failed capture disables every key
-    (call returns None: the caller runs its eager path), with one warning."""
+    buffers uncaptured: the same bookkeeping, testable on a CPU. A key whose capture fails (out of memory
+    for a wide key span, say) runs eagerly from then on (call returns None: the caller's eager path), with
+    one warning; the other keys keep their graphs.
+    Capture and replay run on `device` (its side stream, it made current), whichever device is current.
+    Every graph shares one memory pool, so a replay may overwrite what an earlier replay returned: a caller
+    takes (clones, copies to the host) a result before the next call of any key."""
 
     def __init__(self, device: torch.device, enabled: bool = True):
         self.device = device
         self.enabled = enabled and device.type == "cuda"
         self.entries: dict[tuple, _Entry] = {}
         self.pool = None  # one memory pool for all graphs (they never run at once)
-        self.disabled: str | None = None
+        self.failed: dict[tuple, str] = {}  # keys whose capture failed -> why: they run eagerly
         self.replays = 0
+
+    @property
+    def disabled(self) -> str | None:
+        """Why a capture failed (the first failure); None while every capture succeeded."""
+        return next(iter(self.failed.values()), None)
 
     def __call__(self, key: tuple, alloc: Callable[[], tuple], fill: Callable[[tuple], None],
                  fn: Callable[..., object]):
-        if self.disabled is not None:
+        if key in self.failed:
             return None
         entry = self.entries.get(key)
         new = entry is None
@@ -100,32 +109,38 @@ class CapturedCalls:
             entry = _Entry(alloc())
         fill(entry.bufs)
         if new:
-            if self.enabled and not self._capture(entry, fn):
+            failure = self._capture(entry, fn) if self.enabled else None
+            if failure is not None:
+                self.failed[key] = failure
+                warnings.warn(f"CUDA graph capture failed, running this shape eagerly: {failure}", stacklevel=3)
                 return None
             self.entries[key] = entry
         self.replays += 1
         if entry.graph is None:
             return fn(*entry.bufs)
-        entry.graph.replay()
+        with torch.cuda.device(self.device):
+            entry.graph.replay()
         return entry.out
 
-    def _capture(self, entry: _Entry, fn) -> bool:
+    def _capture(self, entry: _Entry, fn) -> str | None:
+        """Warm fn up on a side stream of `device` and capture it there into entry; why it failed, or None.
+        (Without stream=, torch captures on a stream of the current device: a model on another GPU then
+        ran outside the capture, and every replay of the empty graph returned the warm-up's outputs.)"""
         try:
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                fn(*entry.bufs)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                entry.out = fn(*entry.bufs)
+            with torch.cuda.device(self.device):
+                side = torch.cuda.Stream(self.device)
+                side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(side):
+                    fn(*entry.bufs)
+                torch.cuda.current_stream(self.device).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, stream=side):
+                    entry.out = fn(*entry.bufs)
         except RuntimeError as e:
-            self.disabled = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-            warnings.warn(f"CUDA graph capture failed, running eagerly: {self.disabled}", stacklevel=4)
-            return False
+            return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         self.pool = graph.pool()
         entry.graph = graph
-        return True
+        return None
 
     @property
     def num_graphs(self) -> int:

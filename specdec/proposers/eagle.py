@@ -232,7 +232,7 @@ class _EagleBase(Proposer):
                                             self.lm_head)
         if got is None:
             if rows is not None:
-                self._commit([(state, *rows)])
+                self._timed_commit([(state, *rows)])  # (counted as the catch-up adaptive k prices)
             return None
         drafted, st["g"] = got
         st["len"] = st["cache"].length

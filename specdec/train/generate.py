@@ -119,4 +119,7 @@ def _decode_step(model, cache, step, key_valid, keys: int, aux_layers):
 
 
 def _features(out, aux_layers) -> list[torch.Tensor]:
-    return [out.hidden.half()] + [out.layer_hidden[l].half() for l in aux_layers]
+    """The pass's features as fp16 copies (a copy even of fp16 outputs: the graphs' shared pool may reuse their
+    memory at the next replay)."""
+    return [out.hidden.to(torch.float16, copy=True)] + [out.layer_hidden[l].to(torch.float16, copy=True)
+                                                        for l in aux_layers]
