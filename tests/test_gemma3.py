@@ -425,3 +425,13 @@ def test_half_precision_keeps_the_norms_one_plus_w_in_fp32(gemma_dir, tmp_path):
     x = (3 * torch.randn(16, w.numel())).half()
     with torch.no_grad():
         assert torch.equal(norm(x), ref(x)) and norm(x).dtype is torch.float16
+    # the model still runs at fp16: its dtype (which the norms no longer tell), caches, a head's proposer
+    from tests.heads import random_head
+    assert model.dtype is torch.float16 and model.new_cache(16).k.dtype is torch.float16
+    head = random_head(load_model(d, torch.float32), "eagle3", tmp_path / "head")
+    kw = dict(dtype="float16", max_model_len=128, progress=False, num_threads=1)
+    plain, spec = LLM(str(d), **kw), LLM(str(d), speculative_config={"method": "eagle3", "model": str(head)}, **kw)
+    assert plain.dtype is torch.float16
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = plain.generate({"prompt_token_ids": IDS}, params)[0].outputs[0].token_ids
+    assert spec.generate({"prompt_token_ids": IDS}, params)[0].outputs[0].token_ids == want

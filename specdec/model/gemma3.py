@@ -110,7 +110,9 @@ class Gemma3Model(torch.nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.norm.weight.dtype  # the embedding may be a packed (quantized) table
+        """The activations' dtype: the embedding's (a packed table reports its compute dtype); the norms keep
+        fp32 at any dtype (GemmaRMSNorm.keeps_fp32)."""
+        return self.embed.weight.dtype
 
     @property
     def device(self) -> torch.device:
