@@ -224,15 +224,17 @@ def test_a_reduced_eagle1_exports_to_vllm_as_the_full_vocabulary_head_vllm_runs(
 def test_upstream_checkpoints_specdec_cannot_hold_are_refused(target, tmp_path):
     """A Medusa checkpoint with LM heads of its own, or any reduced vocabulary without the map naming its
     tokens, is a ConfigError (they loaded as the shared LM head / the first ids of the vocabulary)."""
+    from specdec.proposers.head_io import load_head
     d, model = target
     src = random_head(model, "medusa", tmp_path / "m", draft_vocab=128)
     export_head(src, "vllm", tmp_path / "out", d)
     out = tmp_path / "out"
     cfg, sd = json.loads((out / "config.json").read_text()), load_file(str(out / "model.safetensors"))
     cfg.pop("specdec")
-    (out / "config.json").write_text(json.dumps({**cfg, "original_lm_head": False}))
-    with pytest.raises(ConfigError, match="LM heads of their own"):
-        import_head(out, model.config)
+    for upstream in ({**cfg, "original_lm_head": False}, {k: v for k, v in cfg.items() if k != "original_lm_head"}):
+        (out / "config.json").write_text(json.dumps(upstream))  # (vLLM's default: false, a head's own LM head)
+        with pytest.raises(ConfigError, match="LM heads of their own"):
+            import_head(out, model.config)
     (out / "config.json").write_text(json.dumps(cfg))
     save_file({k: v for k, v in sd.items() if k != "token_map"}, str(out / "model.safetensors"))
     with pytest.raises(ConfigError, match="without the token_map"):
@@ -245,9 +247,30 @@ def test_upstream_checkpoints_specdec_cannot_hold_are_refused(target, tmp_path):
         import_head(tmp_path / "e3-out", model.config)
     e1 = random_head(model, "eagle", tmp_path / "e1", draft_vocab=300)
     export_head(e1, "sglang", tmp_path / "e1-out", d)
-    torch.save(torch.tensor([0.5, 1.5]), tmp_path / "e1-out" / "hot_token_ids.pt")
-    with pytest.raises(ConfigError, match="token ids"):
-        import_head(tmp_path / "e1-out", model.config)
+    hot = tmp_path / "e1-out" / "hot_token_ids.pt"
+    ids = torch.load(hot, weights_only=True)
+    torch.save(ids.tolist(), hot)  # a list, as SGLang also reads
+    assert torch.equal(import_head(tmp_path / "e1-out", model.config).draft_ids, ids)
+    for bad, match in ((torch.tensor([0.5, 1.5]), "token ids"), (ids[:10], "names 10 distinct tokens")):
+        torch.save(bad, hot)
+        with pytest.raises(ConfigError, match=match):
+            load_head(tmp_path / "e1-out")  # (as written: the size its config says)
+    for raw in (b"", b"abc"):  # empty, garbage: one line, no EOFError / IndexError traceback
+        hot.write_bytes(raw)
+        with pytest.raises(ConfigError, match="cannot read"):
+            import_head(tmp_path / "e1-out", model.config)
+
+
+def test_an_export_exports_again_in_either_layout(target, tmp_path):
+    """An export is itself a head directory: exporting it again (SGLang's EAGLE-1 to vLLM's) writes the
+    vLLM layout, not SGLang's zero fc bias carried over from the files."""
+    from specdec.proposers.head_io import load_head
+    d, model = target
+    src = random_head(model, "eagle", tmp_path / "head")
+    export_head(src, "sglang", tmp_path / "sg", d)
+    export_head(tmp_path / "sg", "vllm", tmp_path / "vl", d)
+    assert _keys(tmp_path / "vl") == EAGLE_KEYS
+    assert _same_weights(load_head(tmp_path / "vl"), load_head(src))
 
 
 @pytest.mark.parametrize("kind", ["eagle", "medusa"])

@@ -119,9 +119,11 @@ def own_layout(head, sd: dict, path: Path, raw: dict) -> dict:
     cfg = head.cfg
     if cfg.kind == "medusa":
         sd = {k.replace("medusa_heads.", ""): v for k, v in sd.items()}
-        if raw.get("original_lm_head") is False and any(k.startswith("lm_head") for k in sd):
-            raise ConfigError(f"{path}: its Medusa heads have LM heads of their own (original_lm_head false); "
-                              "specdec's Medusa heads share the target's")
+        # vLLM's Medusa: original_lm_head (default false) says whether lm_heads.0 is the target's own, shared
+        # by every head, or each head has its own lm_heads.i
+        if not raw.get("original_lm_head", False) and any(k.startswith("lm_head") for k in sd):
+            raise ConfigError(f"{path}: its Medusa heads have LM heads of their own (original_lm_head is not "
+                              "true); specdec's Medusa heads share the target's")
         sd = {k: v for k, v in sd.items() if not k.startswith("lm_head")}
         if "token_map" not in sd:
             if cfg.draft_vocab_size:
@@ -137,7 +139,10 @@ def own_layout(head, sd: dict, path: Path, raw: dict) -> dict:
           and not (cfg.kind == "eagle" and k.startswith("lm_head"))}
     if "d2t" not in sd:
         hot = _hot_token_ids(path, cfg.vocab_size) if cfg.kind == "eagle" and cfg.draft_vocab_size else None
-        if hot is not None and hot.numel() == cfg.draft_vocab_size:
+        if hot is not None and hot.numel() != cfg.draft_vocab_size:
+            raise ConfigError(f"{path}/hot_token_ids.pt names {hot.numel()} distinct tokens, the head's draft "
+                              f"vocabulary has {cfg.draft_vocab_size}")
+        if hot is not None:
             head.set_vocab(hot)
         elif cfg.draft_vocab_size:
             raise ConfigError(f"{path}: a draft vocabulary of {cfg.draft_vocab_size} tokens without the map that "
@@ -163,10 +168,12 @@ def _hot_token_ids(path: Path, vocab_size: int) -> torch.Tensor | None:
         return None
     try:
         ids = torch.load(f, map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError, ValueError, pickle.UnpicklingError) as e:
-        raise ConfigError(f"cannot read {f}: {str(e).splitlines()[0][:160]}") from None
+    except (OSError, RuntimeError, ValueError, EOFError, IndexError, pickle.UnpicklingError) as e:
+        raise ConfigError(f"cannot read {f}: {(str(e).splitlines() or [type(e).__name__])[0][:160]}") from None
+    if isinstance(ids, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        ids = torch.tensor(ids, dtype=torch.long)  # (SGLang takes a list too)
     if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.is_floating_point() or ids.numel() == 0:
-        raise ConfigError(f"{f}: not a 1-D tensor of token ids")
+        raise ConfigError(f"{f}: not a 1-D list or tensor of token ids")
     ids = ids.long().unique()  # (sorted; FR-Spec's files are ordered by frequency)
     if not bool(((ids >= 0) & (ids < vocab_size)).all()):
         raise ConfigError(f"{f}: token ids outside this target's vocabulary of {vocab_size}")
@@ -195,12 +202,15 @@ def export_head(head_dir: Path, fmt: str, out: Path, target_dir: Path, num_specu
     cfg = head.cfg
     if cfg.kind == "medusa" and fmt == "sglang":
         raise ConfigError("SGLang serves no Medusa heads; export Medusa with --format vllm")
-    sd = load_file(str(head_dir / "model.safetensors"))
     name = json.loads((head_dir / "config.json").read_text()).get("torch_dtype", "float32")
     dtype = {v: k for k, v in _DTYPE_NAMES.items()}.get(name)
     if dtype is None:
         raise ConfigError(f"{head_dir}/config.json: torch_dtype {name!r} is not one of "
                           f"{', '.join(_DTYPE_NAMES.values())}")
+    # from the head as loaded, our own layout (a head that is itself an export: no SGLang fc.bias carried
+    # over), in the dtype it was stored in (its values are that dtype's: the round trip is exact)
+    sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in head.state_dict().items()
+          if not k.startswith("rotary.")}
     with new_dir(out) as partial:
         extra_args, notes = _write_export(head, sd, dtype, fmt, head_dir, partial, out, target_dir)
     command = serve_command(fmt, cfg.kind, str(target_dir), str(out), num_speculative_tokens, num_steps,
