@@ -207,7 +207,7 @@ def test_cuda_graph_replays_equal_eager(tiny_dir):
     assert graphed.generate(prompt, params)[0].outputs[0].token_ids == \
         eager.generate(prompt, params)[0].outputs[0].token_ids
     stats = graphed.model.stats()
-    assert stats["disabled"] is None and stats["graphs"] >= 1 and stats["replays"] > 0
+    assert stats["capture_failure"] is None and stats["graphs"] >= 1 and stats["replays"] > 0
 
 
 @cuda
@@ -263,7 +263,7 @@ def test_a_failed_capture_runs_its_shape_eagerly_and_keeps_the_others(monkeypatc
     with pytest.warns(UserWarning, match="running this shape eagerly"):
         assert float(call("a", 1)[0]) == 2 and call("b", 1) is None
     assert float(call("a", 3)[0]) == 6 and call("b", 3) is None and float(call("c", 4)[0]) == 8
-    assert len(captures) == 3 and calls.disabled == "RuntimeError: CUDA out of memory"
+    assert len(captures) == 3 and calls.failure == "RuntimeError: CUDA out of memory"
 
 
 def test_requests_equal_eager_when_a_capture_fails(monkeypatch):

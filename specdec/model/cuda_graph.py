@@ -95,8 +95,9 @@ class CapturedCalls:
         self.replays = 0
 
     @property
-    def disabled(self) -> str | None:
-        """Why a capture failed (the first failure); None while every capture succeeded."""
+    def failure(self) -> str | None:
+        """Why a capture failed (the first failure; its shape, and any other that failed, run eagerly, the
+        rest replay); None while every capture succeeded."""
         return next(iter(self.failed.values()), None)
 
     def __call__(self, key: tuple, alloc: Callable[[], tuple], fill: Callable[[tuple], None],
@@ -244,4 +245,4 @@ class GraphedModel:
 
     def stats(self) -> dict:
         return {"graphs": self.calls.num_graphs, "replays": self.calls.replays, "eager_passes": self.eager_passes,
-                "disabled": self.calls.disabled}
+                "capture_failure": self.calls.failure, "failed_shapes": len(self.calls.failed)}

@@ -208,4 +208,4 @@ class GraphedHead:
 
     def stats(self) -> dict:
         return {"graphs": self.calls.num_graphs, "replays": self.calls.replays, "eager_passes": self.eager_passes,
-                "disabled": self.calls.disabled}
+                "capture_failure": self.calls.failure, "failed_shapes": len(self.calls.failed)}

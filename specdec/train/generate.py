@@ -34,21 +34,22 @@ class StaticGenerator:
         self.model = model
         self.calls = CapturedCalls(model.device, graphs)
         self.shape, self.cache = None, None  # (batch size, positions) of the cache kept, and the cache
-        self._graphs_before = {"captured": 0, "replays": 0, "disabled": None}  # of the shapes dropped
+        # the graphs of the shapes dropped so far (graph_stats)
+        self._graphs_before = {"captured": 0, "replays": 0, "disabled": None, "capture_failure": None}
         # where the time goes, summed over batches (a GPU synchronized at each boundary): the prompt passes,
         # the decode steps, and turning a batch's steps into sequences on the host
         self.seconds = {"prompt": 0.0, "decode": 0.0, "assemble": 0.0}
 
     def graph_stats(self) -> dict:
         """The decode steps' CUDA graphs over every batch so far: graphs captured, steps that went through
-        them (replays; uncaptured runs where graphs are off), and why they were off (None: they were not)."""
+        them (replays; uncaptured runs where graphs are off), why they were off (None: they were not), and the
+        first capture that failed (its shape ran eagerly; None: none did)."""
         done = self._graphs_before
         now = self.calls
-        reason = now.disabled or done["disabled"]
-        if not now.enabled and reason is None:
-            reason = "no CUDA" if self.model.device.type != "cuda" else "off"
+        reason = None if now.enabled else "no CUDA" if self.model.device.type != "cuda" else "off"
         return {"captured": done["captured"] + sum(e.graph is not None for e in now.entries.values()),
-                "replays": done["replays"] + now.replays, "disabled": reason}
+                "replays": done["replays"] + now.replays, "disabled": reason,
+                "capture_failure": now.failure or done["capture_failure"]}
 
     def _lap(self, phase: str, since: float) -> float:
         if self.model.device.type == "cuda":
@@ -71,7 +72,7 @@ class StaticGenerator:
         if self.shape != (B, total):  # batches come sorted by length: keep one shape's cache and graphs at a time
             self.cache = None
             self._graphs_before = self.graph_stats()
-            self.calls = CapturedCalls(dev, self.calls.enabled and self.calls.disabled is None)
+            self.calls = CapturedCalls(dev, self.calls.enabled)  # (a shape whose capture failed: eager alone)
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
             self.shape, self.cache = (B, total), KVCache.for_model(model.config, total, model.dtype, B, dev)
