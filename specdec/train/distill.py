@@ -10,9 +10,9 @@ a rerun of the same command continues from the last checkpoint (out/checkpoint.p
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
-import pickle  # (its error type only: torch.load's weights_only unpickler raises it on a damaged file)
 import random
 import time
 from pathlib import Path
@@ -22,7 +22,8 @@ import torch.nn.functional as F
 
 from specdec.config import ConfigError
 from specdec.model.layers import apply_rotary
-from specdec.model.output_dir import sync_replace, write_atomic
+from specdec.model.output_dir import write_atomic
+from specdec.train.checkpoint import check_settings, read_checkpoint, write_checkpoint
 from specdec.train.features import Shard, token_counts, train_and_heldout, with_features
 
 
@@ -94,8 +95,11 @@ def distill(target, draft, data_dirs: list[str], out: Path, epochs: float = 1.0,
     for p in params:
         p.requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    data = hashlib.sha1()  # the training sequences themselves: a rerun on other data is refused
+    for seq in train:
+        data.update(torch.tensor(seq.tokens, dtype=torch.int32).numpy().tobytes())
     settings = {"epochs": epochs, "lr": lr, "draft_vocab_size": draft_vocab_size, "max_len": max_len, "seed": seed,
-                "depth": depth, "train_sequences": len(train), "draft_layers": draft.config.num_hidden_layers}
+                "depth": depth, "train_data": data.hexdigest()[:16], "draft_layers": draft.config.num_hidden_layers}
     out.mkdir(parents=True, exist_ok=True)
     run = _resume(out / "checkpoint.pt", settings, draft, opt)
     if run is None:
@@ -138,30 +142,25 @@ def _trained(draft) -> dict[str, torch.Tensor]:
 
 
 def _checkpoint(path: Path, settings: dict, draft, opt, run: dict, seconds_this_run: float) -> None:
-    state = {"draft": _trained(draft), "opt": opt.state_dict(), "settings": json.dumps(settings),
-             "run": json.dumps({**run, "seconds": run["seconds"] + seconds_this_run}),
-             "rng": torch.get_rng_state()}
-    torch.save(state, path.with_suffix(".tmp"))
-    sync_replace(path.with_suffix(".tmp"), path)
+    write_checkpoint(path, {"draft": _trained(draft), "opt": opt.state_dict(), "settings": json.dumps(settings),
+                            "run": json.dumps({**run, "seconds": run["seconds"] + seconds_this_run}),
+                            "rng": torch.get_rng_state()})
 
 
 def _resume(path: Path, settings: dict, draft, opt) -> dict | None:
     """The run a checkpoint holds, its tensors and optimiser restored into draft and opt; None: no checkpoint."""
     if not path.exists():
         return None
+    state = read_checkpoint(path)
+    check_settings(state, settings, path.parent)
     try:
-        state = torch.load(path, weights_only=True, map_location="cpu")
-        saved = json.loads(state["settings"])
-    except (RuntimeError, OSError, EOFError, KeyError, ValueError, pickle.UnpicklingError) as e:
-        why = (str(e).splitlines() or [type(e).__name__])[0][:120]
-        raise ConfigError(f"{path} cannot be read ({why}); delete it to start over") from None
-    changed = sorted(k for k in settings if saved.get(k) != json.loads(json.dumps(settings))[k])
-    if changed:
-        raise ConfigError(f"{path.parent} holds a distillation with other settings or data ({', '.join(changed)}: "
-                          f"{', '.join(repr(saved.get(k)) for k in changed)}); rerun it with those, or use a new --out")
-    missing, unexpected = draft.load_state_dict(state["draft"], strict=False)
-    if unexpected or set(_trained(draft)) & set(missing):
-        raise ConfigError(f"{path}: its tensors are not this draft's; use a new --out")
-    opt.load_state_dict(state["opt"])
-    torch.set_rng_state(state["rng"])
-    return json.loads(state["run"])
+        run = json.loads(state["run"])
+        missing, unexpected = draft.load_state_dict(state["draft"], strict=False)
+        if unexpected or set(_trained(draft)) & set(missing):
+            raise ValueError("other tensor names")
+        opt.load_state_dict(state["opt"])
+        torch.set_rng_state(state["rng"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:  # (a tensor of another shape: RuntimeError)
+        raise ConfigError(f"{path}: not a checkpoint of this draft ({(str(e).splitlines() or [''])[0][:120]}); "
+                          "use a new --out") from None
+    return run

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import math
-import pickle  # (its error type only: torch.load's weights_only unpickler raises it on a damaged file)
 import random
 import time
 import warnings
@@ -35,9 +34,9 @@ import torch
 import torch.nn.functional as F
 
 from specdec.config import ConfigError, check_minimums
-from specdec.model.output_dir import sync_replace
 from specdec.proposers.head_io import load_head, make_head, save_head
 from specdec.proposers.heads import HeadConfig
+from specdec.train.checkpoint import check_settings, read_checkpoint, write_checkpoint
 from specdec.train.features import read_data_meta, token_counts, train_and_heldout, with_features
 from specdec.train.unroll import eagle_unroll, pad_batch, to_device
 from specdec.train.vocab import grow_vocab, rank_vocab
@@ -270,23 +269,14 @@ class Trainer:
                  "settings": json.dumps(self.settings()), "total_steps": self.total_steps,
                  "heldout_prompts": json.dumps(self.heldout_prompts),
                  "seconds": self.seconds_before + seconds_this_run}
-        torch.save(state, self.out / "checkpoint.tmp")
-        sync_replace(self.out / "checkpoint.tmp", self.out / "checkpoint.pt")
+        write_checkpoint(self.out / "checkpoint.pt", state)
 
     def maybe_resume(self) -> bool:
         path = self.out / "checkpoint.pt"
         if not path.exists():
             return False
-        try:
-            state = torch.load(path, weights_only=True, map_location=self.device)
-        except (RuntimeError, OSError, EOFError, pickle.UnpicklingError) as e:  # cut short, zero-filled (a crash)
-            why = (str(e).splitlines() or [type(e).__name__])[0][:120]
-            raise ConfigError(f"{path} cannot be read ({why}); delete it to start over") from None
-        saved = json.loads(state.get("settings", "null"))
-        changed = sorted(k for k in (saved or {}) if saved[k] != json.loads(json.dumps(self.settings())).get(k))
-        if changed:  # the batches skipped, the schedule and the head's shape all follow the settings
-            raise ConfigError(f"{self.out} holds a run with other settings ({', '.join(changed)}: "
-                              f"{', '.join(repr(saved[k]) for k in changed)}); resume with those, or use a new --out")
+        state = read_checkpoint(path, self.device)
+        check_settings(state, self.settings(), self.out)
         if json.loads(state.get("heldout_prompts", "null")) not in (None, self.heldout_prompts):
             # its head trained on data of another split: this run's record would call some of the prompts
             # it trained on held out
