@@ -28,7 +28,8 @@ import threading
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from specdec.engine.engine import Engine, EngineRequest, EngineStats, SeqOutput
+from specdec.engine.engine import Engine
+from specdec.engine.request import EngineRequest, EngineStats, SeqOutput
 
 log = logging.getLogger("specdec.engine")
 

@@ -18,7 +18,7 @@ ones. The rule (documented in docs/benchmarks/serving.md):
     P0       = prod_b (1 - y_b)                        no row drafts: the pass stays a plain one, c(B)
     rate(K)  = (B + sum_b y_b (E_b(min(K, cap_b)) - 1))            (cap_b: a chain's length at most)
                / ((1 - P0) (c(R(K)) + sum_b min(K, cap_b) draft_cost_b + B o_spec) + P0 (c(B) + B o_plain))
-    R(K)     = B + sum_b y_b min(K, cap_b) packed (BatchCost.rows), else B (K+1)
+    R(K)     = B + sum_b y_b min(K, cap_b) packed (BatchCost.rows), else B (1 + the longest draft)
     K        = over 1..k_max, a longer K taken only where it beats the best rate so far (from rate(0)) by 2%
                (a noise-level gain does not lengthen the pass)
 

@@ -35,8 +35,9 @@ def save_head(head: torch.nn.Module, out: Path, dtype: torch.dtype = torch.float
 
 
 def load_head(path: Path, dtype: torch.dtype = torch.float32, target_config=None) -> torch.nn.Module:
-    """A head directory of ours; with `target_config`, an upstream EAGLE / EAGLE-3 checkpoint too (vLLM's
-    or SGLang's layout, no 'specdec' section: train/export.py's import_head)."""
+    """A head directory of ours (our exports too, in their upstream layouts: train/export.py's own_layout);
+    with `target_config`, an upstream EAGLE / EAGLE-3 / Medusa checkpoint too (vLLM's or SGLang's layout, no
+    'specdec' section: train/export.py's import_head)."""
     path = Path(path)
     raw = read_json_object(path / "config.json")
     try:

@@ -44,11 +44,14 @@ def chat_page() -> tuple[str, dict[str, str]]:
     hash), connects only to this server and lets no other site frame it."""
     html = (STATIC / "index.html").read_text(encoding="utf-8")
     scripts = re.findall(r"<script>(.*?)</script>", html, re.S)
-    hashes = " ".join("'sha256-%s'" % base64.b64encode(hashlib.sha256(s.encode()).digest()).decode() for s in scripts)
+    hashes = " ".join("'sha256-%s'" % base64.b64encode(hashlib.sha256(s.encode()).digest()).decode()
+                      for s in scripts) or "'none'"
     csp = (f"default-src 'none'; script-src {hashes}; style-src 'unsafe-inline'; connect-src 'self'; "
            "img-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
     return html, {"Content-Security-Policy": csp, "X-Content-Type-Options": "nosniff",
                   "Referrer-Policy": "no-referrer"}
+
+
 # prompt logprobs a request may ask for (prompt tokens x (prompt_logprobs + 1) x n), each decoded into the
 # answer on the event loop: one prompt of the whole context at 20 fits; 64 sequences of 8k tokens (11M
 # entries, a body of hundreds of MB) did not

@@ -12,7 +12,8 @@ Layer choice (`strategy`):
   even                  N layers evenly spaced from the first to the last, e.g. N=8 -> [0, 4, 8, 12, 17,
                         21, 25, 29].
 Untrained, such a draft agrees with the target on the easy tokens only; distilling it (the learned-
-drafter issue) raises acceptance.
+drafter issue) raises acceptance. `specdec bench --draft-model auto` makes its draft here too, once into the
+cache (cached_draft_dir).
 """
 from __future__ import annotations
 

@@ -42,7 +42,7 @@ def shift(x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def eagle_unroll(head, embed, lm_head_d, tokens, hidden, aux, steps: int):
-    """Training-time-test unroll (see the module docstring). tokens [B, N], hidden [B, M, H], aux
+    """Training-time-test unroll (see trainer.py's docstring). tokens [B, N], hidden [B, M, H], aux
     [B, M, 3H] or None. Returns per step the draft logits [B, M, Vd] and outputs [B, M, H]."""
     layer = head.layer
     B, N = tokens.shape
