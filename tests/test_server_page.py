@@ -184,3 +184,28 @@ def test_page_error_returns_the_message_to_the_box(server, tmp_path):
     assert state["done"] == "error" and state["error"].startswith("400"), state
     assert state["history"] == [] and state["users"] == 0 and state["box"] == "hello", state
     assert state["sendDisabled"] is False
+
+
+def test_page_sends_the_api_key_field(tiny_dir, tmp_path):
+    """A server with --api-key: the page's key field (pasted with a stray space) authorises the turn; a wrong
+    key shows the 401 and leaves the message in the box for a retry."""
+    srv = ThreadServer(str(tiny_dir("llama")), "--dtype", "float32", "--threads", "1", "--max-model-len", "256",
+                       "--api-key", "sekret-key")
+    browser = DevTools(tmp_path)
+    probe = ("JSON.stringify({done: document.body.dataset.done || '', box: document.getElementById('input').value, "
+             "error: (document.querySelector('.msg.error') || {}).textContent || ''})")
+    try:
+        session = _open(browser, f"{srv.url}/?maxTokens=8&q=hello")
+        _wait(browser, session, "JSON.stringify(typeof send)", lambda s: s == "function")
+        browser.call("Runtime.evaluate", session, expression="document.getElementById('apiKey').value = 'wrong'")
+        _submit(browser, session)
+        state = _wait(browser, session, probe, lambda s: s["done"])
+        assert state["done"] == "error" and state["error"].startswith("401") and state["box"] == "hello", state
+        browser.call("Runtime.evaluate", session, expression=(
+            "document.body.dataset.done = ''; document.getElementById('apiKey').value = ' sekret-key ';"
+            "document.getElementById('form').requestSubmit()"))
+        state = _wait(browser, session, probe, lambda s: s["done"])
+        assert state["done"] == "1", state
+    finally:
+        browser.close()
+        srv.stop()
