@@ -273,6 +273,21 @@ def test_distill_resumes_to_the_same_weights(dataset, tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="other settings"):
         distill(target, load_model(tmp_path / "draft", torch.float32, 512), [str(data)], tmp_path / "cut",
                 **{**kw, "draft_vocab_size": 90})
+    # other data with as many sequences (one token changed), or another draft of the same shapes: refused too
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    other = tmp_path / "other-data"
+    shutil.copytree(data, other)
+    shard = sorted((other / "train").glob("*.safetensors"))[0]
+    tensors = load_file(str(shard))
+    tensors["tokens"][5] += 1
+    save_file(tensors, str(shard))
+    with pytest.raises(ConfigError, match="train_data"):
+        distill(target, load_model(tmp_path / "draft", torch.float32, 512), [str(other)], tmp_path / "cut", **kw)
+    save_model_dir(target, d, tmp_path / "draft2", [0, 2])
+    with pytest.raises(ConfigError, match="other settings \\(draft:"):
+        distill(target, load_model(tmp_path / "draft2", torch.float32, 512), [str(data)], tmp_path / "cut", **kw)
 
 
 def test_cli_train_and_eval(dataset, tmp_path, capsys):
@@ -453,6 +468,9 @@ def test_static_generator_matches_transformers(tiny_dir, features):
         got = gen.generate(prompts, 12, eos, aux, features=features)
         graphs = gen.graph_stats()  # summed over the shapes: the second batch's cache replaced the first's
         assert graphs["captured"] == 0 and graphs["disabled"] == "no CUDA" and graphs["replays"] > steps
+        # a shape whose capture failed is reported after the generator moves on to the next shape
+        assert graphs["capture_failure"] == (None if lengths == (5, 9, 17) else "RuntimeError: boom")
+        gen.calls.failed[("a failed shape",)] = "RuntimeError: boom"
         steps = graphs["replays"]
         assert [s.tokens for s in got] == [s.tokens for s in ref]
         for a, b in zip(got, ref):

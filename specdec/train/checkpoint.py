@@ -36,7 +36,9 @@ def check_settings(state: dict, settings: dict, out: Path) -> None:
     try:
         saved = json.loads(state.get("settings", "null")) or {}
     except (TypeError, ValueError):
-        raise ConfigError(f"{out}: its checkpoint's settings cannot be read; delete it to start over") from None
+        saved = None
+    if not isinstance(saved, dict):
+        raise ConfigError(f"{out}: its checkpoint's settings cannot be read; delete it to start over")
     now = json.loads(json.dumps(settings))
     changed = sorted(k for k in saved if saved[k] != now.get(k))
     if changed:  # the batches skipped, the schedule and the weights' shapes all follow the settings

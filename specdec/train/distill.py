@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 import random
+import struct
 import time
 from pathlib import Path
 
@@ -95,11 +96,8 @@ def distill(target, draft, data_dirs: list[str], out: Path, epochs: float = 1.0,
     for p in params:
         p.requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    data = hashlib.sha1()  # the training sequences themselves: a rerun on other data is refused
-    for seq in train:
-        data.update(torch.tensor(seq.tokens, dtype=torch.int32).numpy().tobytes())
     settings = {"epochs": epochs, "lr": lr, "draft_vocab_size": draft_vocab_size, "max_len": max_len, "seed": seed,
-                "depth": depth, "train_data": data.hexdigest()[:16], "draft_layers": draft.config.num_hidden_layers}
+                "depth": depth, "train_data": _data_digest(train), "draft": _tensors_digest(_trained(draft))}
     out.mkdir(parents=True, exist_ok=True)
     run = _resume(out / "checkpoint.pt", settings, draft, opt)
     if run is None:
@@ -134,6 +132,24 @@ def distill(target, draft, data_dirs: list[str], out: Path, epochs: float = 1.0,
               "sequences": len(train), "epochs": epochs}
     write_atomic(out / "distill_report.json", json.dumps(report, indent=2))
     return report
+
+
+def _data_digest(train) -> str:
+    """The training sequences themselves (tokens and where each prompt ends): a rerun on other data is refused."""
+    digest = hashlib.sha1()
+    for seq in train:
+        digest.update(struct.pack("<qq", len(seq.tokens), seq.prompt_len))
+        digest.update(torch.tensor(seq.tokens, dtype=torch.int64).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def _tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """The draft as it starts (its trained tensors before training): a rerun with another draft is refused."""
+    digest = hashlib.sha1()
+    for name, t in sorted(tensors.items()):
+        digest.update(name.encode())
+        digest.update(t.detach().float().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def _trained(draft) -> dict[str, torch.Tensor]:

@@ -35,7 +35,7 @@ class StaticGenerator:
         self.calls = CapturedCalls(model.device, graphs)
         self.shape, self.cache = None, None  # (batch size, positions) of the cache kept, and the cache
         # the graphs of the shapes dropped so far (graph_stats)
-        self._graphs_before = {"captured": 0, "replays": 0, "disabled": None, "capture_failure": None}
+        self._graphs_before = {"captured": 0, "replays": 0, "capture_failure": None}
         # where the time goes, summed over batches (a GPU synchronized at each boundary): the prompt passes,
         # the decode steps, and turning a batch's steps into sequences on the host
         self.seconds = {"prompt": 0.0, "decode": 0.0, "assemble": 0.0}
