@@ -254,11 +254,15 @@ def load_model(directory: Path, dtype: torch.dtype = torch.float32, max_len: int
     return model
 
 
-def save_model_dir(model: LlamaModel, src: Path, out: Path, layers: list[int] | None = None) -> Path:
-    """Write `model` (or a layer subset) as a HF directory, copying tokenizer files from `src`: written beside
-    `out`, then renamed over it (a crash mid-save left new weights beside an old or missing config.json)."""
+def save_model_dir(model: LlamaModel, src: Path, out: Path, layers: list[int] | None = None,
+                   extra_files: dict[str, str] | None = None) -> Path:
+    """Write `model` (or a layer subset) as a HF directory, copying tokenizer files from `src`, plus
+    extra_files (name -> text: a draft's specdec_draft.json): written beside `out`, then renamed over it (a
+    crash mid-save left new weights beside an old or missing config.json)."""
     with new_dir(out, replace=True) as tmp:
         _write_model_dir(model, Path(src), tmp, layers)
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
     return Path(out)
 
 

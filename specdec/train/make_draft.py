@@ -44,17 +44,15 @@ def make_draft(target: str, num_layers: int, out: Path, strategy: str = "first-l
     import torch  # (here: the CLI imports this module for STRATEGIES, and must not pay for torch then)
 
     from specdec.model.loader import load_model, resolve_model, save_model_dir
-    from specdec.model.output_dir import check_new_dir, new_dir
+    from specdec.model.output_dir import check_new_dir
 
     source = resolve_model(target, progress=progress)
     out = Path(out)
-    check_new_dir(out)
+    check_new_dir(out)  # (before the model loads: refused at once)
     model = load_model(source.directory, torch.float32)
     layers = draft_layers(model.config.num_hidden_layers, num_layers, strategy)
-    with new_dir(out) as partial:
-        save_model_dir(model, source.directory, partial, layers=layers)
-        (partial / "specdec_draft.json").write_text(json.dumps(
-            {"target": source.origin, "layers": layers, "strategy": strategy}, indent=2))
+    meta = {"target": source.origin, "layers": layers, "strategy": strategy}
+    save_model_dir(model, source.directory, out, layers, {"specdec_draft.json": json.dumps(meta, indent=2)})
     return out, layers
 
 
@@ -74,11 +72,11 @@ def cached_draft_dir(source_dir: Path, target, layers: int) -> Path:
     st = next(iter(sorted(source_dir.glob("*.safetensors"))), source_dir / "config.json").stat()
     key = hashlib.sha1(f"{source_dir.resolve()}|{st.st_size}|{st.st_mtime_ns}|{kept}".encode()).hexdigest()[:10]
     out = cache_root() / "bench" / "drafts" / f"{source_dir.name}-first-last{n}-{key}"
-    if not (out / "tokenizer.json").exists():  # written last by save_model_dir
+    if not out.exists():  # (save_model_dir puts the whole directory in place at once)
         if not isinstance(target.layers[0].qkv.weight, torch.Tensor):
             target = load_model(source_dir, torch.float32)
-        save_model_dir(target, source_dir, out, layers=kept)
-        (out / "specdec_draft.json").write_text(json.dumps({"target": str(source_dir), "layers": kept}))
+        meta = {"target": str(source_dir), "layers": kept, "strategy": "first-last"}
+        save_model_dir(target, source_dir, out, kept, {"specdec_draft.json": json.dumps(meta, indent=2)})
     return out
 
 
