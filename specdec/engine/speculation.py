@@ -289,8 +289,7 @@ class Speculation:
         def rates(K: int) -> tuple[float, float]:
             """(tokens a second, tokens a second if every draft were kept) of a pass where K's rows draft
             min(K, cap) and the fixed rows their own length."""
-            drafts = [(y, a, n, d) for y, a, n, d in [(y, a, min(K, c), d) for y, a, c, d in adaptive] + fixed
-                      if n > 0]
+            drafts = [(y, a, min(K, c), d) for y, a, c, d in adaptive if min(K, c) > 0] + fixed
             p_none = math.prod(1.0 - y for y, _, _, _ in drafts)  # no row drafts: a plain pass
             gain = B + sum(y * (expected_tokens(a, n) - 1) for y, a, n, _ in drafts)
             draft = sum(n * d for _, _, n, d in drafts)

@@ -147,6 +147,10 @@ class CapturedCalls:
     def num_graphs(self) -> int:
         return sum(e.graph is not None for e in self.entries.values())
 
+    def stats(self) -> dict:
+        return {"graphs": self.num_graphs, "replays": self.replays, "capture_failure": self.failure,
+                "failed_shapes": len(self.failed)}
+
 
 class GraphedModel:
     """A LlamaModel whose single-request decode/verify passes replay CUDA graphs (see module doc)."""
@@ -244,5 +248,4 @@ class GraphedModel:
         block[:T, :T] = causal(T) if block_mask is None else block_mask
 
     def stats(self) -> dict:
-        return {"graphs": self.calls.num_graphs, "replays": self.calls.replays, "eager_passes": self.eager_passes,
-                "capture_failure": self.calls.failure, "failed_shapes": len(self.calls.failed)}
+        return {**self.calls.stats(), "eager_passes": self.eager_passes}

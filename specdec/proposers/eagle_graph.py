@@ -207,5 +207,4 @@ class GraphedHead:
         return torch.stack([torch.cat(toks).double(), torch.cat(pars).double(), torch.cat(vals).double()])
 
     def stats(self) -> dict:
-        return {"graphs": self.calls.num_graphs, "replays": self.calls.replays, "eager_passes": self.eager_passes,
-                "capture_failure": self.calls.failure, "failed_shapes": len(self.calls.failed)}
+        return {**self.calls.stats(), "eager_passes": self.eager_passes}
