@@ -35,6 +35,7 @@ def specdec(*args, timeout=300):
     (["bench", "--sweep-k", "two", "--out", "/nonexistent-never-made"], "--sweep-k"),
     (["serve", "--port", "70000"], "--port"),
     (["serve", "--kv-cache-memory-gb", "-1"], "kv_cache_memory_gb must be > 0"),
+    (["serve", "--request-speculative-methods", "ngram,nope"], "unknown speculative method 'nope'"),
     (["bench", "serve", "--concurrency", "0", "--out", "/nonexistent-never-made"], "--concurrency"),
     (["bench", "serve", "--speculative-method", "nope", "--out", "/nonexistent-never-made"], "unknown speculative"),
     (["eval-draft", str(HEAD)], "nothing to evaluate"),

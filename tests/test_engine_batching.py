@@ -273,21 +273,33 @@ def test_requests_waiting_to_compile_are_bounded(plain):
     assert not errors and gc._waiting == 0 and gc.compile({"type": "regex", "regex": "(yes|no){1}"}) is not None
 
 
-def test_building_a_proposer_waits_for_the_step_in_progress(plain):
-    """The server builds a request's proposer on an executor thread, and building one may run the target
-    (layerskip's layer search): it waits while a step runs the target (Engine.passes), since two passes at
-    once shared the kernels' layer descriptions and could write into each other's caches."""
+def test_request_methods_are_built_with_the_engine_and_others_refused(plain):
+    """A request picks among the methods built at start (EngineConfig.request_methods): resolving one
+    builds nothing and never waits for a step in progress (building a method on the request path held the
+    engine's passes for its layer search or model load, a stall of every stream); another valid method is a
+    ConfigError that names the enabled ones, and it is not built."""
     import threading
-    import time
-    eng = Engine(plain, EngineConfig())
-    built = threading.Event()
+
+    from specdec.config import ConfigError
+    eng = Engine(plain, EngineConfig(request_methods=("ngram",)))
+    ngram = eng.spec.proposers["ngram"]  # built at start
+    resolved = threading.Event()
     with eng.passes:  # a step in progress on this thread
-        t = threading.Thread(target=lambda: (eng.resolve_spec({"method": "ngram"}), built.set()))
+        t = threading.Thread(target=lambda: eng.resolve_spec({"method": "ngram"}) and resolved.set())
         t.start()
-        time.sleep(0.3)
-        assert not built.is_set()
-    t.join(30)
-    assert built.is_set()
+        t.join(30)
+        assert resolved.is_set()
+    assert eng.resolve_spec({"method": "ngram", "num_speculative_tokens": 2}).proposer is ngram
+    assert eng.resolve_spec({"method": None}).proposer is None
+    with pytest.raises(ConfigError, match="'suffix' is not enabled on this server.*off, ngram"):
+        eng.resolve_spec({"method": "suffix"})
+    with pytest.raises(ConfigError, match="not enabled"):
+        eng.add_request(EngineRequest("r", [5, 6], SamplingParams(max_tokens=2), speculative={"method": "qdraft"}))
+    assert set(eng.spec.proposers) == {"ngram"} and not eng.has_unfinished()
+    assert set(Engine(plain, EngineConfig(request_methods=())).spec.proposers) == set()
+    for bad in ("ngram", ("nope",), ("ngram+suffix",)):
+        with pytest.raises(ConfigError):
+            EngineConfig(request_methods=bad)
 
 
 def test_too_long_prompt_is_refused(plain):

@@ -106,3 +106,17 @@ def test_engine_blocks_are_sized_with_the_drafters_bytes(tiny_dir):
     plain_blocks = Engine(LLM(str(tiny_dir("llama")), dtype="float32", max_model_len=160, progress=False,
                               num_threads=1), cfg).pool.num_blocks
     assert Engine(llm, cfg).pool.num_blocks == plain_blocks // 2  # the draft here is a copy of the target
+
+
+def test_the_blocks_count_each_request_methods_drafter(draft_llm):
+    """A request method with a draft model of its own (here 'draft_model+ngram', a second drafter beside the
+    default's) is built with the engine, and its keys/values are counted when the KV memory is cut into blocks."""
+    def engine(methods):
+        return Engine(draft_llm, EngineConfig(max_num_seqs=64, block_size=8, kv_cache_memory_gb=0.002,
+                                              profile_cost=False, request_methods=methods))
+    alone, paired = engine(()), engine(("draft_model+ngram",))
+    drafter = paired.request_proposers["draft_model+ngram"]
+    per_block = {e: e.pool.bytes_per_block(draft_llm.model.config, 8, e.pool.k.dtype) for e in (alone, paired)}
+    for e, drafters in ((alone, [draft_llm.proposer]), (paired, [draft_llm.proposer, drafter])):
+        assert e.blocks.num_blocks == int(0.002 * 2**30 // (per_block[e] + sum(d.kv_bytes_per_block(8) for d in drafters)))
+    assert drafter is not draft_llm.proposer and paired.blocks.num_blocks < alone.blocks.num_blocks

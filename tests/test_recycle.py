@@ -118,7 +118,8 @@ def test_engine_batch_equals_single_request(tiny_dir, method):
     plain = LLM(str(d), dtype="float32", max_model_len=160, progress=False, num_threads=1)
     spec = LLM(str(d), dtype="float32", max_model_len=160, progress=False, num_threads=1,
                speculative_config={"method": "recycle"})
-    engine = Engine(spec, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, block_size=8))
+    engine = Engine(spec, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, block_size=8,
+                                       request_methods=(method,)))
     prompts = ["The quick brown fox", "one two three four five six. one two three four five six. one two"]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     reqs = [EngineRequest(str(i), spec.tokenizer.encode(t), params) for i, t in enumerate(prompts * 2)]

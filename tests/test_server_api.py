@@ -89,6 +89,7 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "stop": ["x"] * 17}, "stop"),
     ("/v1/completions", {"prompt": [10**9]}, "prompt"),
     ("/v1/completions", {"prompt": "hi", "speculative": "no-such-method"}, "speculative"),
+    ("/v1/completions", {"prompt": "hi", "speculative": "qdraft"}, "speculative"),  # valid, not enabled
     ("/v1/completions", {"prompt": "hi", "response_format": {"type": "xml"}}, "response_format"),
     # automata that would take minutes and gigabytes to build: refused before compiling (regex_size)
     ("/v1/completions", {"prompt": "hi", "response_format": {"type": "regex", "regex": "(a|b)*c{1000000}"}},

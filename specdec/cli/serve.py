@@ -14,7 +14,7 @@ import signal
 import threading
 
 from specdec.cli._common import add_model_args, add_spec_args, at_least, spec_config_from_args
-from specdec.config import ConfigError
+from specdec.config import ConfigError, check_method_name
 
 
 def register(sub) -> None:
@@ -41,7 +41,22 @@ def register(sub) -> None:
     e.add_argument("--block-size", type=at_least(1), default=16)
     e.add_argument("--num-kv-blocks", type=int, default=None)
     e.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+    e.add_argument("--request-speculative-methods", default="ngram,suffix",
+                   metavar="M1,M2", help="the speculative methods a request's `speculative` field may pick besides "
+                   "the server's own and off, built at start (default: ngram,suffix; 'none': no other; "
+                   "e.g. qdraft+ngram)")
     p.set_defaults(func=run)
+
+
+def method_list(text: str) -> tuple[str, ...]:
+    """--request-speculative-methods: 'ngram,suffix' -> ('ngram', 'suffix'); 'none' or '' -> (); a
+    ConfigError for a name that is no method."""
+    names = tuple(m.strip() for m in text.split(",") if m.strip())
+    if names == ("none",):
+        return ()
+    for name in names:
+        check_method_name(name)
+    return names
 
 
 def build_server(args, engine_on_caller: bool = False):
@@ -57,13 +72,15 @@ def build_server(args, engine_on_caller: bool = False):
 
     if not 0 <= args.port <= 65535:  # checked before the model loads, not by the socket after it
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
+    request_methods = method_list(args.request_speculative_methods)
     llm = LLM(args.model, speculative_config=spec_config_from_args(args), dtype=args.dtype,
               max_model_len=args.max_model_len, num_threads=args.threads, enforce_eager=True,  # the engine's passes
               enable_prefix_caching=False,  # (the engine has its own: --no-prefix-caching turns that off)
               amx=args.amx is not False,  # batches of rows: the tiles pay here (quant/bf16.py use_amx_tiles)
               kv_cache_dtype=args.kv_cache_dtype)
     engine = Engine(llm, EngineConfig(args.max_num_seqs, args.max_num_batched_tokens, args.block_size,
-                                      args.num_kv_blocks, args.kv_cache_memory_gb, not args.no_prefix_caching))
+                                      args.num_kv_blocks, args.kv_cache_memory_gb, not args.no_prefix_caching,
+                                      request_methods=request_methods))
     name = args.served_model_name or args.model
     metrics = ServerMetrics(name)
     # the engine loop runs on the main thread (run()), uvicorn on another: see specdec/engine/async_engine.py

@@ -23,7 +23,7 @@ import torch
 
 from specdec.cache.kv_cache import kv_dtype
 from specdec.cache.paged_cache import PagedKVPool
-from specdec.config import ConfigError, check_minimums
+from specdec.config import ConfigError, check_method_name, check_minimums
 from specdec.engine.block_manager import BlockManager
 from specdec.engine.grammar import GrammarState
 from specdec.engine.model_runner import ModelRunner, Row, pack_rows
@@ -54,9 +54,18 @@ class EngineConfig:
     kv_cache_memory_gb: float = 1.0
     enable_prefix_caching: bool = True
     profile_cost: bool = True  # measure c(N) at start (else learnt online only)
+    # the speculative methods a request may pick besides the default and "off" ('qdraft+ngram' names a
+    # pairing), built with the engine: a request never builds one (a layer search, a draft model's load
+    # would stall every running stream) nor grows memory, and their KV bytes are in the blocks' size
+    request_methods: tuple[str, ...] = ("ngram", "suffix")
 
     def __post_init__(self):
         check_minimums(self, {"max_num_seqs": 1, "max_num_batched_tokens": 1, "block_size": 1, "num_kv_blocks": 1})
+        if isinstance(self.request_methods, str):
+            raise ConfigError("request_methods must be a tuple of method names, not one string")
+        object.__setattr__(self, "request_methods", tuple(dict.fromkeys(self.request_methods)))
+        for method in self.request_methods:
+            check_method_name(method)
         if not self.kv_cache_memory_gb > 0:
             raise ConfigError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
 
@@ -85,13 +94,15 @@ class Engine:
         # (on an AMX CPU without the tiles, oneDNN's bf16 GEMM would make them; exact beats fast)
         exact_prompt_passes(self.model)
         self.max_model_len = self.model.max_len
-        # held while the target runs: a step, or building a proposer that runs it (layerskip's layer search,
-        # a drafter's timing) from the server's executor thread. Two passes at once shared the kernels'
-        # per-layer descriptions (their cache pointers) and thread pool: one could write into the other's
-        # cache. Reentrant: the engine thread builds proposers as it adds requests
+        # held while a step runs the target: a caller on another thread that runs it too waits (two passes
+        # at once shared the kernels' per-layer descriptions, their cache pointers, and thread pool: one
+        # could write into the other's cache)
         self.passes = threading.RLock()
         self.spec = Speculation(llm, llm.speculative_config)
         self.default_spec = _choice(llm.proposer) if llm.proposer is not None else SpecChoice()
+        self.request_proposers = {m: self.spec.proposer(m) for m in config.request_methods}
+        if llm.proposer is not None:
+            self.request_proposers[llm.proposer.name] = llm.proposer
         num_blocks = self._num_blocks(config)
         if num_blocks * config.block_size < self.max_model_len + 1:
             raise ConfigError(f"{num_blocks} KV blocks of {config.block_size} cannot hold one sequence of "
@@ -115,21 +126,27 @@ class Engine:
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks
         per_block = PagedKVPool.bytes_per_block(self.model.config, config.block_size, kv_dtype(self.model))
-        if self.llm.proposer is not None:  # a draft model keeps its keys/values in the same blocks
-            per_block += self.llm.proposer.kv_bytes_per_block(config.block_size)
+        # a draft model keeps its keys/values in the same blocks (counted once per proposer)
+        per_block += sum(p.kv_bytes_per_block(config.block_size) for p in set(self.request_proposers.values()))
         by_memory = int(config.kv_cache_memory_gb * 2**30 // per_block)
         by_use = config.max_num_seqs * -(-(self.max_model_len + 64) // config.block_size)
         return max(1, min(by_memory, by_use))
 
     # --- requests -------------------------------------------------------------------------------
     def resolve_spec(self, speculative: dict | None) -> SpecChoice:
-        """A request's speculation: the server default, off, or another registered method."""
+        """A request's speculation: the server default, off, or one of the methods built for requests
+        (EngineConfig.request_methods); another method is a ConfigError, and nothing is built."""
         if speculative is None:
             return self.default_spec
-        if speculative.get("method") is None:
+        method = speculative.get("method")
+        if method is None:
             return SpecChoice()
-        with self.passes:
-            return _choice(self.spec.proposer(speculative["method"]), speculative.get("num_speculative_tokens"))
+        proposer = self.request_proposers.get(method)
+        if proposer is None:
+            enabled = ", ".join(["off", *self.request_proposers])
+            raise ConfigError(f"speculative method {method!r} is not enabled on this server (enabled: {enabled}; "
+                              "the server's --request-speculative-methods lists the ones requests may pick)")
+        return _choice(proposer, speculative.get("num_speculative_tokens"))
 
     def add_request(self, req: EngineRequest) -> None:
         p = req.params

@@ -265,8 +265,8 @@ def build_app(st: ServerState) -> FastAPI:
         logprobs = (body.top_logprobs or 0 if body.logprobs else None) if chat else body.logprobs
         spec = body.speculative_choice()
         if spec is not None and spec.get("method") is not None:
-            try:  # builds the method's proposer on first use: off the event loop
-                await asyncio.get_running_loop().run_in_executor(None, st.engine.engine.resolve_spec, spec)
+            try:  # one of the methods built with the engine, or a 400 (a request never builds one)
+                st.engine.engine.resolve_spec(spec)
             except ConfigError as e:
                 raise APIError(400, str(e), "speculative") from None
         grammar = None
