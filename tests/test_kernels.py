@@ -263,9 +263,10 @@ def test_fused_attention_matches_torch_for_head_layouts(dims, T, past, kv_dtype)
 
 
 # past 30: one split of keys; 250 + 9 new tokens: the rows cross the split boundary at 256 (two splits, then
-# three); 2040 + 12: sixteen splits, then seventeen
+# three); 2040 + 12: sixteen splits, then seventeen; 0 + 48 and 70 + 64: prompt-shaped passes (causal, full
+# work units of 8 queries)
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("past,T", [(30, 6), (250, 9), (2040, 12)])
+@pytest.mark.parametrize("past,T", [(30, 6), (250, 9), (2040, 12), (0, 48), (70, 64)])
 @pytest.mark.parametrize("dims", HEAD_LAYOUTS)
 def test_fused_attention_is_batch_invariant(dims, past, T, kv_dtype):
     """Row t of a pass over T tokens equals, bit for bit, a single-token pass at that position (a bfloat16
