@@ -48,14 +48,13 @@ def decoder(llm: LLM, config: dict | None) -> SpeculativeDecoder:
     return SpeculativeDecoder(llm.model, llm.tokenizer, proposer, cfg, prefix_caching=False)
 
 
-def served(llm: LLM, config: dict | None, prompts, params: SamplingParams, num_seqs: int) -> list[list[int]]:
-    """Every prompt through a serving engine with `config` as each request's speculation (None: plain),
-    num_seqs at a time, prompts chunked by a 128-token budget; each request's tokens in prompt order."""
+def served(llm: LLM, prompts, params: SamplingParams, num_seqs: int) -> list[list[int]]:
+    """Every prompt through a serving engine over `llm` with its own speculative config (plain where it has
+    none), num_seqs at a time, prompts chunked by a 128-token budget; each request's tokens in prompt order."""
     from specdec.engine.engine import Engine, EngineConfig, EngineRequest
-    engine = Engine(llm, EngineConfig(max_num_seqs=num_seqs, max_num_batched_tokens=128))
-    spec = {"method": None} if config is None else config
+    engine = Engine(llm, EngineConfig(max_num_seqs=num_seqs, max_num_batched_tokens=128, request_methods=()))
     for i, p in enumerate(prompts):
-        engine.add_request(EngineRequest(str(i), p.token_ids, params, speculative=spec))
+        engine.add_request(EngineRequest(str(i), p.token_ids, params))
     got: list[list[int]] = [[] for _ in prompts]
     while engine.has_unfinished():
         for out in engine.step():
@@ -82,8 +81,11 @@ def main() -> int:
     ap.add_argument("--engine", type=int, default=0, metavar="N",
                     help="through the serving engine, N sequences at a time (default: the offline decoder)")
     args = ap.parse_args()
-    llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, progress=False, amx=args.amx,
-              kv_cache_dtype=args.kv_cache_dtype)
+    def load(config: dict | None = None) -> LLM:
+        return LLM(args.model, dtype=args.dtype, num_threads=args.threads, progress=False, amx=args.amx,
+                   kv_cache_dtype=args.kv_cache_dtype, speculative_config=config)
+
+    llm = load()
     if args.amx and not llm.amx:
         print("--amx: this CPU has no AMX tiles (or the dtype is not bfloat16)", file=sys.stderr)
         return 1
@@ -98,8 +100,8 @@ def main() -> int:
     for config in ([None] if args.engine else []) + configs:  # the engine's plain decoding first
         t0 = time.perf_counter()
         try:
-            if args.engine:
-                outputs = served(llm, config, prompts, params, args.engine)
+            if args.engine:  # the whole config (lookup, tree shape, k) as the engine's own speculation
+                outputs = served(llm if config is None else load(config), prompts, params, args.engine)
             else:
                 spec = decoder(llm, config)
                 outputs = [spec.generate(p.token_ids, params).token_ids for p in prompts]

@@ -126,8 +126,8 @@ def test_an_llm_and_a_servers_request_on_amx_tiles_draft_the_tree(smollm_dir):
     llm = LLM(str(smollm_dir), dtype="bfloat16", amx=True, progress=False, max_model_len=256,
               speculative_config={"method": "eagle3"})
     assert llm.speculative_config.eagle_topk == 3 and llm.proposer.topk == 3
-    engine = Engine(llm, EngineConfig(max_num_seqs=2, profile_cost=False))
-    assert engine.spec.proposer("eagle3+ngram").model.topk == 3
+    engine = Engine(llm, EngineConfig(max_num_seqs=2, profile_cost=False, request_methods=("eagle3+ngram",)))
+    assert engine.resolve_spec({"method": "eagle3+ngram"}).proposer.model.topk == 3
     plain = LLM(str(smollm_dir), dtype="bfloat16", amx=False, progress=False, max_model_len=256,
                 speculative_config={"method": "eagle3"})
     assert plain.speculative_config.eagle_topk == 1

@@ -287,7 +287,7 @@ def test_request_methods_are_built_with_the_engine_and_others_refused(plain):
     with eng.passes:  # a step in progress on this thread
         t = threading.Thread(target=lambda: eng.resolve_spec({"method": "ngram"}) and resolved.set())
         t.start()
-        t.join(30)
+        t.join(5)
         assert resolved.is_set()
     assert eng.resolve_spec({"method": "ngram", "num_speculative_tokens": 2}).proposer is ngram
     assert eng.resolve_spec({"method": None}).proposer is None
@@ -297,9 +297,12 @@ def test_request_methods_are_built_with_the_engine_and_others_refused(plain):
         eng.add_request(EngineRequest("r", [5, 6], SamplingParams(max_tokens=2), speculative={"method": "qdraft"}))
     assert set(eng.spec.proposers) == {"ngram"} and not eng.has_unfinished()
     assert set(Engine(plain, EngineConfig(request_methods=())).spec.proposers) == set()
-    for bad in ("ngram", ("nope",), ("ngram+suffix",)):
+    for bad in ("ngram", ("nope",), ("ngram+suffix",), None, (1,)):
         with pytest.raises(ConfigError):
             EngineConfig(request_methods=bad)
+    assert EngineConfig(request_methods=("ngram+", "suffix", "ngram")).request_methods == ("ngram", "suffix")
+    with pytest.raises(ConfigError, match="request method 'draft_model' .--request-speculative-methods.: .*model"):
+        Engine(plain, EngineConfig(request_methods=("draft_model",)))  # no draft model to build it from
 
 
 def test_too_long_prompt_is_refused(plain):

@@ -114,9 +114,10 @@ def test_the_blocks_count_each_request_methods_drafter(draft_llm):
     def engine(methods):
         return Engine(draft_llm, EngineConfig(max_num_seqs=64, block_size=8, kv_cache_memory_gb=0.002,
                                               profile_cost=False, request_methods=methods))
-    alone, paired = engine(()), engine(("draft_model+ngram",))
+    alone, paired, listed = engine(()), engine(("draft_model+ngram",)), engine(("draft_model",))
     drafter = paired.request_proposers["draft_model+ngram"]
     per_block = {e: e.pool.bytes_per_block(draft_llm.model.config, 8, e.pool.k.dtype) for e in (alone, paired)}
     for e, drafters in ((alone, [draft_llm.proposer]), (paired, [draft_llm.proposer, drafter])):
         assert e.blocks.num_blocks == int(0.002 * 2**30 // (per_block[e] + sum(d.kv_bytes_per_block(8) for d in drafters)))
     assert drafter is not draft_llm.proposer and paired.blocks.num_blocks < alone.blocks.num_blocks
+    assert listed.blocks.num_blocks == alone.blocks.num_blocks  # the server's own method, listed: counted once

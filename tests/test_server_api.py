@@ -470,6 +470,30 @@ def test_per_request_method_and_k(server, plain):
     assert server.engine.blocks.num_used == 0
 
 
+def test_a_request_picks_only_the_methods_the_server_built(server, tiny_dir):
+    """The page's menu and /v1/models list what a request may name (the server's own method and
+    --request-speculative-methods'); another valid method is a 400 that names them, and with
+    --request-speculative-methods none only the server's own and off are left."""
+    enabled = ["ngram", "suffix"]
+    assert sorted(server.engine.request_proposers) == enabled
+    select = re.search(r'<select id="spec">(.*?)</select>', httpx.get(server.url + "/").text, re.S).group(1)
+    assert re.findall(r'<option value="([^"]*)">', select) == ["", "off", *enabled]
+    models = httpx.get(server.url + "/v1/models", headers=headers()).json()
+    assert models["data"][0]["speculative_methods"] == enabled
+    r = httpx.post(server.url + "/v1/completions", headers=headers(), timeout=60,
+                   json={"prompt": "hi", "max_tokens": 2, "speculative": "qdraft"})
+    assert r.status_code == 400 and "not enabled on this server (enabled: off, ngram, suffix" in r.text
+    srv = ThreadServer(str(tiny_dir("llama")), "--dtype", "float32", "--threads", "1", "--max-model-len", "128",
+                       "--speculative-method", "ngram", "--request-speculative-methods", "none")
+    try:
+        assert sorted(srv.engine.request_proposers) == ["ngram"]
+        bodies = [{"prompt": "hi", "max_tokens": 2, "speculative": s} for s in ("suffix", "ngram", "off")]
+        codes = [httpx.post(srv.url + "/v1/completions", json=b, timeout=60).status_code for b in bodies]
+        assert codes == [400, 200, 200]
+    finally:
+        srv.stop()
+
+
 def test_regex_response_format(server):
     r = httpx.post(server.url + "/v1/completions", headers=headers(), timeout=60, json={
         "prompt": "my phone number is", "max_tokens": 20, "temperature": 0,

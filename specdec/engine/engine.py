@@ -23,7 +23,7 @@ import torch
 
 from specdec.cache.kv_cache import kv_dtype
 from specdec.cache.paged_cache import PagedKVPool
-from specdec.config import ConfigError, check_method_name, check_minimums
+from specdec.config import ConfigError, check_method_name, check_minimums, split_method
 from specdec.engine.block_manager import BlockManager
 from specdec.engine.grammar import GrammarState
 from specdec.engine.model_runner import ModelRunner, Row, pack_rows
@@ -61,11 +61,14 @@ class EngineConfig:
 
     def __post_init__(self):
         check_minimums(self, {"max_num_seqs": 1, "max_num_batched_tokens": 1, "block_size": 1, "num_kv_blocks": 1})
-        if isinstance(self.request_methods, str):
-            raise ConfigError("request_methods must be a tuple of method names, not one string")
-        object.__setattr__(self, "request_methods", tuple(dict.fromkeys(self.request_methods)))
-        for method in self.request_methods:
+        methods = self.request_methods
+        if isinstance(methods, str) or not isinstance(methods, (tuple, list)) or not all(isinstance(m, str) for m in methods):
+            raise ConfigError(f"request_methods must be a tuple of method names, got {methods!r}")
+        for method in methods:
             check_method_name(method)
+        # one spelling per method, the proposer's name ('qdraft+ngram'; 'ngram+' is 'ngram'), each once
+        names = ("+".join(filter(None, split_method(m))) for m in methods)
+        object.__setattr__(self, "request_methods", tuple(dict.fromkeys(names)))
         if not self.kv_cache_memory_gb > 0:
             raise ConfigError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
 
@@ -94,13 +97,13 @@ class Engine:
         # (on an AMX CPU without the tiles, oneDNN's bf16 GEMM would make them; exact beats fast)
         exact_prompt_passes(self.model)
         self.max_model_len = self.model.max_len
-        # held while a step runs the target: a caller on another thread that runs it too waits (two passes
-        # at once shared the kernels' per-layer descriptions, their cache pointers, and thread pool: one
-        # could write into the other's cache)
-        self.passes = threading.RLock()
+        # held while a step runs the target: a step from another thread waits (two passes at once shared the
+        # kernels' per-layer descriptions, their cache pointers, and thread pool: one could write into the
+        # other's cache)
+        self.passes = threading.Lock()
         self.spec = Speculation(llm, llm.speculative_config)
         self.default_spec = _choice(llm.proposer) if llm.proposer is not None else SpecChoice()
-        self.request_proposers = {m: self.spec.proposer(m) for m in config.request_methods}
+        self.request_proposers = {m: self._build_request_method(m) for m in config.request_methods}
         if llm.proposer is not None:
             self.request_proposers[llm.proposer.name] = llm.proposer
         num_blocks = self._num_blocks(config)
@@ -121,6 +124,12 @@ class Engine:
         self._ids = itertools.count()
         if config.profile_cost:  # also without a default proposer: requests may ask for one
             self.spec.cost.profile(self.model, profile_sizes(config.max_num_seqs))
+
+    def _build_request_method(self, method: str):
+        try:
+            return self.spec.proposer(method)
+        except ConfigError as e:
+            raise ConfigError(f"request method {method!r} (--request-speculative-methods): {e}") from None
 
     def _num_blocks(self, config: EngineConfig) -> int:
         if config.num_kv_blocks is not None:

@@ -192,7 +192,8 @@ class Speculation:
         self._lock = threading.Lock()
 
     def proposer(self, method: str):
-        """The proposer for a method, built on first use (per-request method choice; thread-safe)."""
+        """The proposer for a method ('qdraft+ngram': a pairing), built on first use (thread-safe). The engine
+        builds the methods requests may pick when it starts (EngineConfig.request_methods)."""
         with self._lock:
             if method in self.proposers:
                 return self.proposers[method]

@@ -21,6 +21,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from html import escape
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -39,10 +40,14 @@ from specdec.serve.responses import ResponseBuilder
 STATIC = Path(__file__).with_name("static")
 
 
-def chat_page() -> tuple[str, dict[str, str]]:
+def chat_page(methods: list[str] = ()) -> tuple[str, dict[str, str]]:
     """The page at / and its headers: a Content-Security-Policy that runs only the page's own script (by its
-    hash), connects only to this server and lets no other site frame it."""
+    hash), connects only to this server and lets no other site frame it. Its speculation menu offers the
+    server default, off, and `methods` (what a request may pick)."""
     html = (STATIC / "index.html").read_text(encoding="utf-8")
+    options = "".join(f'<option value="{escape(m)}">{escape(m)}</option>' for m in methods)
+    html = re.sub(r'(<select id="spec">.*?<option value="off">off</option>).*?(</select>)',
+                  lambda m: m.group(1) + options + m.group(2), html, count=1, flags=re.S)
     scripts = re.findall(r"<script>(.*?)</script>", html, re.S)
     hashes = " ".join("'sha256-%s'" % base64.b64encode(hashlib.sha256(s.encode()).digest()).decode()
                       for s in scripts) or "'none'"
@@ -72,11 +77,13 @@ class ServerState:
     grammars: GrammarCompiler = None
     started: float = field(default_factory=time.time)
     vocab_size: int = 0  # the model's (from the engine)
+    speculative_methods: list[str] = field(init=False, default_factory=list)  # what a request's `speculative` may name
 
     def __post_init__(self):
         eng = self.engine.engine
         self.tokenizer, self.max_model_len = eng.tokenizer, eng.max_model_len
         self.vocab_size = eng.model.config.vocab_size
+        self.speculative_methods = sorted(eng.request_proposers)
         self.metrics = self.metrics or ServerMetrics(self.model_name)
         self.grammars = self.grammars or GrammarCompiler(eng.tokenizer, eng.model.config.vocab_size)
 
@@ -201,9 +208,10 @@ def build_app(st: ServerState) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": st.model_name, "object": "model", "created": int(st.started),
-                                            "owned_by": "specdec", "max_model_len": st.max_model_len}]}
+                                            "owned_by": "specdec", "max_model_len": st.max_model_len,
+                                            "speculative_methods": st.speculative_methods}]}
 
-    page, page_headers = chat_page()
+    page, page_headers = chat_page(st.speculative_methods)
 
     @app.get("/", response_class=HTMLResponse)
     async def index():
