@@ -353,3 +353,34 @@ def test_heldout_decode_tau_is_the_engines_tokens_per_pass():
         offline_passes = (len(answer) - 1) / ev["decode_tau"]
         assert abs(offline_passes - engine_passes) <= 1, (offline_passes, engine_passes)
         assert engine_passes < len(answer) - 1  # the head drafted something right: the test compares counts
+
+
+def test_a_fixed_k_row_keeps_the_heads_features_while_adaptive_rows_rest(tiny, tmp_path, monkeypatch):
+    """A request with its own num_speculative_tokens drafts at every step whatever K the batch chose, so the
+    passes it is in keep the head's features even while the adaptive rows' speculation rests: it drafted only
+    until the rest began (REST_AFTER plain batches), then never again."""
+    from specdec.engine.engine import Engine, EngineConfig, EngineRequest
+    from specdec.engine.speculation import Speculation
+    from specdec.llm import LLM
+    from tests.test_engine_batching import reference, run
+
+    d, plain = tiny
+    head = random_head(plain.model, "eagle3", tmp_path / "head", draft_vocab=512)
+    spec = LLM(str(d), dtype="float32", progress=False, speculative_config={"method": "eagle3", "model": str(head)})
+    engine = Engine(spec, EngineConfig(max_num_seqs=2, max_num_batched_tokens=64, block_size=8))
+
+    def held(self, seqs, caps, found=None):  # the adaptive rows' K: 0 at every step, with no probe
+        self.probes.should_probe(False)
+        return 0
+
+    monkeypatch.setattr(Speculation, "choose_k", held)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    prompts = [plain.tokenizer.encode(t) for t in ("Hello there, 1 2 3 4 5", "The cat sat on the mat, the cat")]
+    res = run(engine, [EngineRequest("adaptive", prompts[0], params),
+                       EngineRequest("fixed", prompts[1], params, speculative={"method": "eagle3",
+                                                                                "num_speculative_tokens": 2})])
+    for rid, ids in zip(("adaptive", "fixed"), prompts):
+        assert res[(rid, 0)]["ids"] == reference(plain, ids, params)[0].token_ids, rid
+    fixed = res[("fixed", 0)]["out"].metrics
+    assert fixed.num_drafts >= fixed.target_passes - 2  # every step but the last (no room to draft)
+    assert res[("adaptive", 0)]["out"].metrics.num_drafts == 0

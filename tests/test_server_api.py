@@ -453,18 +453,18 @@ def test_json_schema_response_format(server):
 
 
 def test_per_request_method_and_k(server, plain):
-    """A request picks its own drafter and k (the server runs n-gram at k = 4): same greedy text, and
-    its metrics name the method it got."""
+    """A request picks its own drafter and k (the server runs n-gram at k = 4), or the server's drafter at
+    its own k (no method named: it was read as off): same greedy text, and its metrics name the method it got."""
     prompt = "tree code tree code tree code tree"
     want = plain.generate(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].outputs[0].text
-    for choice in ("suffix", {"method": "ngram", "num_speculative_tokens": 2}):
+    for choice in ("suffix", {"method": "ngram", "num_speculative_tokens": 2}, {"num_speculative_tokens": 2}):
         r = httpx.post(server.url + "/v1/completions", headers=headers(), timeout=60, json={
             "prompt": prompt, "max_tokens": 20, "temperature": 0, "ignore_eos": True, "speculative": choice})
         assert r.status_code == 200, r.text
         body = r.json()
         assert body["choices"][0]["text"] == want
         spec = body["metrics"]["speculative_decoding"]
-        assert spec["method"] == (choice if isinstance(choice, str) else choice["method"])
+        assert spec["method"] == (choice if isinstance(choice, str) else choice.get("method", "ngram"))
         if isinstance(choice, dict):  # k = 2: no step drafts more than two tokens
             assert len(spec["drafted_by_position"]) <= 2
     assert server.engine.blocks.num_used == 0
@@ -472,7 +472,7 @@ def test_per_request_method_and_k(server, plain):
 
 def test_a_request_picks_only_the_methods_the_server_built(server, tiny_dir):
     """The page's menu and /v1/models list what a request may name (the server's own method and
-    --request-speculative-methods'); another valid method is a 400 that names them, and with
+    --request-speculative-methods); another valid method is a 400 that names them, and with
     --request-speculative-methods none only the server's own and off are left."""
     enabled = ["ngram", "suffix"]
     assert sorted(server.engine.request_proposers) == enabled

@@ -62,7 +62,7 @@ class EngineConfig:
     def __post_init__(self):
         check_minimums(self, {"max_num_seqs": 1, "max_num_batched_tokens": 1, "block_size": 1, "num_kv_blocks": 1})
         methods = self.request_methods
-        if isinstance(methods, str) or not isinstance(methods, (tuple, list)) or not all(isinstance(m, str) for m in methods):
+        if not isinstance(methods, (tuple, list)) or not all(isinstance(m, str) for m in methods):
             raise ConfigError(f"request_methods must be a tuple of method names, got {methods!r}")
         for method in methods:
             check_method_name(method)
@@ -143,16 +143,21 @@ class Engine:
 
     # --- requests -------------------------------------------------------------------------------
     def resolve_spec(self, speculative: dict | None) -> SpecChoice:
-        """A request's speculation: the server default, off, or one of the methods built for requests
+        """A request's speculation: the server default (None, or no "method": at the dict's
+        num_speculative_tokens), off ({"method": None}), or one of the methods built for requests
         (EngineConfig.request_methods); another method is a ConfigError, and nothing is built."""
         if speculative is None:
             return self.default_spec
-        method = speculative.get("method")
+        enabled = ", ".join(["off", *self.request_proposers])
+        if "method" not in speculative:
+            if self.llm.proposer is None:
+                raise ConfigError(f"this server has no speculative method of its own: name one (enabled: {enabled})")
+            return _choice(self.llm.proposer, speculative.get("num_speculative_tokens"))
+        method = speculative["method"]
         if method is None:
             return SpecChoice()
         proposer = self.request_proposers.get(method)
         if proposer is None:
-            enabled = ", ".join(["off", *self.request_proposers])
             raise ConfigError(f"speculative method {method!r} is not enabled on this server (enabled: {enabled}; "
                               "the server's --request-speculative-methods lists the ones requests may pick)")
         return _choice(proposer, speculative.get("num_speculative_tokens"))
@@ -252,9 +257,11 @@ class Engine:
 
     def _feature_layers(self, rows: list[Row], decode: bool) -> tuple[int, ...]:
         """The target layers whose hidden states the rows' proposers read from this pass: none for a
-        decode pass while the drafters rest, unless a row begins in it (a prompt whose last token chunked
-        prefill left alone: its proposer starts from this pass)."""
-        if decode and self.spec.resting() and all(r.seq.begun or r.seq.spec.proposer is None for r in rows):
+        decode pass while the adaptive rows' drafters rest, unless a row begins in it (a prompt whose last
+        token chunked prefill left alone: its proposer starts from this pass) or drafts whatever the batch's K
+        (a fixed num_speculative_tokens)."""
+        resting = [r.seq.spec.proposer is None or (r.seq.begun and not r.seq.spec.fixed_k) for r in rows]
+        if decode and self.spec.resting() and all(resting):
             return ()
         layers = set()
         for r in rows:
