@@ -121,3 +121,31 @@ def test_the_blocks_count_each_request_methods_drafter(draft_llm):
         assert e.blocks.num_blocks == int(0.002 * 2**30 // (per_block[e] + sum(d.kv_bytes_per_block(8) for d in drafters)))
     assert drafter is not draft_llm.proposer and paired.blocks.num_blocks < alone.blocks.num_blocks
     assert listed.blocks.num_blocks == alone.blocks.num_blocks  # the server's own method, listed: counted once
+
+
+def test_a_draft_model_with_a_shorter_context_drafts_within_it(plain, tiny_dir, caplog):
+    """A draft model whose context (64) is shorter than the target's (160) is said so at load; in the engine a
+    row past the draft's context drafts nothing while the rows within it go on drafting (a position past the
+    draft's rotary table raised, and the engine dropped the drafter of every row of the batch); alone, a
+    request drafts up to the draft's last position. Outputs stay plain decoding's."""
+    import logging
+    import warnings
+    draft = tiny_dir("llama", seed=1, num_hidden_layers=1, max_position_embeddings=64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        short = drafting(tiny_dir, draft, k=3)
+    assert any("draft model's context (64 tokens) is shorter than the target's (160)" in str(w.message) for w in caught)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    long_prompt, short_prompt = [5 + i % 50 for i in range(50)], [7, 8, 9]  # 50 + 40 tokens pass 64; 3 + 40 do not
+    engine = Engine(short, EngineConfig(max_num_seqs=2, max_num_batched_tokens=64, block_size=8))
+    with caplog.at_level(logging.WARNING, logger="specdec"):
+        res = run(engine, [EngineRequest("long", long_prompt, params), EngineRequest("short", short_prompt, params)])
+    assert not [r for r in caplog.records if "drafter" in r.getMessage()]  # no drafter dropped
+    for rid, ids in (("long", long_prompt), ("short", short_prompt)):
+        assert res[(rid, 0)]["ids"] == reference(plain, ids, params)[0].token_ids, rid
+    m = res[("short", 0)]["out"].metrics
+    assert m.num_drafts >= m.target_passes - 2  # drafted all along, beside a row past the draft's context
+    assert 0 < res[("long", 0)]["out"].metrics.num_drafts < m.num_drafts
+    alone = short.generate_one(long_prompt, params)
+    assert alone.token_ids == reference(plain, long_prompt, params)[0].token_ids
+    assert 0 < alone.metrics.num_drafts

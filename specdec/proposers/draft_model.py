@@ -20,6 +20,8 @@ In the serving engine (propose_batch) the drafter's keys/values live in the engi
 from __future__ import annotations
 
 import time
+import warnings
+
 import torch
 
 from specdec.cache.kv_cache import kv_dtype
@@ -61,6 +63,10 @@ class DraftModelProposer(Proposer):
         self.threshold = ctx.config.draft_confidence_threshold
         self.draft_cost_per_token = time_one_step(self.model)
         self.paged = None if self.universal is not None else PagedDraft(self.model, self.vocab)
+        if self.universal is None and self.model.max_len < ctx.target.max_len:
+            warnings.warn(f"the draft model's context ({self.model.max_len} tokens) is shorter than the target's "
+                          f"({ctx.target.max_len}): past it a request decodes without drafts", RuntimeWarning,
+                          stacklevel=2)
 
     def begin(self, state: RequestState, prefill: TargetOutput | None = None) -> None:
         """The own cache is made when propose() first needs it: in the serving engine the drafter's
@@ -111,7 +117,8 @@ class DraftModelProposer(Proposer):
             return proposal
         cache = self._own_cache(state)
         ids = state.token_ids
-        if len(ids) + k > cache.max_len:
+        k = min(k, cache.max_len - len(ids))  # as many as the draft's context still holds
+        if k <= 0:
             return EMPTY  # the draft's context is full: the target goes on alone
         t0 = time.perf_counter()
         if cache.length >= len(ids):  # never expected; keep the invariant anyway

@@ -48,7 +48,8 @@ class MedusaProposer(Proposer):
         super().__init__(ctx)
         cfg = ctx.config
         path = Path(cfg.model) if cfg.model else default_head("medusa", ctx.target.config)
-        self.head = load_head(path, ctx.dtype, ctx.target.config)  # (an upstream Medusa directory too)
+        # (an upstream Medusa directory too), on the target's device: its hidden states and LM head are there
+        self.head = load_head(path, ctx.dtype, ctx.target.config).to(ctx.target.device)
         check_head_fits(self.head, ctx.target.config, path, "medusa")
         self.lm_head = ctx.target.lm_head.weight
         K = self.head.cfg.medusa_num_heads

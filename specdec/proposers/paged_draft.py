@@ -81,7 +81,14 @@ class PagedDraft:
             s.draft["paged_len"] = len(s.token_ids)
         return torch.stack(out)
 
+    def room(self, state: RequestState, k: int) -> int:
+        """k cut to the drafter's context: it takes the context's positions, then the drafted tokens' but the
+        last (a draft model may have a shorter context than its target: past it, the row drafts nothing,
+        and the other rows go on drafting)."""
+        return max(0, min(k, self.model.max_len - len(state.token_ids) + 1))
+
     def propose(self, states: list[RequestState], ks: list[int], threshold: float) -> list[Proposal]:
+        ks = [self.room(s, k) for s, k in zip(states, ks)]
         live = [b for b, k in enumerate(ks) if k > 0]
         proposals = [EMPTY] * len(states)
         if not live:

@@ -101,7 +101,8 @@ class QDraftProposer(Proposer):
     def propose(self, state: RequestState, k: int) -> Proposal:
         cache = self._own_cache(state)
         ids = state.token_ids
-        if len(ids) + k > cache.max_len:
+        k = min(k, cache.max_len - len(ids))  # as many as the drafter's context still holds
+        if k <= 0:
             return EMPTY  # the drafter's context is full: the target goes on alone
         t0 = time.perf_counter()
         if cache.length >= len(ids):  # never expected; keep the invariant (the last token is fed)
