@@ -188,10 +188,25 @@ class SpeculativeConfig:
             object.__setattr__(self, "num_draft_tokens", n)
         if not (2 <= n <= 65):
             raise ConfigError(f"num_draft_tokens must be in [2, 65], got {n}")
+        k = self.num_speculative_tokens
+        if k is not None and self.lookup is None and k > self.step_limit:  # (a pairing's lookup drafts up to k)
+            shape = (f"num_draft_tokens {n}" if self.method == "medusa" else
+                     f"num_steps {self.num_steps}, eagle_topk {self.eagle_topk}, num_draft_tokens {n}")
+            raise ConfigError(f"{self.method} drafts at most {self.step_limit} tokens a step with {shape}; "
+                              f"num_speculative_tokens {k} asks for more")
 
     @property
     def fixed_k(self) -> bool:
         return self.num_speculative_tokens is not None
+
+    @property
+    def step_limit(self) -> int | None:
+        """The most tokens a learned head drafts a step (None: no such limit): a chain's num_steps (within
+        its num_draft_tokens), a tree's num_draft_tokens - 1 nodes besides the root."""
+        if self.method not in LEARNED_TREE_METHODS:
+            return None
+        nodes = self.num_draft_tokens - 1
+        return min(self.num_steps, nodes) if self.method != "medusa" and self.eagle_topk == 1 else nodes
 
     @property
     def k_max(self) -> int:
@@ -200,7 +215,7 @@ class SpeculativeConfig:
         if self.num_speculative_tokens:
             return self.num_speculative_tokens
         if self.method in LEARNED_TREE_METHODS:
-            return self.num_draft_tokens - 1
+            return self.step_limit
         return self.max_speculative_tokens
 
     @classmethod
@@ -219,6 +234,12 @@ class SpeculativeConfig:
                 check_type("speculative_config", f.name, f.type, d[f.name])
         if d.get("skip_layers") is not None:
             d["skip_layers"] = tuple(d["skip_layers"])
+        k = d.get("num_speculative_tokens")
+        if isinstance(k, int) and not any(key in d for key in ("num_steps", "eagle_topk", "num_draft_tokens")):
+            if d["method"] in ("eagle", "eagle3"):
+                d["num_steps"] = k  # vLLM's meaning for EAGLE: a chain of k (the head's passes a step)
+            elif d["method"] == "medusa":
+                d["num_draft_tokens"] = k + 1  # a static tree of k nodes besides the root
         return cls(**d)
 
 

@@ -16,6 +16,12 @@ from specdec.config import ConfigError, SpeculativeConfig
     ({"method": "ngram", "lookahead_window": 3}, "does not read lookahead_window"),
     ({"method": "qdraft", "lookup": "ngram", "suffix_decoding_max_tree_depth": 30}, "with lookup 'ngram'"),
     ({"method": "eagle3", "skip_layers": [1, 2]}, "does not read skip_layers"),
+    # more tokens a step than the head drafts (they were cut silently)
+    ({"method": "eagle3", "num_steps": 3, "num_speculative_tokens": 5}, "drafts at most 3 tokens a step"),
+    ({"method": "eagle3", "eagle_topk": 3, "num_steps": 3, "num_draft_tokens": 8, "num_speculative_tokens": 8},
+     "drafts at most 7 tokens"),
+    ({"method": "medusa", "num_draft_tokens": 4, "num_speculative_tokens": 5}, "drafts at most 3 tokens"),
+    ({"method": "eagle", "num_speculative_tokens": 17}, "num_steps"),
 ])
 def test_bad_values_and_keys_the_method_ignores_are_config_errors(config, message):
     with pytest.raises(ConfigError, match=message):
@@ -34,3 +40,18 @@ def test_bad_values_and_keys_the_method_ignores_are_config_errors(config, messag
 def test_keys_their_methods_read_are_taken(config):
     cfg = SpeculativeConfig.from_dict(config)
     assert all(getattr(cfg, k) == (tuple(v) if isinstance(v, list) else v) for k, v in config.items())
+
+
+def test_num_speculative_tokens_alone_shapes_a_learned_heads_step():
+    """vLLM's meaning: EAGLE's num_speculative_tokens is its chain's length (num_steps), Medusa's its tree's
+    nodes; our own shape keys, or a lookup pairing (whose chains draft up to k), keep theirs."""
+    eagle = SpeculativeConfig.from_dict({"method": "eagle3", "num_speculative_tokens": 6})
+    assert (eagle.num_steps, eagle.eagle_topk, eagle.num_draft_tokens, eagle.step_limit) == (6, 1, 7, 6)
+    medusa = SpeculativeConfig.from_dict({"method": "medusa", "num_speculative_tokens": 6})
+    assert (medusa.num_draft_tokens, medusa.step_limit) == (7, 6)
+    paired = SpeculativeConfig.from_dict({"method": "eagle3", "lookup": "ngram", "num_steps": 3,
+                                          "num_speculative_tokens": 6})
+    assert (paired.num_steps, paired.step_limit, paired.k_max) == (3, 3, 6)
+    chain = SpeculativeConfig.from_dict({"method": "eagle", "num_draft_tokens": 10})  # a chain of num_steps 3
+    assert chain.k_max == chain.step_limit == 3
+    assert SpeculativeConfig.from_dict({"method": "ngram"}).step_limit is None

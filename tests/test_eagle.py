@@ -45,7 +45,7 @@ def test_tree_metrics_count_positions_by_depth(tiny, tmp_path):
     d, plain = tiny
     head = random_head(plain.model, "eagle3", tmp_path / "head", draft_vocab=512)
     spec = LLM(str(d), dtype="float32", progress=False, speculative_config={"method": "eagle3", "model": str(head),
-                                                                            "num_speculative_tokens": 8, **SHAPES[1]})
+                                                                            "num_speculative_tokens": 7, **SHAPES[1]})
     r = spec.generate_one(plain.tokenizer.encode("Hello there, 1 2 3 4 5 6 7 8"),
                           SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     m = r.metrics

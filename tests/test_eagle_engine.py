@@ -384,3 +384,19 @@ def test_a_fixed_k_row_keeps_the_heads_features_while_adaptive_rows_rest(tiny, t
     fixed = res[("fixed", 0)]["out"].metrics
     assert fixed.num_drafts >= fixed.target_passes - 2  # every step but the last (no room to draft)
     assert res[("adaptive", 0)]["out"].metrics.num_drafts == 0
+
+
+def test_a_request_asking_more_tokens_a_step_than_the_head_drafts_is_refused(tiny, tmp_path):
+    """A request's num_speculative_tokens above what the head drafts a step (a chain's num_steps) is a
+    ConfigError (a 400 in the server): it was cut to num_steps silently."""
+    from specdec.config import ConfigError
+    from specdec.engine.engine import Engine, EngineConfig
+    from specdec.llm import LLM
+
+    d, plain = tiny
+    head = random_head(plain.model, "eagle3", tmp_path / "head", draft_vocab=512)
+    spec = LLM(str(d), dtype="float32", progress=False, speculative_config={"method": "eagle3", "model": str(head)})
+    engine = Engine(spec, EngineConfig(max_num_seqs=2, profile_cost=False))
+    assert engine.resolve_spec({"method": "eagle3", "num_speculative_tokens": 3}).k_max == 3
+    with pytest.raises(ConfigError, match="eagle3 drafts at most 3 tokens a step"):
+        engine.resolve_spec({"method": "eagle3", "num_speculative_tokens": 4})

@@ -74,8 +74,12 @@ class EngineConfig:
 
 
 def _choice(proposer, k: int | None = None) -> SpecChoice:
-    """k from the request, else the proposer's config (fixed num_speculative_tokens, or adaptive up to k_max)."""
+    """k from the request, else the proposer's config (fixed num_speculative_tokens, or adaptive up to k_max);
+    a ConfigError for a k the proposer's learned head cannot draft in a step (it was cut silently)."""
     cfg = proposer.ctx.config
+    if k is not None and cfg.lookup is None and cfg.step_limit is not None and k > cfg.step_limit:
+        raise ConfigError(f"num_speculative_tokens {k}: {proposer.name} drafts at most {cfg.step_limit} tokens a "
+                          "step on this server")
     return SpecChoice(proposer, k or cfg.k_max, k is not None or cfg.fixed_k or not cfg.adaptive)
 
 
