@@ -50,10 +50,16 @@ _METHOD_KEYS = {
     "suffix_decoding_max_cached_requests": lambda c: "suffix" in (c.method, c.lookup),
     "suffix_decoding_max_spec_factor": lambda c: "suffix" in (c.method, c.lookup),
     "suffix_decoding_min_token_prob": lambda c: "suffix" in (c.method, c.lookup),
-    "num_steps": lambda c: c.method in LEARNED_TREE_METHODS,
-    "eagle_topk": lambda c: c.method in LEARNED_TREE_METHODS,
+    "num_steps": lambda c: c.method in ("eagle", "eagle3"),
+    "eagle_topk": lambda c: c.method in ("eagle", "eagle3"),
     "num_draft_tokens": lambda c: c.method in LEARNED_TREE_METHODS,
     "extra": lambda c: c.method in ("draft_model", "qdraft"),
+    "prompt_lookup_min": lambda c: "ngram" in (c.method, c.lookup),
+    "prompt_lookup_max": lambda c: "ngram" in (c.method, c.lookup),
+    "lookup_min_match": lambda c: c.lookup is not None,
+    "max_speculative_tokens": lambda c: c.num_speculative_tokens is None,
+    # the model drafters whose chains stop at a token drafted below it
+    "draft_confidence_threshold": lambda c: c.method in ("draft_model", "qdraft", "layerskip", "eagle", "eagle3"),
 }
 
 

@@ -22,6 +22,12 @@ from specdec.config import ConfigError, SpeculativeConfig
      "drafts at most 7 tokens"),
     ({"method": "medusa", "num_draft_tokens": 4, "num_speculative_tokens": 5}, "drafts at most 3 tokens"),
     ({"method": "eagle", "num_speculative_tokens": 17}, "num_steps"),
+    # keys only other methods, or a pairing, or an adaptive k read
+    ({"method": "suffix", "prompt_lookup_max": 3}, "does not read prompt_lookup_max"),
+    ({"method": "ngram", "lookup_min_match": 3}, "does not read lookup_min_match"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "max_speculative_tokens": 5}, "does not read max_speculative"),
+    ({"method": "suffix", "draft_confidence_threshold": 0.3}, "does not read draft_confidence_threshold"),
+    ({"method": "medusa", "num_steps": 2}, "does not read num_steps"),
 ])
 def test_bad_values_and_keys_the_method_ignores_are_config_errors(config, message):
     with pytest.raises(ConfigError, match=message):
@@ -36,6 +42,9 @@ def test_bad_values_and_keys_the_method_ignores_are_config_errors(config, messag
     {"method": "layerskip", "skip_layers": [1, 2]},
     {"method": "lookahead", "lookahead_window": 3, "lookahead_ngram": 2},
     {"method": "suffix", "suffix_decoding_max_cached_requests": 0, "max_speculative_tokens": 64},
+    {"method": "qdraft", "lookup": "ngram", "prompt_lookup_max": 3, "lookup_min_match": 3,
+     "draft_confidence_threshold": 0.3},
+    {"method": "eagle3", "draft_confidence_threshold": 0.3},
 ])
 def test_keys_their_methods_read_are_taken(config):
     cfg = SpeculativeConfig.from_dict(config)
