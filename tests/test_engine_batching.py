@@ -98,7 +98,8 @@ def test_greedy_batched_speculation_equals_single_request(plain, ngram, spec_k):
 def test_a_drafter_that_raises_leaves_its_row_decoding_without_it(plain, ngram, monkeypatch):
     """A drafter's exception (a draft model whose vocabulary is smaller than the target's, meeting an id
     past it) failed the whole step, and the async engine then aborted every request in flight. Now the row
-    it drafts for decodes on without drafts, its output plain decoding's, and the other rows go on drafting."""
+    it drafts for decodes on without drafts, its output plain decoding's, and the other rows go on drafting.
+    Its output still names the method, with what the drafter raised; the engine counts the failure."""
     real = ngram.proposer.propose_lookup
     calls = {"0-0": 0}
 
@@ -119,6 +120,10 @@ def test_a_drafter_that_raises_leaves_its_row_decoding_without_it(plain, ngram, 
         assert out["ids"] == reference(plain, r.prompt_ids, r.params)[0].token_ids, r.request_id
     assert calls["0-0"] == 3  # not asked again after it raised
     assert sum(res[(r.request_id, 0)]["out"].metrics.num_draft_tokens for r in reqs[1:]) > 0
+    failed = res[("0", 0)]["out"]
+    assert failed.method == "ngram" and failed.drafter_error == "IndexError: index out of range in self"
+    assert all(res[(r.request_id, 0)]["out"].drafter_error is None for r in reqs[1:])
+    assert engine.stats().drafter_failures == 1
 
 
 def test_preemption_by_recompute_keeps_outputs(plain, ngram):

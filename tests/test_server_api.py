@@ -494,6 +494,30 @@ def test_a_request_picks_only_the_methods_the_server_built(server, tiny_dir):
         srv.stop()
 
 
+def test_a_failed_drafter_is_reported_not_hidden(server, monkeypatch):
+    """A request whose drafter raised decodes on without it (plain decoding's text); its metrics name the method
+    and what the drafter raised (they read as "speculation off" before), and /metrics counts the failure."""
+    def broken(state, cap):
+        raise RuntimeError("drafter broke")
+
+    monkeypatch.setattr(server.engine.request_proposers["suffix"], "propose_lookup", broken)
+    before = re.search(r"^specdec:spec_decode_drafter_failures_total\{[^}]*\} (\S+)$",
+                       httpx.get(server.url + "/metrics").text, re.M)
+    r = httpx.post(server.url + "/v1/completions", headers=headers(), timeout=60, json={
+        "prompt": "tree code tree code", "max_tokens": 8, "temperature": 0, "speculative": "suffix"})
+    assert r.status_code == 200, r.text
+    spec = r.json()["metrics"]["speculative_decoding"]
+    assert spec["method"] == "suffix" and spec["drafter_error"] == "RuntimeError: drafter broke"
+    for _ in range(50):  # (the engine's stats reach the registry after its step)
+        after = re.search(r"^specdec:spec_decode_drafter_failures_total\{[^}]*\} (\S+)$",
+                          httpx.get(server.url + "/metrics").text, re.M)
+        if after and float(after.group(1)) >= (float(before.group(1)) if before else 0) + 1:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the drafter failure was not counted")
+
+
 def test_regex_response_format(server):
     r = httpx.post(server.url + "/v1/completions", headers=headers(), timeout=60, json={
         "prompt": "my phone number is", "max_tokens": 20, "temperature": 0,

@@ -385,7 +385,8 @@ class Engine:
         first = seq.sent_tokens == 0 and bool(toks)  # the choice's first tokens: its prompt logprobs go with them
         seq.sent_tokens = len(seq.output_ids)
         out = SeqOutput(seq.request_id, seq.index, text[start:end], toks, lps, seq.text_pieces(start, end),
-                        method=seq.spec.method, prompt_logprobs=seq.prompt_logprobs if first else None)
+                        method=seq.spec.method, drafter_error=seq.spec.drafter_error,
+                        prompt_logprobs=seq.prompt_logprobs if first else None)
         if seq.finished:
             out.finished, out.finish_reason, out.stop_reason = True, seq.finish_reason, seq.out.stop_reason
             out.num_prompt_tokens, out.num_output_tokens = len(seq.prompt_ids), len(seq.output_ids)
@@ -399,4 +400,4 @@ class Engine:
         pc = self.blocks.prefix
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.blocks.usage,
                            self.blocks.num_used, self.scheduler.num_preemptions, pc.queries, pc.hits, self.totals,
-                           self.last_k)
+                           self.last_k, self.spec.drafter_failures)

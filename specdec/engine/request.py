@@ -37,6 +37,7 @@ class SeqOutput:
     prompt_logprobs: list | None = None  # with the choice's first output, if asked (None first)
     metrics: SpecMetrics | None = None
     method: str | None = None
+    drafter_error: str | None = None  # the drafter raised and was dropped: the request decoded on without it
     ttft: float | None = None
     e2e: float | None = None
     error: str | None = None  # the request failed in this step (what its row raised); it is aborted
@@ -54,3 +55,4 @@ class EngineStats:
     prefix_hits: int = 0
     spec: SpecMetrics = field(default_factory=SpecMetrics)
     last_k: int = 0
+    drafter_failures: int = 0

@@ -34,15 +34,18 @@ class Status(enum.Enum):
 
 @dataclass(frozen=True)
 class SpecChoice:
-    """The speculation a sequence uses: a proposer (None: plain decoding), a cap on k."""
+    """The speculation a sequence uses: a proposer (None: plain decoding), a cap on k; a drafter that failed
+    is dropped (proposer None) with its method's name and what it raised kept for the request's metrics."""
 
     proposer: Proposer | None = None
     k_max: int = 0
     fixed_k: bool = False
+    failed_method: str | None = None
+    drafter_error: str | None = None
 
     @property
     def method(self) -> str | None:
-        return self.proposer.name if self.proposer is not None else None
+        return self.proposer.name if self.proposer is not None else self.failed_method
 
 
 @dataclass(eq=False)

@@ -189,6 +189,7 @@ class Speculation:
         self.pool = None  # the engine's PagedKVPool
         self.probes = ProbeBackoff(PROBE_INTERVAL, MAX_PROBE_INTERVAL)
         self.propose_seconds = 0.0  # time in proposers since the engine last reset it (once per step)
+        self.drafter_failures = 0  # rows whose drafter raised (each decodes on without drafts)
         self._lock = threading.Lock()
 
     def proposer(self, method: str):
@@ -245,15 +246,16 @@ class Speculation:
             found.append(chain)
         return found
 
-    @staticmethod
-    def drop_drafter(seq, error: Exception) -> None:
+    def drop_drafter(self, seq, error: Exception) -> None:
         """A row whose drafter raised decodes on without one: its output is plain decoding's either way, and
         the step's other rows go on (the exception failed the whole step, and the async engine then aborted
         every request in flight). The drafter's state for the row is released as at its end."""
         proposer = seq.spec.proposer
         log.warning("drafter %s failed for request %s (%s: %s); it decodes on without drafts", proposer.name,
                     seq.request_id, type(error).__name__, error)
-        seq.spec = replace(seq.spec, proposer=None)
+        seq.spec = replace(seq.spec, proposer=None, failed_method=proposer.name,
+                           drafter_error=f"{type(error).__name__}: {error}")
+        self.drafter_failures += 1
         if seq.begun:
             try:
                 proposer.end(seq.state)

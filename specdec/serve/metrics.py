@@ -57,6 +57,9 @@ class ServerMetrics:
                                             "1 + accepted tokens per draft since start.", L, registry=r).labels(**m)
         self.acceptance_by_pos = Gauge("specdec:spec_decode_acceptance_rate_per_pos",
                                        "Acceptance rate by draft position since start.", L + ["position"], registry=r)
+        self.drafter_failures = Counter("specdec:spec_decode_drafter_failures",
+                                        "Sequences whose drafter raised (each decoded on without drafts).", L,
+                                        registry=r).labels(**m)
         self.spec_k = Gauge("specdec:spec_decode_batch_k", "Longest draft in the last decode batch.", L,
                             registry=r).labels(**m)
         self._m = m
@@ -75,7 +78,8 @@ class ServerMetrics:
             mirrored = ((self.preemptions, st.num_preemptions), (self.prefix_queries, st.prefix_queries),
                         (self.prefix_hits, st.prefix_hits), (self.drafts, st.spec.num_drafts),
                         (self.draft_tokens, st.spec.num_draft_tokens),
-                        (self.accepted_tokens, st.spec.num_accepted_tokens))
+                        (self.accepted_tokens, st.spec.num_accepted_tokens),
+                        (self.drafter_failures, st.drafter_failures))
             mirrored += tuple((self.accepted_per_pos.labels(**self._m, position=str(pos)), acc)
                               for pos, acc in enumerate(st.spec.accepted_per_pos))
             for counter, total in mirrored:  # the engine keeps running totals: add what is new

@@ -24,9 +24,12 @@ def _event(obj) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-def spec_summary(metrics: list[SpecMetrics], method: str | None) -> dict | None:
+def spec_summary(metrics: list[SpecMetrics], method: str | None, drafter_errors=()) -> dict | None:
+    """A request's speculative metrics (None: it ran without speculation); drafter_errors: what its choices'
+    drafters raised, if they failed (the choice decoded on without drafts)."""
     if method is None:
         return None
+    errors = [e for e in drafter_errors if e]
     m = SpecMetrics()
     for x in metrics:
         m.merge(x)
@@ -36,7 +39,8 @@ def spec_summary(metrics: list[SpecMetrics], method: str | None) -> dict | None:
             "acceptance_rate_by_position": [round(x, 4) for x in m.acceptance_by_position],
             "accepted_by_position": list(m.accepted_per_pos), "drafted_by_position": list(m.drafted_per_pos),
             "target_forward_passes": m.target_passes,
-            **({"lookup_by_match_length": match_length_table(m.by_match_length)} if m.by_match_length else {})}
+            **({"lookup_by_match_length": match_length_table(m.by_match_length)} if m.by_match_length else {}),
+            **({"drafter_error": errors[0]} if errors else {})}
 
 
 class ResponseBuilder:
@@ -199,7 +203,8 @@ class ResponseBuilder:
                 "created": int(time.time()), "model": self.st.model_name, "choices": choices,
                 "usage": self._usage(list(finals.values()), {i: len(r.prompt_ids) for i, r in enumerate(reqs)}),
                 "metrics": {"speculative_decoding": spec_summary([f.metrics for f in finals.values() if f.metrics],
-                                                                 first.method if first else None)}}
+                                                                 first.method if first else None,
+                                                                 [f.drafter_error for f in finals.values()])}}
 
     def _chunk(self, head: dict, idx: int, out: SeqOutput, chat: bool, body, offsets: dict[int, int],
                echo: tuple[list[int], list | None] | None = None) -> dict:
@@ -221,7 +226,8 @@ class ResponseBuilder:
         chunk = {**head, "choices": [choice]}
         if out.finished:
             choice["stop_reason"] = out.stop_reason
-            chunk["metrics"] = {"speculative_decoding": spec_summary([out.metrics] if out.metrics else [], out.method)}
+            chunk["metrics"] = {"speculative_decoding": spec_summary([out.metrics] if out.metrics else [], out.method,
+                                                                     [out.drafter_error])}
         return chunk
 
     async def stream(self, reqs: list[EngineRequest], body, chat: bool):
@@ -250,7 +256,8 @@ class ResponseBuilder:
             if include_usage:
                 yield _event({**head, "choices": [], "usage": self._usage(finals, {
                     i: len(r.prompt_ids) for i, r in enumerate(reqs)}), "metrics": {"speculative_decoding": spec_summary(
-                        [f.metrics for f in finals if f.metrics], finals[0].method if finals else None)}})
+                        [f.metrics for f in finals if f.metrics], finals[0].method if finals else None,
+                        [f.drafter_error for f in finals])}})
             yield "data: [DONE]\n\n"
         except APIError as e:
             yield _event(e.body())
