@@ -63,6 +63,12 @@ def test_drafter_from_a_quantized_directory(tiny_dir, tmp_path):
     # the quantized directory as the target: its quantized copy would be itself (it crashed on the packed head)
     with pytest.raises(ConfigError, match="int4-g32 already"):
         llm(qdir, {"method": "qdraft"})
+    # another model quantized, of the same vocabulary: its layers would read the target's keys/values
+    other = tiny_dir("llama", seed=1, num_hidden_layers=1)
+    qother = save_quantized(quantize_model(load_model(other), scheme, None), other, tmp_path / "q4-other", scheme,
+                            None, "rtn")
+    with pytest.raises(ConfigError, match="not the target quantized: its num_hidden_layers differ"):
+        llm(d, {"method": "qdraft", "model": str(qother)})
 
 
 def test_sampling_returns_q_and_is_reproducible(tiny_dir):

@@ -61,6 +61,14 @@ def build_drafter(ctx):
         model, tok = ctx.load_model(cfg.model)[:2]
         if tok.get_vocab() != ctx.tokenizer.get_vocab() or model.config.vocab_size != ctx.target.config.vocab_size:
             raise ConfigError(f"qdraft model {cfg.model!r} has a different vocabulary than the target")
+        # its layers read and write the target's keys/values (the engine's blocks, the seeded cache): the
+        # same model quantized, not another one (that is draft_model)
+        shape = ("model_type", "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                 "head_dim")
+        differ = [k for k in shape if getattr(model.config, k) != getattr(ctx.target.config, k)]
+        if differ:
+            raise ConfigError(f"qdraft model {cfg.model!r} is not the target quantized: its {', '.join(differ)} "
+                              "differ (a smaller or other model drafts as method draft_model)")
         return model
     from specdec.quant.qmodel import stored_as
 
