@@ -449,3 +449,30 @@ def test_config_defaults_and_activations_as_transformers_reads_them():
         ModelConfig.from_hf({**base, "architectures": ["LlamaForCausalLM"], "hidden_act": act})
     with pytest.raises(ConfigError, match="hidden_act"):
         ModelConfig.from_hf({**base, "architectures": ["Qwen2ForCausalLM"], "hidden_act": "gelu"})
+
+
+def test_a_large_gguf_converts_in_shards_a_shard_at_a_time(smollm_dir, tmp_path, monkeypatch):
+    """Past SHARD_BYTES of fp32 a conversion writes shards and an HF index, holding one shard's tensors at a
+    time (it held the whole model in fp32, 28 GB for a 7B GGUF); they load back to the one-file conversion's
+    weights, tensor for tensor."""
+    import pathlib
+
+    import gguf
+
+    import specdec.model.gguf as gguf_mod
+    from specdec.model.loader import read_safetensors_dir
+
+    source = pathlib.Path(json.loads((smollm_dir / "source.json").read_text())["gguf"])
+    monkeypatch.setattr(gguf_mod, "SHARD_BYTES", 64 << 20)
+    held, save = [], gguf_mod.save_file
+    monkeypatch.setattr(gguf_mod, "save_file", lambda t, *a, **k: held.append(sum(x.nbytes for x in t.values()))
+                        or save(t, *a, **k))
+    out = gguf_mod.convert_gguf(source, tmp_path / "sharded", progress=False)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(out.glob("model-*.safetensors"))
+    assert len(shards) == len(held) >= 3 and not (out / "model.safetensors").exists()
+    assert sorted(set(index["weight_map"].values())) == [s.name for s in shards] and gguf_mod.converted(out)
+    biggest = 4 * max(int(t.n_elements) for t in gguf.GGUFReader(str(source)).tensors)
+    assert max(held) <= max(64 << 20, biggest)  # one shard's tensors at a time (a larger tensor alone)
+    whole, sharded = read_safetensors_dir(smollm_dir), read_safetensors_dir(out)
+    assert whole.keys() == sharded.keys() and all(torch.equal(whole[k], sharded[k]) for k in whole)

@@ -5,9 +5,10 @@ Q4_K, Q6_K, ...). llama: q/k projections are un-permuted from llama.cpp's interl
 back to HF's rotate-half layout (llama.cpp permutes only its llama architecture). gemma3: llama.cpp
 stores every RMSNorm weight as 1 + w (Gemma3RMSNorm scales by 1 + w), so 1 is subtracted back, as
 transformers' GGUF loader does; q/k are not permuted. The vocabulary becomes a `tokenizers`
-tokenizer.json (specdec/model/gguf_tokenizer.py). The result (config.json, model.safetensors,
-tokenizer.json, tokenizer_config.json) is written to a temporary directory and renamed into place,
-so an interrupted conversion never leaves a half cache.
+tokenizer.json (specdec/model/gguf_tokenizer.py). The result (config.json, model.safetensors or, past
+SHARD_BYTES of fp32, shards with an index, tokenizer.json, tokenizer_config.json) is written to a temporary
+directory and renamed into place, so an interrupted conversion never leaves a half cache; tensors are
+dequantized a shard at a time, so converting holds one shard in memory, not the whole model in fp32.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -143,40 +145,90 @@ def _token_id(reader, text: str) -> int | None:
     return tokens.index(text) if text in tokens else None
 
 
-def _tensors(reader, cfg: dict, arch: str, progress: bool) -> dict[str, torch.Tensor]:
+def _hf_name(name: str, arch: str) -> str:
+    """A GGUF tensor's name -> its HF name; a ConfigError for one the converter does not know."""
+    if name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if name == "output_norm.weight":
+        return "model.norm.weight"
+    if name == "output.weight":
+        return "lm_head.weight"
+    if name.startswith("blk."):
+        _, idx, rest = name.split(".", 2)
+        if rest in _LAYER_NAMES[arch]:
+            return f"model.layers.{idx}.{_LAYER_NAMES[arch][rest]}"
+    raise ConfigError(f"unsupported GGUF tensor {name!r}")
+
+
+def _converted(reader, cfg: dict, arch: str, tensors) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, fp32 tensor) of each of `tensors` (the reader's), dequantized one at a time."""
     from gguf.quants import dequantize
 
-    out = {}
-    for t in tqdm(reader.tensors, desc="converting GGUF", unit="tensor", disable=not progress):
+    for t in tensors:
         w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         name = t.name
-        if name == "token_embd.weight":
-            key = "model.embed_tokens.weight"
-        elif name == "output_norm.weight":
-            key = "model.norm.weight"
-        elif name == "output.weight":
-            key = "lm_head.weight"
-        elif name.startswith("blk."):
-            _, idx, rest = name.split(".", 2)
-            names = _LAYER_NAMES[arch]
-            if rest not in names:
-                raise ConfigError(f"unsupported GGUF tensor {name!r}")
-            key = f"model.layers.{idx}.{names[rest]}"
-            if arch == "llama" and rest in ("attn_q.weight", "attn_k.weight"):
-                heads = cfg["num_attention_heads"] if rest == "attn_q.weight" else cfg["num_key_value_heads"]
-                w = _unpermute(w, heads)
-        else:
-            raise ConfigError(f"unsupported GGUF tensor {name!r}")
+        key = _hf_name(name, arch)
+        if arch == "llama" and name.endswith((".attn_q.weight", ".attn_k.weight")):
+            heads = cfg["num_attention_heads"] if name.endswith(".attn_q.weight") else cfg["num_key_value_heads"]
+            w = _unpermute(w, heads)
         if arch == "gemma3" and name.endswith("norm.weight"):
             w = w - 1.0  # llama.cpp's converter stored 1 + w
         w = np.ascontiguousarray(w)
-        out[key] = torch.from_numpy(w if w.flags.writeable else w.copy())  # F32 tensors map the file read-only
-    return out
+        yield key, torch.from_numpy(w if w.flags.writeable else w.copy())  # F32 tensors map the file read-only
+
+
+def _tensors(reader, cfg: dict, arch: str, progress: bool = False) -> dict[str, torch.Tensor]:
+    """Every tensor converted, in memory (a small file's; convert_gguf writes shards of a large one)."""
+    return dict(_converted(reader, cfg, arch, tqdm(reader.tensors, desc="converting GGUF", unit="tensor",
+                                                   disable=not progress)))
+
+
+def _shards(tensors: list, limit: int) -> list[list]:
+    """The tensors in order, cut into runs of at most `limit` fp32 bytes (a larger tensor alone)."""
+    shards, size = [[]], 0
+    for t in tensors:
+        n = 4 * int(t.n_elements)
+        if shards[-1] and size + n > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += n
+    return shards
+
+
+# the most fp32 bytes of one safetensors file the conversion writes (and holds in memory at once): a larger
+# model goes in shards with an index, as HF's, so converting a 7B GGUF does not hold its 28 GB of fp32
+SHARD_BYTES = 2 << 30
+_INDEX = "model.safetensors.index.json"
 
 
 def converted(out_dir: Path) -> bool:
     """Whether out_dir holds a finished conversion (convert_gguf moves one there whole)."""
-    return (out_dir / "config.json").exists() and (out_dir / "model.safetensors").exists()
+    return (out_dir / "config.json").exists() and ((out_dir / "model.safetensors").exists()
+                                                   or (out_dir / _INDEX).exists())
+
+
+def _write_weights(reader, cfg: dict, arch: str, out: Path, source: str, progress: bool) -> None:
+    """The converted tensors into out: model.safetensors, or shards of at most SHARD_BYTES and their index,
+    each dequantized, written and let go before the next (a tied LM head is left out)."""
+    keep = [t for t in reader.tensors if not (cfg["tie_word_embeddings"] and t.name == "output.weight")]
+    shards = _shards(keep, SHARD_BYTES)
+    names = ["model.safetensors"] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    bar = tqdm(total=len(keep), desc="converting GGUF", unit="tensor", disable=not progress)
+    for name, shard in zip(names, shards):
+        tensors = {}
+        for key, tensor in _converted(reader, cfg, arch, shard):
+            tensors[key] = tensor
+            bar.update()
+        save_file(tensors, str(out / name), metadata={"format": "pt", "source": source})
+        weight_map.update(dict.fromkeys(tensors, name))
+        del tensors
+    bar.close()
+    if len(shards) > 1:
+        total = 4 * sum(int(t.n_elements) for t in keep)
+        (out / _INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
 
 
 def convert_gguf(path: Path, out_dir: Path, progress: bool = True) -> Path:
@@ -191,20 +243,18 @@ def convert_gguf(path: Path, out_dir: Path, progress: bool = True) -> Path:
     if arch not in _ARCHS:
         raise ConfigError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCHS)}")
     names = {t.name for t in reader.tensors}
-    try:  # metadata or tensors missing or of the wrong kind: one line naming the file
-        cfg = _hf_config(reader, arch, names)
-        tok_json, tok_cfg = tokenizer_files(lambda key, default=None: _field(reader, key, default), arch)
-        tensors = _tensors(reader, cfg, arch, progress)
-    except ConfigError:
-        raise
-    except (KeyError, TypeError, ValueError, ZeroDivisionError, NotImplementedError) as e:
-        raise ConfigError(f"{path}: incomplete or invalid GGUF metadata or tensors ({type(e).__name__}: {e})") from None
-    if cfg["tie_word_embeddings"]:
-        tensors.pop("lm_head.weight", None)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out_dir.parent))
     try:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "source": path.name})
+        try:  # metadata or tensors missing or of the wrong kind: one line naming the file
+            cfg = _hf_config(reader, arch, names)
+            tok_json, tok_cfg = tokenizer_files(lambda key, default=None: _field(reader, key, default), arch)
+            _write_weights(reader, cfg, arch, tmp, path.name, progress)
+        except ConfigError:
+            raise
+        except (KeyError, TypeError, ValueError, ZeroDivisionError, NotImplementedError) as e:
+            raise ConfigError(f"{path}: incomplete or invalid GGUF metadata or tensors "
+                              f"({type(e).__name__}: {e})") from None
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         (tmp / "tokenizer.json").write_text(json.dumps(tok_json))
         (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
