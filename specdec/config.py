@@ -57,9 +57,12 @@ _METHOD_KEYS = {
     "prompt_lookup_min": lambda c: "ngram" in (c.method, c.lookup),
     "prompt_lookup_max": lambda c: "ngram" in (c.method, c.lookup),
     "lookup_min_match": lambda c: c.lookup is not None,
-    "max_speculative_tokens": lambda c: c.num_speculative_tokens is None,
-    # the model drafters whose chains stop at a token drafted below it
-    "draft_confidence_threshold": lambda c: c.method in ("draft_model", "qdraft", "layerskip", "eagle", "eagle3"),
+    "max_speculative_tokens": lambda c: c.num_speculative_tokens is None and c.method not in LEARNED_TREE_METHODS,
+    # the model drafters whose chains stop at a token drafted below it (not an EAGLE tree's, nor a draft
+    # of another tokenizer)
+    "draft_confidence_threshold": lambda c: (c.method in ("draft_model", "qdraft", "layerskip")
+                                             or c.method in ("eagle", "eagle3") and c.eagle_topk == 1)
+                                            and not c.extra.get("universal_tokenizer"),
 }
 
 
@@ -109,7 +112,9 @@ class SpeculativeConfig:
     """What to speculate with. Keys follow vLLM's `--speculative-config`.
 
     num_speculative_tokens: k, drafted tokens per target pass. None means adaptive (per request,
-    from observed acceptance and the measured cost model); a number fixes k.
+    from observed acceptance and the measured cost model); a number fixes k. Given alone to a learned head
+    (from_dict, which every entry point reads configs through), it also shapes the head's step, as vLLM's:
+    an EAGLE chain of k (num_steps), a Medusa tree of k nodes (num_draft_tokens - 1).
     """
 
     method: str
@@ -242,6 +247,9 @@ class SpeculativeConfig:
             d["skip_layers"] = tuple(d["skip_layers"])
         k = d.get("num_speculative_tokens")
         if isinstance(k, int) and not any(key in d for key in ("num_steps", "eagle_topk", "num_draft_tokens")):
+            if d["method"] in ("eagle", "eagle3") and not 1 <= k <= 16:
+                raise ConfigError(f"num_speculative_tokens must be in [1, 16] for {d['method']} (its chain's "
+                                  f"length, num_steps), got {k}")
             if d["method"] in ("eagle", "eagle3"):
                 d["num_steps"] = k  # vLLM's meaning for EAGLE: a chain of k (the head's passes a step)
             elif d["method"] == "medusa":

@@ -537,3 +537,14 @@ def test_bench_serve_passes_the_prefill_budget_to_both_servers():
         assert build_parser().parse_args(argv).max_num_batched_tokens == 1024
     assert "--speculative-lookup" in on and "--speculative-method" not in off
     assert "--max-num-batched-tokens" not in server_argv(p.parse_args([]), True, 8000)
+
+
+def test_a_sweeps_k_stops_at_what_a_shaped_head_drafts_a_step():
+    """--sweep-k and advise's probes set num_speculative_tokens for every method: for a learned head whose
+    shape the bench was given, k stops at what it drafts a step (more is a ConfigError now: it was cut
+    silently); without a shape k is the chain's length, and a pairing's lookup drafts up to k."""
+    from specdec.bench.harness import step_k
+    assert step_k("eagle3", None, {"num_steps": 3}, 8) == 3
+    assert step_k("eagle3", None, {"eagle_topk": 3, "num_steps": 3, "num_draft_tokens": 9}, 10) == 8
+    assert step_k("eagle3", None, {}, 8) == 8 and step_k("eagle3", "ngram", {"num_steps": 3}, 8) == 8
+    assert step_k("medusa", None, {"num_draft_tokens": 4}, 6) == 3 and step_k("ngram", None, {}, 6) == 6

@@ -21,7 +21,10 @@ from specdec.config import ConfigError, SpeculativeConfig
     ({"method": "eagle3", "eagle_topk": 3, "num_steps": 3, "num_draft_tokens": 8, "num_speculative_tokens": 8},
      "drafts at most 7 tokens"),
     ({"method": "medusa", "num_draft_tokens": 4, "num_speculative_tokens": 5}, "drafts at most 3 tokens"),
-    ({"method": "eagle", "num_speculative_tokens": 17}, "num_steps"),
+    ({"method": "eagle", "num_speculative_tokens": 17}, r"in \[1, 16\] for eagle \(its chain's length"),
+    ({"method": "eagle3", "max_speculative_tokens": 5}, "does not read max_speculative_tokens"),  # k_max: its step
+    ({"method": "eagle3", "eagle_topk": 3, "num_steps": 3, "draft_confidence_threshold": 0.2},
+     "does not read draft_confidence_threshold"),  # a tree: only chains stop at a threshold
     # keys only other methods, or a pairing, or an adaptive k read
     ({"method": "suffix", "prompt_lookup_max": 3}, "does not read prompt_lookup_max"),
     ({"method": "ngram", "lookup_min_match": 3}, "does not read lookup_min_match"),

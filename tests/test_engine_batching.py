@@ -303,6 +303,7 @@ def test_request_methods_are_built_with_the_engine_and_others_refused(plain):
     assert set(eng.spec.proposers) == {"ngram"} and not eng.has_unfinished()
     with pytest.raises(ConfigError, match="no speculative method of its own"):  # k alone: the default's method
         eng.resolve_spec({"num_speculative_tokens": 2})
+    assert eng.resolve_spec({}).proposer is None  # nothing asked: the server's default (here none)
     assert set(Engine(plain, EngineConfig(request_methods=())).spec.proposers) == set()
     for bad in ("ngram", ("nope",), ("ngram+suffix",), None, (1,)):
         with pytest.raises(ConfigError):

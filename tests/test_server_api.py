@@ -466,7 +466,7 @@ def test_per_request_method_and_k(server, plain):
         spec = body["metrics"]["speculative_decoding"]
         assert spec["method"] == (choice if isinstance(choice, str) else choice.get("method", "ngram"))
         if isinstance(choice, dict):  # k = 2: no step drafts more than two tokens
-            assert len(spec["drafted_by_position"]) <= 2
+            assert len(spec["drafted_by_position"]) <= 2 and spec["num_draft_tokens"] > 0
     assert server.engine.blocks.num_used == 0
 
 
@@ -587,3 +587,15 @@ def test_a_messages_name_reaches_the_chat_template():
     assert seen == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi", "name": "ada"}]
     with pytest.raises(pydantic.ValidationError, match="name"):  # (the server answers it as a 400: pydantic_error)
         ChatRequest.model_validate({"messages": [{"role": "user", "content": "Hi", "name": 7}]})
+
+
+@pytest.mark.parametrize("field,want", [
+    (None, None), (True, None), ({}, None), ("off", {"method": None}), (False, {"method": None}),
+    ({"method": None}, {"method": None, "num_speculative_tokens": None}),  # an explicit null: off, as before
+    ({"method": "off", "num_speculative_tokens": 2}, {"method": None, "num_speculative_tokens": 2}),
+    ({"num_speculative_tokens": 2}, {"num_speculative_tokens": 2}),  # the server's own method at k = 2
+    ("suffix", {"method": "suffix"}),
+])
+def test_the_speculative_field_reads_as_the_engine_takes_it(field, want):
+    from specdec.serve.protocol import CompletionRequest
+    assert CompletionRequest(prompt="hi", speculative=field).speculative_choice() == want

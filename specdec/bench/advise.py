@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 
 from specdec.bench.costs import CostCurve, measure_cost_curve
 from specdec.bench.systems import SpecdecSystem
-from specdec.config import ConfigError
+from specdec.config import ConfigError, SpeculativeConfig
 from specdec.engine.speculation import TREE_MAX_ROWS
 
 MIN_GAIN = 1.05
@@ -165,6 +165,13 @@ def _verify(plain: SpecdecSystem, best: MethodEstimate, spec: dict, batch_size: 
     the recommendation becomes the faster of the two."""
     measured = {}
     adaptive_spec = {k: v for k, v in spec.items() if k != "num_speculative_tokens"}
+    if not any(key in spec for key in ("num_steps", "eagle_topk", "num_draft_tokens", "lookup")):
+        # a learned head's shape came from k alone (an EAGLE chain of k, a Medusa tree of k): the same head, adaptive
+        full = SpeculativeConfig.from_dict(spec)
+        if full.method in ("eagle", "eagle3"):
+            adaptive_spec["num_steps"] = full.num_steps
+        elif full.method == "medusa":
+            adaptive_spec["num_draft_tokens"] = full.num_draft_tokens
     options = [("fixed", spec)] + ([("adaptive", adaptive_spec)] if batch_size == 1 else [])
     for name, option in options:
         config = {k: v for k, v in option.items() if k != "method"}

@@ -25,7 +25,7 @@ import torch
 from specdec.bench.costs import PeakRSS, rss_mb
 from specdec.bench.systems import BASELINE, Generated, SpecdecSystem, System
 from specdec.cache.kv_cache import kv_cache_dtype_named
-from specdec.config import ConfigError, check_method_name, split_method
+from specdec.config import ConfigError, SpeculativeConfig, check_method_name, split_method
 from specdec.train.make_draft import cached_draft_dir, draft_dir_layers
 
 
@@ -246,6 +246,19 @@ def _answer_fn(plain: SpecdecSystem, tokenizer, max_tokens: int):
     return answer
 
 
+def step_k(method: str, lookup: str | None, spec: dict, k: int) -> int:
+    """k, or at most what a learned head drafts a step where its spec gives the head's shape (without one,
+    EAGLE's k is its chain's length and Medusa's its tree's nodes: SpeculativeConfig.from_dict)."""
+    if lookup is not None or not any(key in spec for key in ("num_steps", "eagle_topk", "num_draft_tokens")):
+        return k
+    shape = {key: v for key, v in spec.items() if key not in ("num_speculative_tokens", "method")}
+    try:
+        limit = SpeculativeConfig.from_dict({"method": method, **shape}).step_limit
+    except ConfigError:
+        return k  # (its setup says what is wrong)
+    return k if limit is None else min(k, limit)
+
+
 def our_systems(cfg: BenchConfig, target, tokenizer, source_dir: Path, draft_dir: Path | None, load_aux,
                 k: int | None = None) -> tuple[list[System], list[tuple[str, str]]]:
     from specdec.spec.proposer import available_methods
@@ -263,7 +276,8 @@ def our_systems(cfg: BenchConfig, target, tokenizer, source_dir: Path, draft_dir
             spec["model"] = str(draft_dir)
         label = name
         if k is not None:
-            spec["num_speculative_tokens"], label = k, f"{name}@k{k}"
+            spec["num_speculative_tokens"] = step_k(m, split_method(name)[1], spec, k)
+            label = f"{name}@k{spec['num_speculative_tokens']}"
         systems.append(SpecdecSystem(target, tokenizer, source_dir, name, spec, load_aux, label, **cfg.decoding))
     return systems, skipped
 
@@ -336,8 +350,10 @@ def run_dtype(cfg: BenchConfig, dtype_name: str, prompts: list | None, log=print
         sub = [p for p in firsts.values() if p is not None] or prompts[:1]
         sweep_cfg = BenchConfig(**{**cfg.__dict__, "methods": ready_methods})
         sweep_systems = [plain]
-        for k in cfg.sweep_ks:
-            sweep_systems += our_systems(sweep_cfg, target, tokenizer, source.directory, draft_dir, load_aux, k)[0]
+        for k in cfg.sweep_ks:  # (a head's k capped at its step's drafts: one system a label)
+            seen = {s.name for s in sweep_systems}
+            sweep_systems += [s for s in our_systems(sweep_cfg, target, tokenizer, source.directory, draft_dir,
+                                                     load_aux, k)[0] if s.name not in seen]
         log(f"[{dtype_name}] k sweep: {len(sweep_systems)} systems x {len(sub)} prompts ...")
         ready, _ = setup_systems(sweep_systems[1:], warm, log)
         sweep = run_interleaved([plain] + ready, sub, cfg.max_tokens, 1, "sweep", log)

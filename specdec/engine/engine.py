@@ -17,14 +17,15 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
 from specdec.cache.kv_cache import kv_dtype
 from specdec.cache.paged_cache import PagedKVPool
-from specdec.config import ConfigError, check_method_name, check_minimums, split_method
+from specdec.config import ConfigError
 from specdec.engine.block_manager import BlockManager
+from specdec.engine.config import EngineConfig
 from specdec.engine.grammar import GrammarState
 from specdec.engine.model_runner import ModelRunner, Row, pack_rows
 from specdec.engine.request import EngineRequest, EngineStats, SeqOutput
@@ -43,34 +44,6 @@ from specdec.spec.rejection import Verdict, verify_greedy
 from specdec.spec.tree import verify_tree
 
 log = logging.getLogger("specdec.engine")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 256
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # None: from kv_cache_memory_gb, capped at what max_num_seqs can use
-    kv_cache_memory_gb: float = 1.0
-    enable_prefix_caching: bool = True
-    profile_cost: bool = True  # measure c(N) at start (else learnt online only)
-    # the speculative methods a request may pick besides the default and "off" ('qdraft+ngram' names a
-    # pairing), built with the engine: a request never builds one (a layer search, a draft model's load
-    # would stall every running stream) nor grows memory, and their KV bytes are in the blocks' size
-    request_methods: tuple[str, ...] = ("ngram", "suffix")
-
-    def __post_init__(self):
-        check_minimums(self, {"max_num_seqs": 1, "max_num_batched_tokens": 1, "block_size": 1, "num_kv_blocks": 1})
-        methods = self.request_methods
-        if not isinstance(methods, (tuple, list)) or not all(isinstance(m, str) for m in methods):
-            raise ConfigError(f"request_methods must be a tuple of method names, got {methods!r}")
-        for method in methods:
-            check_method_name(method)
-        # one spelling per method, the proposer's name ('qdraft+ngram'; 'ngram+' is 'ngram'), each once
-        names = ("+".join(filter(None, split_method(m))) for m in methods)
-        object.__setattr__(self, "request_methods", tuple(dict.fromkeys(names)))
-        if not self.kv_cache_memory_gb > 0:
-            raise ConfigError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
 
 
 def _choice(proposer, k: int | None = None) -> SpecChoice:
@@ -150,7 +123,7 @@ class Engine:
         """A request's speculation: the server default (None, or no "method": at the dict's
         num_speculative_tokens), off ({"method": None}), or one of the methods built for requests
         (EngineConfig.request_methods); another method is a ConfigError, and nothing is built."""
-        if speculative is None:
+        if speculative is None or not speculative.keys() & {"method", "num_speculative_tokens"}:
             return self.default_spec
         enabled = ", ".join(["off", *self.request_proposers])
         if "method" not in speculative:
@@ -264,7 +237,9 @@ class Engine:
         decode pass while the adaptive rows' drafters rest, unless a row begins in it (a prompt whose last
         token chunked prefill left alone: its proposer starts from this pass) or drafts whatever the batch's K
         (a fixed num_speculative_tokens)."""
-        resting = [r.seq.spec.proposer is None or (r.seq.begun and not r.seq.spec.fixed_k) for r in rows]
+        resting = [r.seq.spec.proposer is None or (r.seq.begun and not (r.seq.spec.fixed_k
+                                                                        and r.seq.spec.proposer.feature_layers))
+                   for r in rows]
         if decode and self.spec.resting() and all(resting):
             return ()
         layers = set()

@@ -91,7 +91,8 @@ class DraftModelProposer(Proposer):
         """The engine's rows: one forward per draft step for all of them, keys/values in the engine's blocks."""
         if self.paged is None or not PagedDraft.applies(states):
             return super().propose_batch(states, ks)
-        behind = max(len(s.token_ids) - s.draft.get("paged_len", 0) for s in states)
+        behind = max((len(s.token_ids) - s.draft.get("paged_len", 0) for s, k in zip(states, ks)
+                      if self.paged.room(s, k) > 0), default=0)  # (a row past the draft's context catches up never)
         t0 = time.perf_counter()
         proposals = self.paged.propose(states, ks, self.threshold)
         n = sum(len(p.tokens) for p in proposals)
@@ -117,7 +118,7 @@ class DraftModelProposer(Proposer):
             return proposal
         cache = self._own_cache(state)
         ids = state.token_ids
-        k = min(k, cache.max_len - len(ids))  # as many as the draft's context still holds
+        k = min(k, cache.max_len - len(ids) + 1)  # as many as the draft's context still holds (the last is not fed)
         if k <= 0:
             return EMPTY  # the draft's context is full: the target goes on alone
         t0 = time.perf_counter()

@@ -64,7 +64,7 @@ def build_drafter(ctx):
         # its layers read and write the target's keys/values (the engine's blocks, the seeded cache): the
         # same model quantized, not another one (that is draft_model)
         shape = ("model_type", "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
-                 "head_dim")
+                 "head_dim", "rope_theta", "rope_scaling", "max_position_embeddings", "layer_types", "sliding_window")
         differ = [k for k in shape if getattr(model.config, k) != getattr(ctx.target.config, k)]
         if differ:
             raise ConfigError(f"qdraft model {cfg.model!r} is not the target quantized: its {', '.join(differ)} "
@@ -109,7 +109,7 @@ class QDraftProposer(Proposer):
     def propose(self, state: RequestState, k: int) -> Proposal:
         cache = self._own_cache(state)
         ids = state.token_ids
-        k = min(k, cache.max_len - len(ids))  # as many as the drafter's context still holds
+        k = min(k, cache.max_len - len(ids) + 1)  # as many as the drafter's context still holds (the last is not fed)
         if k <= 0:
             return EMPTY  # the drafter's context is full: the target goes on alone
         t0 = time.perf_counter()

@@ -272,7 +272,7 @@ def build_app(st: ServerState) -> FastAPI:
     async def _engine_requests(body, prompts: list[list[int]], chat: bool, arrival: float) -> list[EngineRequest]:
         logprobs = (body.top_logprobs or 0 if body.logprobs else None) if chat else body.logprobs
         spec = body.speculative_choice()
-        if spec is not None and spec.get("method") is not None:
+        if spec is not None:
             try:  # one of the methods built with the engine, or a 400 (a request never builds one)
                 st.engine.engine.resolve_spec(spec)
             except ConfigError as e:

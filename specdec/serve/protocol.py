@@ -134,8 +134,8 @@ class _Common(BaseModel):
             raise APIError(400, "tool calling is not supported", "tools", "unsupported_parameter")
 
     def speculative_choice(self) -> dict | None:
-        """None: the server's default; {"method": None}: off; {"method": m, ...}: that method; without a method
-        ({"num_speculative_tokens": k}): the server's default method at that k."""
+        """None: the server's default; {"method": None}: off; {"method": m, ...}: that method; without a "method"
+        key ({"num_speculative_tokens": k}): the server's default method at that k."""
         v = self.speculative
         if v is None or v is True:
             return None
@@ -152,7 +152,7 @@ class _Common(BaseModel):
         method = v.get("method")
         if method is not None and not isinstance(method, str):
             raise APIError(400, "speculative.method must be a string", "speculative")
-        if method is None:  # (it was read as off)
+        if "method" not in v:  # (it was read as off)
             return None if k is None else {"num_speculative_tokens": k}
         return {"method": None if method in ("off", "none") else method, "num_speculative_tokens": k}
 
