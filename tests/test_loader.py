@@ -386,15 +386,15 @@ def test_a_conversion_finished_meanwhile_by_another_process_is_kept(tmp_path, mo
     writer.close()
     out = tmp_path / "cache" / "m"
 
-    def tensors_while_another_process_finishes(*a, **k):
+    def weights_while_another_process_finishes(reader, cfg, arch, tmp, *a):
         out.mkdir(parents=True)
         for name in ("config.json", "model.safetensors", "theirs"):
             (out / name).write_text("{}")
-        return {"model.embed_tokens.weight": torch.zeros(4, 8)}
+        save_file({"model.embed_tokens.weight": torch.zeros(4, 8)}, str(tmp / "model.safetensors"))
 
     monkeypatch.setattr(gguf_mod, "_hf_config", lambda *a: {"tie_word_embeddings": False})
     monkeypatch.setattr(gguf_mod, "tokenizer_files", lambda *a: ({}, {}))
-    monkeypatch.setattr(gguf_mod, "_tensors", tensors_while_another_process_finishes)
+    monkeypatch.setattr(gguf_mod, "_write_weights", weights_while_another_process_finishes)
     assert gguf_mod.convert_gguf(path, out, progress=False) == out
     assert (out / "theirs").exists()  # the other process's conversion, untouched
     assert [p.name for p in out.parent.iterdir()] == ["m"]  # no temporary directory left
