@@ -69,6 +69,25 @@ def server(tiny_dir):
     srv.stop()
 
 
+# what the tests read back from the page, by name: a JavaScript expression each (_probe)
+PAGE_STATE = {
+    "done": "document.body.dataset.done || ''",
+    "history": "turns.map(m => m.role)",
+    "users": "document.querySelectorAll('.msg.user').length",
+    "box": "document.getElementById('input').value",
+    "error": "(document.querySelector('.msg.error') || {}).textContent || ''",
+    "sendDisabled": "document.getElementById('send').disabled",
+    "drafted": "document.querySelectorAll('.msg.assistant span.draft').length",
+    "pieces": "document.querySelectorAll('.msg.assistant > span').length",
+    "text": "(document.querySelector('.msg.assistant') || {}).textContent || ''",
+}
+
+
+def _probe(*names: str) -> str:
+    """A JSON.stringify expression of these PAGE_STATE entries, for _wait."""
+    return "JSON.stringify({" + ", ".join(f"{n}: {PAGE_STATE[n]}" for n in names) + "})"
+
+
 def _wait(browser, session, probe: str, until, seconds: float = 90) -> dict:
     """Evaluate `probe` (a JSON.stringify expression) until until(state) holds or time runs out."""
     state: dict = {}
@@ -89,10 +108,15 @@ def _open(browser, url: str) -> str:
     return browser.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
 
 
-def _submit(browser, session) -> None:
-    """Press Send once the page's script runs (under its Content-Security-Policy: a wrong hash stops it)."""
+def _ready(browser, session) -> None:
+    """Wait until the page's script runs (under its Content-Security-Policy: a wrong hash stops it)."""
     state = _wait(browser, session, "JSON.stringify(typeof send)", lambda s: s == "function")
     assert state == "function", "the page's script did not run"
+
+
+def _submit(browser, session) -> None:
+    """Press Send once the page's script runs."""
+    _ready(browser, session)
     browser.call("Runtime.evaluate", session, expression="document.getElementById('form').requestSubmit()")
 
 
@@ -119,15 +143,10 @@ def test_page_streams_a_reply_and_colours_drafted_tokens(server, tmp_path):
     browser = DevTools(tmp_path)
     try:
         session = _open(browser, f"{server.url}/?{query}")
-        waiting = _wait(browser, session, "JSON.stringify({box: document.getElementById('input').value, "
-                        "users: document.querySelectorAll('.msg.user').length})", lambda s: s.get("box"))
+        waiting = _wait(browser, session, _probe("box", "users"), lambda s: s.get("box"))
         assert waiting == {"box": "sky tree sky tree sky tree sky tree", "users": 0}, waiting
         _submit(browser, session)
-        probe = ("JSON.stringify({done: document.body.dataset.done || '', "
-                 "drafted: document.querySelectorAll('.msg.assistant span.draft').length, "
-                 "pieces: document.querySelectorAll('.msg.assistant > span').length, "
-                 "text: (document.querySelector('.msg.assistant') || {}).textContent || ''})")
-        state = _wait(browser, session, probe, lambda s: s["done"])
+        state = _wait(browser, session, _probe("done", "drafted", "pieces", "text"), lambda s: s["done"])
     finally:
         browser.close()
     assert state.get("done") == "1", state
@@ -141,11 +160,10 @@ def test_page_sends_one_turn_at_a_time_and_clear_aborts_it(server, tmp_path):
     conversation (a late reply once landed first in the cleared history: a template needing alternating
     roles then refused every turn)."""
     browser = DevTools(tmp_path)
-    probe = ("JSON.stringify({done: document.body.dataset.done || '', history: turns.map(m => m.role), "
-             "users: document.querySelectorAll('.msg.user').length, box: document.getElementById('input').value})")
+    probe = _probe("done", "history", "users", "box")
     try:
         session = _open(browser, f"{server.url}/?maxTokens=30")
-        _wait(browser, session, "JSON.stringify(typeof send)", lambda s: s == "function")
+        _ready(browser, session)
         browser.call("Runtime.evaluate", session, expression=(  # Send usable while a turn streams: a bug
             "window.sendUsableMidTurn = false; new MutationObserver(() => {"
             " if (!document.getElementById('send').disabled && inflight) window.sendUsableMidTurn = true; })"
@@ -171,10 +189,7 @@ def test_page_error_returns_the_message_to_the_box(server, tmp_path):
     """A refused turn (max_tokens beyond the context: 400) shows the error, leaves the conversation as it
     was (no unanswered user message in it or on screen) and puts the text back for a retry."""
     browser = DevTools(tmp_path)
-    probe = ("JSON.stringify({done: document.body.dataset.done || '', history: turns.map(m => m.role), "
-             "users: document.querySelectorAll('.msg.user').length, box: document.getElementById('input').value, "
-             "error: (document.querySelector('.msg.error') || {}).textContent || '', "
-             "sendDisabled: document.getElementById('send').disabled})")
+    probe = _probe("done", "history", "users", "box", "error", "sendDisabled")
     try:
         session = _open(browser, f"{server.url}/?maxTokens=100000&q=hello")
         _submit(browser, session)
@@ -192,11 +207,10 @@ def test_page_sends_the_api_key_field(tiny_dir, tmp_path):
     srv = ThreadServer(str(tiny_dir("llama")), "--dtype", "float32", "--threads", "1", "--max-model-len", "256",
                        "--api-key", "sekret-key")
     browser = DevTools(tmp_path)
-    probe = ("JSON.stringify({done: document.body.dataset.done || '', box: document.getElementById('input').value, "
-             "error: (document.querySelector('.msg.error') || {}).textContent || ''})")
+    probe = _probe("done", "box", "error")
     try:
         session = _open(browser, f"{srv.url}/?maxTokens=8&q=hello")
-        _wait(browser, session, "JSON.stringify(typeof send)", lambda s: s == "function")
+        _ready(browser, session)
         browser.call("Runtime.evaluate", session, expression="document.getElementById('apiKey').value = 'wrong'")
         _submit(browser, session)
         state = _wait(browser, session, probe, lambda s: s["done"])
