@@ -95,6 +95,7 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 # -> 1.43x, eagle3+ngram 1.47x -> 1.63x over plain decoding. Elsewhere a chain, as SGLang's default: in fp32 a
 # 10-row pass costs ~1.4x (eagle3 1.27x either way; with the lookup 1.39x -> 1.44x), and on a GPU trees lost.
 AMX_EAGLE3_TREE = {"eagle_topk": 3, "num_steps": 3, "num_draft_tokens": 9}
+HEAD_SHAPE_KEYS = tuple(AMX_EAGLE3_TREE)  # a learned head's step; without them num_speculative_tokens shapes it
 
 
 def with_hardware_defaults(config, amx: bool):
@@ -102,7 +103,7 @@ def with_hardware_defaults(config, amx: bool):
     it leaves that open: AMX_EAGLE3_TREE for an eagle3 dict without num_steps, eagle_topk, num_draft_tokens
     or num_speculative_tokens when `amx` (the target's passes on AMX tiles); else config itself."""
     if (not amx or not isinstance(config, dict) or config.get("method") != "eagle3"
-            or any(k in config for k in (*AMX_EAGLE3_TREE, "num_speculative_tokens"))):
+            or any(k in config for k in (*HEAD_SHAPE_KEYS, "num_speculative_tokens"))):
         return config
     return {**config, **AMX_EAGLE3_TREE}
 
@@ -199,8 +200,14 @@ class SpeculativeConfig:
             object.__setattr__(self, "num_draft_tokens", n)
         if not (2 <= n <= 65):
             raise ConfigError(f"num_draft_tokens must be in [2, 65], got {n}")
-        k = self.num_speculative_tokens
-        if k is not None and self.lookup is None and k > self.step_limit:  # (a pairing's lookup drafts up to k)
+        if self.num_speculative_tokens is not None:
+            self.check_step_k(self.num_speculative_tokens)
+
+    def check_step_k(self, k: int) -> None:
+        """A ConfigError for a fixed k (the config's, or a request's) above what this learned head drafts a
+        step (it was cut silently), unless a lookup is paired (its chains draft up to k)."""
+        if self.lookup is None and self.step_limit is not None and k > self.step_limit:
+            n = self.num_draft_tokens
             shape = (f"num_draft_tokens {n}" if self.method == "medusa" else
                      f"num_steps {self.num_steps}, eagle_topk {self.eagle_topk}, num_draft_tokens {n}")
             raise ConfigError(f"{self.method} drafts at most {self.step_limit} tokens a step with {shape}; "
@@ -246,7 +253,7 @@ class SpeculativeConfig:
         if d.get("skip_layers") is not None:
             d["skip_layers"] = tuple(d["skip_layers"])
         k = d.get("num_speculative_tokens")
-        if isinstance(k, int) and not any(key in d for key in ("num_steps", "eagle_topk", "num_draft_tokens")):
+        if isinstance(k, int) and not any(key in d for key in HEAD_SHAPE_KEYS):
             if d["method"] in ("eagle", "eagle3") and not 1 <= k <= 16:
                 raise ConfigError(f"num_speculative_tokens must be in [1, 16] for {d['method']} (its chain's "
                                   f"length, num_steps), got {k}")

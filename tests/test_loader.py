@@ -210,7 +210,7 @@ def test_gguf_weight_types_dequantize(tmp_path, qtype):
     import gguf
     import numpy as np
     from gguf import GGMLQuantizationType as Q, quants
-    from specdec.model.gguf import _tensors
+    from specdec.model.gguf import _converted
 
     q = Q[qtype]
     w = np.random.default_rng(0).standard_normal((48, 256)).astype(np.float32)
@@ -220,7 +220,8 @@ def test_gguf_weight_types_dequantize(tmp_path, qtype):
     writer.add_tensor("blk.0.ffn_up.weight", data, raw_shape=data.shape, raw_dtype=q)
     writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
     writer.close()
-    out = _tensors(gguf.GGUFReader(str(path)), {}, "qwen2", progress=False)["model.layers.0.mlp.up_proj.weight"]
+    reader = gguf.GGUFReader(str(path))
+    out = dict(_converted(reader, {}, "qwen2", reader.tensors))["model.layers.0.mlp.up_proj.weight"]
     assert out.dtype == torch.float32 and tuple(out.shape) == w.shape
     rel_rms = float(((out.numpy() - w) ** 2).mean() ** 0.5 / (w ** 2).mean() ** 0.5)
     assert rel_rms <= GGUF_TYPES[qtype] + 1e-9, rel_rms

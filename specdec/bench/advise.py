@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 
 from specdec.bench.costs import CostCurve, measure_cost_curve
 from specdec.bench.systems import SpecdecSystem
-from specdec.config import ConfigError, SpeculativeConfig
+from specdec.config import HEAD_SHAPE_KEYS, ConfigError, SpeculativeConfig
 from specdec.engine.speculation import TREE_MAX_ROWS
 
 MIN_GAIN = 1.05
@@ -165,7 +165,7 @@ def _verify(plain: SpecdecSystem, best: MethodEstimate, spec: dict, batch_size: 
     the recommendation becomes the faster of the two."""
     measured = {}
     adaptive_spec = {k: v for k, v in spec.items() if k != "num_speculative_tokens"}
-    if not any(key in spec for key in ("num_steps", "eagle_topk", "num_draft_tokens", "lookup")):
+    if not any(key in spec for key in (*HEAD_SHAPE_KEYS, "lookup")):
         # a learned head's shape came from k alone (an EAGLE chain of k, a Medusa tree of k): the same head, adaptive
         full = SpeculativeConfig.from_dict(spec)
         if full.method in ("eagle", "eagle3"):

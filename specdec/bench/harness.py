@@ -25,7 +25,7 @@ import torch
 from specdec.bench.costs import PeakRSS, rss_mb
 from specdec.bench.systems import BASELINE, Generated, SpecdecSystem, System
 from specdec.cache.kv_cache import kv_cache_dtype_named
-from specdec.config import ConfigError, SpeculativeConfig, check_method_name, split_method
+from specdec.config import HEAD_SHAPE_KEYS, ConfigError, SpeculativeConfig, check_method_name, split_method
 from specdec.train.make_draft import cached_draft_dir, draft_dir_layers
 
 
@@ -249,7 +249,7 @@ def _answer_fn(plain: SpecdecSystem, tokenizer, max_tokens: int):
 def step_k(method: str, lookup: str | None, spec: dict, k: int) -> int:
     """k, or at most what a learned head drafts a step where its spec gives the head's shape (without one,
     EAGLE's k is its chain's length and Medusa's its tree's nodes: SpeculativeConfig.from_dict)."""
-    if lookup is not None or not any(key in spec for key in ("num_steps", "eagle_topk", "num_draft_tokens")):
+    if lookup is not None or not any(key in spec for key in HEAD_SHAPE_KEYS):
         return k
     shape = {key: v for key, v in spec.items() if key not in ("num_speculative_tokens", "method")}
     try:

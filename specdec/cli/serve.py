@@ -113,7 +113,7 @@ def freeze_heap() -> int:
 def kv_cache_summary(engine) -> str:
     """One line on the engine's KV cache: blocks, tokens, dtype and memory (vLLM prints its block count)."""
     pool, blocks = engine.pool, engine.blocks
-    per_block = sum(p.kv_bytes_per_block(blocks.block_size) for p in set(engine.request_proposers.values()))
+    per_block = engine.drafter_bytes_per_block(blocks.block_size)
     drafters = f", drafters' {blocks.num_blocks * per_block / 2**20:.0f} MiB" if per_block else ""
     return (f"KV cache: {blocks.num_blocks} blocks of {blocks.block_size} tokens "
             f"({blocks.num_blocks * blocks.block_size} tokens, {str(pool.k.dtype).replace('torch.', '')}, "

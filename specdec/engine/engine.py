@@ -50,9 +50,8 @@ def _choice(proposer, k: int | None = None) -> SpecChoice:
     """k from the request, else the proposer's config (fixed num_speculative_tokens, or adaptive up to k_max);
     a ConfigError for a k the proposer's learned head cannot draft in a step (it was cut silently)."""
     cfg = proposer.ctx.config
-    if k is not None and cfg.lookup is None and cfg.step_limit is not None and k > cfg.step_limit:
-        raise ConfigError(f"num_speculative_tokens {k}: {proposer.name} drafts at most {cfg.step_limit} tokens a "
-                          "step on this server")
+    if k is not None:
+        cfg.check_step_k(k)
     return SpecChoice(proposer, k or cfg.k_max, k is not None or cfg.fixed_k or not cfg.adaptive)
 
 
@@ -108,12 +107,15 @@ class Engine:
         except ConfigError as e:
             raise ConfigError(f"request method {method!r} (--request-speculative-methods): {e}") from None
 
+    def drafter_bytes_per_block(self, block_size: int) -> int:
+        """What the drafters keep in each KV block (a draft model's keys/values), once per proposer."""
+        return sum(p.kv_bytes_per_block(block_size) for p in set(self.request_proposers.values()))
+
     def _num_blocks(self, config: EngineConfig) -> int:
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks
         per_block = PagedKVPool.bytes_per_block(self.model.config, config.block_size, kv_dtype(self.model))
-        # a draft model keeps its keys/values in the same blocks (counted once per proposer)
-        per_block += sum(p.kv_bytes_per_block(config.block_size) for p in set(self.request_proposers.values()))
+        per_block += self.drafter_bytes_per_block(config.block_size)
         by_memory = int(config.kv_cache_memory_gb * 2**30 // per_block)
         by_use = config.max_num_seqs * -(-(self.max_model_len + 64) // config.block_size)
         return max(1, min(by_memory, by_use))

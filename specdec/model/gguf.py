@@ -177,12 +177,6 @@ def _converted(reader, cfg: dict, arch: str, tensors) -> Iterator[tuple[str, tor
         yield key, torch.from_numpy(w if w.flags.writeable else w.copy())  # F32 tensors map the file read-only
 
 
-def _tensors(reader, cfg: dict, arch: str, progress: bool = False) -> dict[str, torch.Tensor]:
-    """Every tensor converted, in memory (a small file's; convert_gguf writes shards of a large one)."""
-    return dict(_converted(reader, cfg, arch, tqdm(reader.tensors, desc="converting GGUF", unit="tensor",
-                                                   disable=not progress)))
-
-
 def _shards(tensors: list, limit: int) -> list[list]:
     """The tensors in order, cut into runs of at most `limit` fp32 bytes (a larger tensor alone)."""
     shards, size = [[]], 0

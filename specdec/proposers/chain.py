@@ -75,6 +75,12 @@ def unsure(logits: torch.Tensor, threshold: float) -> list[bool]:
     return (torch.softmax(logits.float(), -1).amax(-1) < threshold).reshape(rows).tolist()
 
 
+def within_context(k: int, max_len: int, num_tokens: int) -> int:
+    """k cut to what a drafter of context max_len can draft after num_tokens of context: it takes the
+    context's positions, then the drafted tokens' but the last (never fed); 0 past its context."""
+    return max(0, min(k, max_len - num_tokens + 1))
+
+
 def fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
     """Draft logits [..., V_d] -> [..., vocab]: padded embedding rows of either model never hold a
     token the (identical) tokenizer can produce; they are cut, or padded with -inf."""

@@ -28,7 +28,7 @@ from specdec.cache.kv_cache import kv_dtype
 from specdec.cache.paged_cache import PagedKVPool
 from specdec.config import ConfigError
 from specdec.proposers.chain import (draft_chain, draft_chains, feed_tokens, fit_vocab,  # noqa: F401 (re-exported)
-                                     time_one_step)
+                                     time_one_step, within_context)
 from specdec.proposers.paged_draft import BATCH_CATCHUP, PagedDraft
 from specdec.spec.proposer import EMPTY, Proposal, Proposer, RequestState, TargetOutput, register_proposer
 
@@ -118,7 +118,7 @@ class DraftModelProposer(Proposer):
             return proposal
         cache = self._own_cache(state)
         ids = state.token_ids
-        k = min(k, cache.max_len - len(ids) + 1)  # as many as the draft's context still holds (the last is not fed)
+        k = within_context(k, cache.max_len, len(ids))
         if k <= 0:
             return EMPTY  # the draft's context is full: the target goes on alone
         t0 = time.perf_counter()

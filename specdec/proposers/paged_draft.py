@@ -25,7 +25,7 @@ import torch
 
 from specdec.cache.kv_cache import kv_dtype
 from specdec.cache.paged_cache import BatchKV, PagedKVPool, SeqKV
-from specdec.proposers.chain import draft_chains, fit_vocab
+from specdec.proposers.chain import draft_chains, fit_vocab, within_context
 from specdec.spec.proposer import EMPTY, Proposal, RequestState
 
 BATCH_CATCHUP = 8  # rows at most this many tokens behind catch up in one padded forward
@@ -82,10 +82,9 @@ class PagedDraft:
         return torch.stack(out)
 
     def room(self, state: RequestState, k: int) -> int:
-        """k cut to the drafter's context: it takes the context's positions, then the drafted tokens' but the
-        last (a draft model may have a shorter context than its target: past it, the row drafts nothing,
-        and the other rows go on drafting)."""
-        return max(0, min(k, self.model.max_len - len(state.token_ids) + 1))
+        """k cut to the drafter's context (a draft model may have a shorter one than its target: past it, the
+        row drafts nothing, and the other rows go on drafting)."""
+        return within_context(k, self.model.max_len, len(state.token_ids))
 
     def propose(self, states: list[RequestState], ks: list[int], threshold: float) -> list[Proposal]:
         ks = [self.room(s, k) for s, k in zip(states, ks)]

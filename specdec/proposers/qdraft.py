@@ -41,7 +41,7 @@ import time
 import torch
 
 from specdec.config import ConfigError
-from specdec.proposers.chain import draft_chain, draft_chains, feed_tokens, time_one_step
+from specdec.proposers.chain import draft_chain, draft_chains, feed_tokens, time_one_step, within_context
 from specdec.spec.proposer import EMPTY, Proposal, Proposer, RequestState, TargetOutput, register_proposer
 
 DEFAULTS = {"scheme": "int4", "group_size": 32, "lm_head": "int8"}
@@ -109,7 +109,7 @@ class QDraftProposer(Proposer):
     def propose(self, state: RequestState, k: int) -> Proposal:
         cache = self._own_cache(state)
         ids = state.token_ids
-        k = min(k, cache.max_len - len(ids) + 1)  # as many as the drafter's context still holds (the last is not fed)
+        k = within_context(k, cache.max_len, len(ids))
         if k <= 0:
             return EMPTY  # the drafter's context is full: the target goes on alone
         t0 = time.perf_counter()
